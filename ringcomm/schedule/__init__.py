@@ -1,0 +1,1 @@
+"""Pure schedules: functions of sizes and ranks that return data, no sockets."""
