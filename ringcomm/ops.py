@@ -1,0 +1,261 @@
+"""Reduce ops: how two buffers are combined, written once over an ``xp`` array module.
+
+The collectives call :func:`reduce_into` on every received piece and :func:`finalize` once at
+the end, the same code for NumPy and CuPy (``xp = get_xp(acc)``).
+
+Semantics, per dtype family (they match NCCL; Gloo raises for some of these instead):
+
+* **float16/32/64** -- IEEE arithmetic in the buffer's own dtype: a float16 SUM accumulates
+  in float16, in place (no widening), so it can overflow to ``inf`` or lose precision on long
+  sums. MAX/MIN propagate NaN (``xp.maximum``/``xp.minimum``). Overflow to ``inf`` and
+  ``inf - inf = nan`` are silent (no NumPy ``RuntimeWarning``).
+  AVG = SUM, then one division by ``world_size`` (``xp.divide``, not a multiply by ``1/n``,
+  so that e.g. ``3 * x / 3 == x`` stays exact where IEEE allows).
+* **int8..int64, uint8..uint64** -- two's-complement arithmetic in the buffer's dtype:
+  SUM and PROD wrap on overflow like NumPy array arithmetic, silently (no warning).
+  AVG = the wrapped integer SUM, then division by ``world_size`` **truncating toward zero**
+  (like C, CUDA and NCCL): ``avg([-3, 0]) == -1`` (floor would give ``-2``).
+* **bool** -- logical: SUM and MAX are logical OR, PROD and MIN are logical AND (as torch
+  and NCCL treat bool). AVG on bool raises ``TypeError``.
+
+Any other dtype (complex, object, strings, datetime, ...) raises ``TypeError``.
+
+Operand order: ``reduce_into(op, acc, incoming)`` computes ``acc (op) incoming``; with
+``incoming_first=True`` it computes ``incoming (op) acc``. Every op here is commutative in
+value, but not always bit for bit (``maximum(0.0, -0.0)`` vs ``maximum(-0.0, 0.0)``, which of
+two NaN payloads survives an add), so algorithms that need identical bits on every rank (see
+``schedule/rd.py``) fix the order explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ringcomm.xp import get_xp
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "ReduceOp",
+    "check_op_dtype",
+    "finalize",
+    "parse_op",
+    "reduce_into",
+    "reference_reduce",
+]
+
+
+class ReduceOp(str, enum.Enum):
+    """The reduce ops; each value is the lower-case string users may pass instead."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(
+    np.dtype(name)
+    for name in (
+        "bool",
+        "int8", "int16", "int32", "int64",
+        "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
+    )
+)  # fmt: skip
+
+_VALID_OPS = ", ".join(repr(o.value) for o in ReduceOp)
+
+# ufunc name per op, for numbers and for bool. AVG reduces as SUM; finalize divides.
+_NUMERIC_UFUNC = {
+    ReduceOp.SUM: "add",
+    ReduceOp.AVG: "add",
+    ReduceOp.MAX: "maximum",
+    ReduceOp.MIN: "minimum",
+    ReduceOp.PROD: "multiply",
+}
+_BOOL_UFUNC = {
+    ReduceOp.SUM: "logical_or",
+    ReduceOp.MAX: "logical_or",
+    ReduceOp.MIN: "logical_and",
+    ReduceOp.PROD: "logical_and",
+}
+
+
+def parse_op(op: ReduceOp | str) -> ReduceOp:
+    """``ReduceOp`` from a ``ReduceOp`` or a case-insensitive name (``"sum"``, ``"AVG"``)."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp(op.strip().lower())
+        except ValueError:
+            pass
+    raise ValueError(f"unknown reduce op {op!r}; valid ops: {_VALID_OPS}")
+
+
+def check_op_dtype(op: ReduceOp | str, dtype: Any) -> None:
+    """Raise ``TypeError`` if ``op`` cannot reduce arrays of ``dtype``; else return None.
+
+    Unsupported dtypes (anything outside :data:`SUPPORTED_DTYPES`) and AVG on bool raise.
+    An unknown op raises ``ValueError`` (from :func:`parse_op`).
+    """
+    op = parse_op(op)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"not a dtype: {dtype!r}") from exc
+    if dt not in SUPPORTED_DTYPES:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(f"unsupported dtype {dt.name} for op {op}; supported: {names}")
+    if op is ReduceOp.AVG and dt.kind == "b":
+        raise TypeError("op avg is not defined for bool arrays (use sum, i.e. logical or)")
+
+
+def _ufunc_name(op: ReduceOp, dtype: np.dtype[Any]) -> str:
+    # Bool maps onto logical ops; AVG has no logical meaning.
+    if dtype.kind != "b":
+        return _NUMERIC_UFUNC[op]
+    if op is ReduceOp.AVG:
+        raise TypeError("op avg is not defined for bool arrays (use sum, i.e. logical or)")
+    return _BOOL_UFUNC[op]
+
+
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable
+
+
+def _float_errors_silenced(xp: Any, dtype: np.dtype[Any]) -> Any:
+    # NumPy warns on float overflow/invalid (inf, nan); IEEE results are the contract, so
+    # silence it. Integer array wraps never warn. CuPy never warns.
+    if xp is np and dtype.kind == "f":
+        return np.errstate(over="ignore", invalid="ignore", under="ignore")
+    return _NULL_CONTEXT
+
+
+def reduce_into(
+    op: ReduceOp | str, acc: Any, incoming: Any, *, incoming_first: bool = False
+) -> None:
+    """``acc <- acc (op) incoming`` in place (``incoming (op) acc`` if ``incoming_first``).
+
+    ``acc`` is a writable NumPy or CuPy array; ``incoming`` an array of the same module,
+    dtype and size (a read-only view of a received buffer is fine; a different shape of the
+    same size is viewed as ``acc.shape``). One ufunc call with ``out=acc``: no temporaries.
+    For AVG this is the SUM phase; call :func:`finalize` once all inputs are in.
+    The dtype is trusted to be supported: check it once with :func:`check_op_dtype` at the
+    collective's entry (this runs per chunk); only AVG on bool raises here.
+    """
+    op = parse_op(op)
+    xp = get_xp(acc)
+    # Same dtype and size, or the ufunc would cast or broadcast silently.
+    if incoming.dtype != acc.dtype:
+        raise TypeError(f"op {op}: incoming dtype {incoming.dtype} != buffer dtype {acc.dtype}")
+    if incoming.shape != acc.shape:
+        if incoming.size != acc.size:
+            raise ValueError(
+                f"op {op}: incoming has {incoming.size} elements, buffer has {acc.size}"
+            )
+        incoming = incoming.reshape(acc.shape)
+    ufunc = getattr(xp, _ufunc_name(op, acc.dtype))
+    left, right = (incoming, acc) if incoming_first else (acc, incoming)
+    with _float_errors_silenced(xp, acc.dtype):
+        ufunc(left, right, out=acc)
+
+
+def finalize(op: ReduceOp | str, acc: Any, world_size: int) -> None:
+    """Finish a reduction in place: AVG divides the SUM by ``world_size``; other ops: no-op.
+
+    Floats: ``acc /= world_size`` (true division in the buffer's dtype). Integers: division
+    truncating toward zero, exact for every value (no float round trip; signed dtypes use
+    one temporary for the remainder, once per collective). Bool: TypeError.
+    """
+    op = parse_op(op)
+    if op is not ReduceOp.AVG:
+        return
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_op_dtype(op, acc.dtype)  # bool and unsupported dtypes raise here
+    xp = get_xp(acc)
+    if acc.dtype.kind == "f":
+        with _float_errors_silenced(xp, acc.dtype):
+            xp.divide(acc, world_size, out=acc)
+    else:
+        _truncating_divide(xp, acc, world_size)
+
+
+def _truncating_divide(xp: Any, acc: Any, divisor: int) -> None:
+    """``acc <- trunc(acc / divisor)`` in place for an integer array, ``divisor >= 1``."""
+    if divisor == 1:
+        return
+    # A divisor beyond the dtype's range: go through int64 (rare: int8 with > 127 ranks).
+    if divisor > np.iinfo(acc.dtype).max:
+        wide = acc.astype(xp.int64)
+        _truncating_divide(xp, wide, divisor)
+        acc[...] = wide
+        return
+    # Unsigned: floor == truncation.
+    if acc.dtype.kind == "u":
+        xp.floor_divide(acc, divisor, out=acc)
+        return
+    # Signed: remove the C remainder (same sign as acc, so no overflow), then divide exactly.
+    remainder = xp.fmod(acc, divisor)
+    xp.subtract(acc, remainder, out=acc)
+    xp.floor_divide(acc, divisor, out=acc)
+
+
+# ----------------------------------------------------------------------------- test oracle
+
+_ORACLE_BINARY: dict[ReduceOp, Callable[[Any, Any], Any]] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.PROD: np.multiply,
+}
+_ORACLE_BOOL: dict[ReduceOp, Callable[[Any, Any], Any]] = {
+    ReduceOp.SUM: np.logical_or,
+    ReduceOp.MAX: np.logical_or,
+    ReduceOp.MIN: np.logical_and,
+    ReduceOp.PROD: np.logical_and,
+}
+
+
+def reference_reduce(op: ReduceOp | str, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Naive NumPy oracle: ``((a0 op a1) op a2) ...`` in rank order, in a new array.
+
+    Independent of :func:`reduce_into` (no ``out=``, integer AVG truncated through Python
+    ints), for tests only. Same semantics as the module docstring.
+    """
+    op = parse_op(op)
+    if not arrays:
+        raise ValueError("reference_reduce needs at least one array")
+    first = np.asarray(arrays[0])
+    check_op_dtype(op, first.dtype)
+    for a in arrays[1:]:
+        if a.dtype != first.dtype or a.shape != first.shape:
+            raise ValueError("reference_reduce: arrays differ in dtype or shape")
+    table = _ORACLE_BOOL if first.dtype.kind == "b" else _ORACLE_BINARY
+    with np.errstate(all="ignore"):
+        result = functools.reduce(table[op], arrays[1:], first.copy())
+        result = np.asarray(result, dtype=first.dtype)
+        if op is ReduceOp.AVG:
+            result = _oracle_average(result, len(arrays))
+    return np.asarray(result, dtype=first.dtype)
+
+
+def _oracle_average(total: np.ndarray, world_size: int) -> np.ndarray:
+    # Floats: one true division in the dtype. Integers: Python-int truncation toward zero.
+    if total.dtype.kind == "f":
+        return np.asarray(total / world_size, dtype=total.dtype)
+    quotients = [
+        (abs(int(v)) // world_size) * (1 if v >= 0 else -1) for v in total.ravel().tolist()
+    ]
+    return np.array(quotients, dtype=total.dtype).reshape(total.shape)

@@ -1,0 +1,93 @@
+"""Recursive-doubling allreduce plan for small messages, any world size.
+
+The scheme of MPICH's ``MPIR_Allreduce_intra_recursive_doubling``. With ``p2`` the largest
+power of two ``<= n`` and ``rem = n - p2``:
+
+1. Pre-step (only the first ``2 * rem`` ranks): odd rank ``2i+1`` sends its data to
+   ``2i`` and sits out; even rank ``2i`` reduces it in (``x[2i] op x[2i+1]``).
+2. The ``p2`` ranks left, renumbered ``newrank = rank // 2`` (for ``rank < 2*rem``) or
+   ``rank - rem`` (the rest), do ``log2(p2)`` exchanges: partner ``newrank ^ mask`` for
+   ``mask = 1, 2, 4, ...``; each sends its whole buffer and reduces the partner's in.
+3. Post-step: even rank ``2i < 2*rem`` sends the result to ``2i+1``.
+
+Why every rank ends with identical bits: the renumbering keeps rank order, and in every
+combination the operand from the lower rank is on the left (``RdStep.incoming_first`` tells
+the higher rank of an exchange to compute ``incoming (op) local``). By induction, after the
+exchange with ``mask`` every rank of an aligned block of ``2*mask`` newranks holds the same
+bits: the two halves each held identical bits, and both partners evaluate the same
+expression ``lower_half (op) upper_half`` on them, a deterministic IEEE operation. The result
+is one fixed bracketing of ``x[0] op x[1] op ... op x[n-1]`` in rank order, the same on every
+rank and on every run. (Order matters for bits even though every op is commutative in value:
+``maximum(0.0, -0.0)`` differs from ``maximum(-0.0, 0.0)``, and which NaN payload survives
+an add depends on operand order.) The sitting-out odd ranks receive a copy of those bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["RdKind", "RdStep", "rd_allreduce_plan"]
+
+RdKind = Literal["send", "recv_reduce", "exchange", "send_result", "recv_result"]
+
+
+@dataclass(frozen=True)
+class RdStep:
+    """One step of a rank's plan.
+
+    ``kind``:
+
+    * ``"send"``: pre-step, send the local buffer to ``peer`` (then wait for the result).
+    * ``"recv_reduce"``: pre-step, receive ``peer``'s buffer and reduce it into the local one.
+    * ``"exchange"``: send the local buffer to ``peer`` and receive ``peer``'s; reduce it in
+      only after the outgoing data is safe (sent, or copied into the message).
+    * ``"send_result"``: post-step, send the final buffer to ``peer``.
+    * ``"recv_result"``: post-step, receive the final buffer from ``peer`` (overwrite).
+
+    ``incoming_first``: for reducing steps, compute ``incoming (op) local`` instead of
+    ``local (op) incoming`` (pass it to ``ops.reduce_into``); true exactly when ``peer`` is
+    the lower rank, so the lower rank's operand is always on the left.
+    """
+
+    kind: RdKind
+    peer: int
+    incoming_first: bool = False
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+
+
+def _old_rank(newrank: int, rem: int) -> int:
+    # Inverse of the renumbering: the first `rem` newranks are the even ranks 0, 2, ...
+    return newrank * 2 if newrank < rem else newrank + rem
+
+
+def rd_allreduce_plan(rank: int, world_size: int) -> list[RdStep]:
+    """The ordered steps ``rank`` carries out; ``[]`` for a world of one."""
+    _check_rank(rank, world_size)
+    p2 = 1 << (world_size.bit_length() - 1)  # largest power of two <= world_size
+    rem = world_size - p2
+    steps: list[RdStep] = []
+    # Pre-step: fold the first 2*rem ranks pairwise, odd into even.
+    if rank < 2 * rem:
+        if rank % 2 == 1:
+            return [RdStep("send", rank - 1), RdStep("recv_result", rank - 1)]
+        steps.append(RdStep("recv_reduce", rank + 1))
+        newrank = rank // 2
+    else:
+        newrank = rank - rem
+    # Exchanges among the p2 remaining ranks, lower rank's data always on the left.
+    mask = 1
+    while mask < p2:
+        peer = _old_rank(newrank ^ mask, rem)
+        steps.append(RdStep("exchange", peer, incoming_first=peer < rank))
+        mask <<= 1
+    # Post-step: hand the result back to the odd partner that sat out.
+    if rank < 2 * rem:
+        steps.append(RdStep("send_result", rank + 1))
+    return steps

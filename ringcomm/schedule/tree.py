@@ -1,0 +1,73 @@
+"""Broadcast/reduce trees with any root: a binomial tree and a chain (for pipelining).
+
+Both work on the *relative rank* ``vrank = (rank - root) % n``, so the root is vrank 0.
+
+Binomial tree (as MPICH's binomial bcast/reduce): the parent of ``vrank`` is ``vrank`` with
+its lowest set bit cleared; its children are ``vrank + mask`` for each power of two ``mask``
+below that bit (every power of two for the root) while ``vrank + mask < n``.
+:func:`binomial_children` lists them largest subtree first (decreasing ``mask``), the order
+a broadcast sends in: then a broadcast where each rank forwards to one child per round
+finishes in ``ceil(log2 n)`` rounds, the minimum, and no path is longer than that.
+
+A reduce runs the tree upwards: each rank receives its children in ``reversed(children)``
+order (increasing ``mask``) and combines ``local (op) incoming``, then sends to its parent.
+Child subtrees hold consecutive vranks above the parent's, so this evaluates one fixed
+bracketing of the inputs in vrank order: the same bits on every run.
+
+Chain: ``root, root+1, ..., root-1`` (mod n); a pipelined broadcast sends chunk k+1 to
+``next`` while ``next`` forwards chunk k.
+"""
+
+from __future__ import annotations
+
+__all__ = ["binomial_children", "binomial_parent", "binomial_rounds", "chain_neighbors"]
+
+
+def _check(rank: int, world_size: int, root: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    if not 0 <= root < world_size:
+        raise ValueError(f"root {root} out of range for world_size {world_size}")
+
+
+def binomial_parent(rank: int, world_size: int, root: int) -> int | None:
+    """The rank ``rank`` receives from in a binomial broadcast; ``None`` for the root."""
+    _check(rank, world_size, root)
+    vrank = (rank - root) % world_size
+    if vrank == 0:
+        return None
+    parent_vrank = vrank & (vrank - 1)  # clear the lowest set bit
+    return (parent_vrank + root) % world_size
+
+
+def binomial_children(rank: int, world_size: int, root: int) -> list[int]:
+    """The ranks ``rank`` sends to in a binomial broadcast, largest subtree first."""
+    _check(rank, world_size, root)
+    vrank = (rank - root) % world_size
+    # Masks below the lowest set bit of vrank (all of them for the root).
+    limit = vrank & -vrank if vrank else 1 << (world_size - 1).bit_length()
+    children = []
+    mask = limit >> 1
+    while mask:
+        if vrank + mask < world_size:
+            children.append((vrank + mask + root) % world_size)
+        mask >>= 1
+    return children
+
+
+def binomial_rounds(world_size: int) -> int:
+    """Rounds a binomial broadcast takes, one send per rank per round: ``ceil(log2 n)``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return (world_size - 1).bit_length()
+
+
+def chain_neighbors(rank: int, world_size: int, root: int) -> tuple[int | None, int | None]:
+    """``(prev, next)`` along the chain ``root, root+1, ..., root-1``; None at the ends."""
+    _check(rank, world_size, root)
+    vrank = (rank - root) % world_size
+    prev = None if vrank == 0 else (rank - 1) % world_size
+    nxt = None if vrank == world_size - 1 else (rank + 1) % world_size
+    return prev, nxt
