@@ -1,0 +1,447 @@
+"""Process-group configuration: explicit arguments and environment variables -> ``InitConfig``.
+
+Pure: reads only the mapping it is given (``os.environ`` by default), opens no sockets.
+
+Each setting is resolved on its own, the first source that has it wins (DESIGN.md §1):
+
+1. the explicit argument of :func:`resolve_init_config`;
+2. ``RINGCOMM_RANK`` / ``RINGCOMM_WORLD_SIZE`` / ``RINGCOMM_MASTER_ADDR`` /
+   ``RINGCOMM_MASTER_PORT`` / ``RINGCOMM_LOCAL_RANK`` (``ringcomm run``);
+3. ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` / ``LOCAL_RANK`` (torchrun;
+   also what ``mpirun -x MASTER_ADDR -x MASTER_PORT`` exports);
+4. ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_LOCAL_RANK`` (mpirun);
+5. ``PMI_RANK`` / ``PMI_SIZE`` / ``MPI_LOCALRANKID`` (MPICH, Intel MPI);
+6. ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` (srun).
+
+With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at port 0
+("pick a free one"). Tunables: ``RINGCOMM_TIMEOUT_S``, ``RINGCOMM_TOKEN``,
+``RINGCOMM_CHUNK_BYTES`` (suffixes K/M/G), ``RINGCOMM_ALGO``, ``RINGCOMM_LOG``,
+``RINGCOMM_STORE_EXTERNAL``. Every invalid value raises :class:`RendezvousError` naming the
+variable, its value and the convention it came from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ringcomm.errors import RendezvousError
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "InitConfig",
+    "parse_size",
+    "parse_slurm_nodelist",
+    "resolve_init_config",
+    "slurm_master_port",
+]
+
+#: The group's default per-call deadline when neither ``timeout_s=`` nor RINGCOMM_TIMEOUT_S.
+DEFAULT_TIMEOUT_S = 300.0
+#: Where a group of more than one process looks for the store when no address is given.
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+# The launcher conventions in precedence order: (source name, human label, variable names).
+# A variable name of None means the convention does not define that setting.
+_CONVENTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
+    (
+        "ringcomm",
+        "RINGCOMM_* variables",
+        {
+            "rank": "RINGCOMM_RANK",
+            "world_size": "RINGCOMM_WORLD_SIZE",
+            "local_rank": "RINGCOMM_LOCAL_RANK",
+            "master_addr": "RINGCOMM_MASTER_ADDR",
+            "master_port": "RINGCOMM_MASTER_PORT",
+        },
+    ),
+    (
+        "torchrun",
+        "torchrun variables",
+        {
+            "rank": "RANK",
+            "world_size": "WORLD_SIZE",
+            "local_rank": "LOCAL_RANK",
+            "master_addr": "MASTER_ADDR",
+            "master_port": "MASTER_PORT",
+        },
+    ),
+    (
+        "mpirun",
+        "mpirun variables",
+        {
+            "rank": "OMPI_COMM_WORLD_RANK",
+            "world_size": "OMPI_COMM_WORLD_SIZE",
+            "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+            "master_addr": None,
+            "master_port": None,
+        },
+    ),
+    (
+        "pmi",
+        "PMI variables",
+        {
+            "rank": "PMI_RANK",
+            "world_size": "PMI_SIZE",
+            "local_rank": "MPI_LOCALRANKID",
+            "master_addr": None,
+            "master_port": None,
+        },
+    ),
+    (
+        "slurm",
+        "Slurm variables",
+        {
+            "rank": "SLURM_PROCID",
+            "world_size": "SLURM_NTASKS",
+            "local_rank": "SLURM_LOCALID",
+            "master_addr": None,
+            "master_port": None,
+        },
+    ),
+)
+_SOURCE_ORDER = ("explicit",) + tuple(c[0] for c in _CONVENTIONS) + ("singleton",)
+
+_SLURM_PORT_BASE = 20000
+_SLURM_PORT_SPAN = 40000  # derived ports fall in 20000..59999
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Everything a process needs to join a group, resolved once.
+
+    ``master_port == 0`` means "pick a free port" and only occurs for a single process.
+    ``store_external``: a launcher already serves the store at ``master_addr:master_port``,
+    so rank 0 must not host one. ``source`` names the convention that gave rank and world
+    size: ``"explicit"``, ``"ringcomm"``, ``"torchrun"``, ``"mpirun"``, ``"pmi"``,
+    ``"slurm"`` or ``"singleton"``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    token: str | None = None
+    chunk_bytes: int | None = None
+    algo: str | None = None
+    log: str | None = None
+    store_external: bool = False
+    source: str = "singleton"
+
+
+@dataclass(frozen=True)
+class _Found:
+    """One resolved setting and where it came from (for error messages)."""
+
+    value: str | int | float | bool
+    name: str  # variable or argument name, e.g. "RANK" or "rank"
+    source: str  # "explicit", "ringcomm", "torchrun", ..., or "default"
+    label: str  # e.g. "torchrun variables"
+
+    def describe(self) -> str:
+        """``RANK=5``: the name and the value as the user wrote it."""
+        return f"{self.name}={self.value}"
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count with an optional K/M/G suffix (powers of 1024, any case).
+
+    ``"64M"`` -> 67108864, ``"8"`` -> 8, ``"4k"``/``"4KB"``/``"4KiB"`` -> 4096. Fractions
+    (``"1.5K"``), signs and empty strings raise :class:`ValueError`.
+    """
+    match = _SIZE_RE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(
+            f"invalid size {text!r}: expected a non-negative integer with an optional "
+            "K, M or G suffix (powers of 1024), e.g. 8, 64K, 16M, 1G"
+        )
+    return int(match.group(1)) << _SIZE_SHIFT[match.group(2).lower()]
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"invalid Slurm host list {text!r}: nested '['")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"invalid Slurm host list {text!r}: unbalanced ']'")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"invalid Slurm host list {text!r}: unbalanced '['")
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_bracket(body: str, whole: str) -> list[str]:
+    """Expand the inside of one ``[...]``: ``"01-03,07"`` -> ``["01", "02", "03", "07"]``."""
+    out: list[str] = []
+    for item in body.split(","):
+        item = item.strip()
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"invalid Slurm host list {whole!r}: bad range {item!r}")
+        if not sep:
+            out.append(lo)
+            continue
+        first, last = int(lo), int(hi)
+        if last < first:
+            raise ValueError(f"invalid Slurm host list {whole!r}: descending range {item!r}")
+        width = len(lo)  # Slurm keeps the zero padding of the range's first bound
+        out.extend(f"{n:0{width}d}" for n in range(first, last + 1))
+    return out
+
+
+def parse_slurm_nodelist(text: str) -> list[str]:
+    """Expand a Slurm compressed host list, in Slurm's order, zero padding kept.
+
+    ``"node[01-03,07],gpu5,a[1-2]b"`` ->
+    ``["node01", "node02", "node03", "node07", "gpu5", "a1b", "a2b"]``; several bracket
+    groups in one name expand as a product (``"r[1-2]n[1-2]"`` -> r1n1, r1n2, r2n1, r2n2).
+    Malformed lists raise :class:`ValueError`.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(text.strip()):
+        part = part.strip()
+        if not part:
+            continue
+        names = [""]
+        for piece in re.split(r"(\[[^\]]*\])", part):
+            if piece.startswith("["):
+                choices = _expand_bracket(piece[1:-1], text)
+            else:
+                choices = [piece]
+            names = [name + choice for name in names for choice in choices]
+        hosts.extend(names)
+    return hosts
+
+
+def slurm_master_port(job_id: int) -> int:
+    """The store port every rank of Slurm job ``job_id`` agrees on: 20000 + id % 40000."""
+    return _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
+
+
+def _lookup(env: Mapping[str, str], setting: str) -> _Found | None:
+    """The first launcher convention that sets ``setting`` (empty values count as unset)."""
+    for source, label, names in _CONVENTIONS:
+        name = names[setting]
+        if name is None:
+            continue
+        raw = env.get(name)
+        if raw is not None and raw.strip():
+            return _Found(raw.strip(), name, source, label)
+    return None
+
+
+def _as_int(found: _Found) -> int:
+    """The setting as an int; strings must be plain decimal integers."""
+    value = found.value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value):
+        return int(value)
+    raise RendezvousError(f"{found.name}={value!r} is not an integer (from {found.label})")
+
+
+def _explicit(name: str, value: str | float | None) -> _Found | None:
+    if value is None:
+        return None
+    return _Found(value, name, "explicit", "explicit argument")
+
+
+def _env_setting(env: Mapping[str, str], name: str) -> _Found | None:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return _Found(raw.strip(), name, "ringcomm", "environment")
+
+
+def _parse_bool(found: _Found) -> bool:
+    text = str(found.value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise RendezvousError(f"{found.describe()} is not a boolean (use 1/0, true/false)")
+
+
+def _origin(*found: _Found | None) -> str:
+    """``"(from torchrun variables)"``, or one clause per setting when sources differ."""
+    present = [f for f in found if f is not None]
+    labels = {f.label for f in present}
+    if len(labels) == 1:
+        return f"(from {labels.pop()})"
+    return "(" + ", ".join(f"{f.name} from {f.label}" for f in present) + ")"
+
+
+def resolve_init_config(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout_s: float | None = None,
+    token: str | None = None,
+    host_store: bool | None = None,
+    env: Mapping[str, str] | None = None,
+) -> InitConfig:
+    """Resolve a process's group configuration; see the module docstring for the order.
+
+    ``env`` defaults to ``os.environ``. ``host_store`` overrides RINGCOMM_STORE_EXTERNAL:
+    True makes rank 0 host the store, False means an external one serves it.
+    Raises :class:`RendezvousError` for missing or invalid settings.
+    """
+    if env is None:
+        env = os.environ
+
+    rank_f = _explicit("rank", rank) or _lookup(env, "rank")
+    world_f = _explicit("world_size", world_size) or _lookup(env, "world_size")
+    local_f = _lookup(env, "local_rank")
+    addr_f = _explicit("master_addr", master_addr) or _lookup(env, "master_addr")
+    port_f = _explicit("master_port", master_port) or _lookup(env, "master_port")
+
+    # The convention that placed this process: the highest-precedence one among rank/world.
+    used = [f.source for f in (rank_f, world_f) if f is not None]
+    source = min(used, key=_SOURCE_ORDER.index) if used else "singleton"
+
+    world = 1
+    if world_f is not None:
+        world = _as_int(world_f)
+        if world < 1:
+            raise RendezvousError(f"{world_f.describe()} must be >= 1 {_origin(world_f)}")
+    rank_value = 0
+    if rank_f is not None:
+        rank_value = _as_int(rank_f)
+        if rank_value < 0:
+            raise RendezvousError(f"{rank_f.describe()} must be >= 0 {_origin(rank_f)}")
+        if rank_value >= world:
+            world_text = (
+                world_f.describe() if world_f is not None else "world size 1 (none was set)"
+            )
+            raise RendezvousError(f"{rank_f.describe()} >= {world_text} {_origin(rank_f, world_f)}")
+    elif world > 1:
+        assert world_f is not None
+        raise RendezvousError(
+            f"{world_f.describe()} {_origin(world_f)} but no rank is set: pass rank= or set "
+            "RINGCOMM_RANK (or RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID)"
+        )
+
+    local_rank = 0
+    if local_f is not None:
+        local_rank = _as_int(local_f)
+        if local_rank < 0:
+            raise RendezvousError(f"{local_f.describe()} must be >= 0 {_origin(local_f)}")
+
+    addr = str(addr_f.value) if addr_f is not None else None
+    port = _as_int(port_f) if port_f is not None else None
+    if port_f is not None and port is not None and port_f.source == "torchrun":
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
+        if agent in ("true", "1"):
+            # torchrun's elastic agent already serves its own TCPStore on MASTER_PORT (the
+            # workers reuse it instead of hosting one), so that port is taken: ours is +1.
+            port += 1
+            port_f = _Found(port, "MASTER_PORT+1", "torchrun", "torchrun agent store")
+    if port_f is not None and port is not None and not 0 <= port <= 65535:
+        raise RendezvousError(f"{port_f.describe()} is not in 0..65535 {_origin(port_f)}")
+    if source == "slurm" and world > 1 and (addr is None or port is None):
+        addr, port = _slurm_defaults(env, addr, port)
+
+    if world > 1:
+        if addr is None:
+            addr = DEFAULT_MASTER_ADDR
+        if port is None or port == 0:
+            given = f" ({port_f.describe()} means 'pick a free port')" if port_f else ""
+            raise RendezvousError(
+                f"world_size={world} {_origin(world_f)} but no store port to meet at{given}: "
+                "pass master_port= or set RINGCOMM_MASTER_PORT (or MASTER_PORT); "
+                "port 0 only works for a single process"
+            )
+    else:
+        addr = addr if addr is not None else DEFAULT_MASTER_ADDR
+        port = port if port is not None else 0
+
+    timeout_f = _explicit("timeout_s", timeout_s) or _env_setting(env, "RINGCOMM_TIMEOUT_S")
+    timeout = DEFAULT_TIMEOUT_S
+    if timeout_f is not None:
+        try:
+            timeout = float(timeout_f.value)
+        except (TypeError, ValueError):
+            raise RendezvousError(
+                f"{timeout_f.describe()} is not a number of seconds ({timeout_f.label})"
+            ) from None
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise RendezvousError(
+                f"{timeout_f.describe()} must be a finite number of seconds > 0 ({timeout_f.label})"
+            )
+
+    chunk_f = _env_setting(env, "RINGCOMM_CHUNK_BYTES")
+    chunk_bytes = None
+    if chunk_f is not None:
+        try:
+            chunk_bytes = parse_size(str(chunk_f.value))
+        except ValueError as exc:
+            raise RendezvousError(f"{chunk_f.describe()}: {exc}") from None
+        if chunk_bytes <= 0:
+            raise RendezvousError(f"{chunk_f.describe()} must be > 0")
+
+    if token is None:
+        token = env.get("RINGCOMM_TOKEN") or None
+
+    if host_store is not None:
+        store_external = not host_store
+    else:
+        external_f = _env_setting(env, "RINGCOMM_STORE_EXTERNAL")
+        store_external = _parse_bool(external_f) if external_f is not None else False
+
+    return InitConfig(
+        rank=rank_value,
+        world_size=world,
+        local_rank=local_rank,
+        master_addr=addr,
+        master_port=port,
+        timeout_s=timeout,
+        token=token,
+        chunk_bytes=chunk_bytes,
+        algo=(env.get("RINGCOMM_ALGO") or "").strip() or None,
+        log=(env.get("RINGCOMM_LOG") or "").strip() or None,
+        store_external=store_external,
+        source=source,
+    )
+
+
+def _slurm_defaults(
+    env: Mapping[str, str], addr: str | None, port: int | None
+) -> tuple[str | None, int | None]:
+    """Fill a missing address/port from the Slurm job: first node, port from the job id."""
+    if addr is None:
+        nodelist = (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "").strip()
+        if nodelist:
+            try:
+                hosts = parse_slurm_nodelist(nodelist)
+            except ValueError as exc:
+                raise RendezvousError(f"SLURM_JOB_NODELIST: {exc}") from None
+            addr = hosts[0] if hosts else None
+    if port is None:
+        job_id = (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip()
+        if job_id:
+            if not job_id.isdigit():
+                raise RendezvousError(f"SLURM_JOB_ID={job_id!r} is not an integer")
+            port = slurm_master_port(int(job_id))
+    return addr, port

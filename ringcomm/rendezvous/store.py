@@ -1,0 +1,568 @@
+"""The rendezvous key-value store: a server thread and thread-safe clients.
+
+Ranks meet here before the data plane exists: they publish endpoints, count arrivals with
+``add`` and block in ``wait``/``get`` until the keys they need exist. Semantics follow
+torch.distributed's ``Store``: values are bytes, ``add`` keeps a decimal ASCII integer,
+``get`` waits for the key, ``compare_set`` returns the value now stored.
+
+Waiting happens on the server: a ``get``/``wait`` for missing keys is parked there (a deferred
+RPC reply) and answered by the ``set``/``add`` that completes it, or by a timeout reply when
+its deadline passes (which also removes the parked waiter). The client adds a short grace to
+its own deadline, so a server that died or shut down still yields a bounded
+:class:`CommTimeoutError`. Every request carries the job token; the server compares it with
+``hmac.compare_digest`` and answers a wrong or missing one with an auth error only.
+
+Request bodies (msgpack maps, see :mod:`ringcomm.transport.rpc`)::
+
+    {"op": "ping"|"set"|"get"|"try_get"|"add"|"wait"|"delete"|"check"|"compare_set",
+     "token": str (when the job has one), "key": str | "keys": [str], "value": bytes,
+     "delta": int, "expected": bytes|None, "desired": bytes, "timeout_s": float}
+
+Replies: ``{"status": "ok", ...}``, ``{"status": "timeout", "missing": [str]}``,
+``{"status": "auth"}``, ``{"status": "value_error" | "error", "message": str}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ringcomm.errors import AuthenticationError, CommTimeoutError, RendezvousError
+from ringcomm.transport.rpc import (
+    RpcCall,
+    RpcClient,
+    RpcClosedError,
+    RpcError,
+    RpcRemoteError,
+    RpcServer,
+    RpcTimeoutError,
+    tcp_endpoint,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DEFAULT_STORE_TIMEOUT_S", "Store", "StoreServer"]
+
+#: A client's default deadline per call, as the process group's default.
+DEFAULT_STORE_TIMEOUT_S = 300.0
+# A client waits this much longer than a get/wait's own deadline, so the server's timeout
+# reply (which names the missing keys) normally arrives first.
+_WAIT_GRACE_S = 1.0
+_INT_RE = re.compile(rb"[+-]?\d+")
+
+
+class _BadRequest(Exception):
+    """A request with a valid token but missing or mistyped fields (a client bug)."""
+
+
+class _NotAnInteger(Exception):
+    """``add`` on a key whose value is not a decimal integer."""
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise _BadRequest(f"field {name!r} missing or not {kind}")
+    return value
+
+
+def _keys_field(body: dict[str, Any]) -> list[str]:
+    keys = body.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _BadRequest("field 'keys' missing or not a list of str")
+    return keys
+
+
+def _timeout_field(body: dict[str, Any]) -> float:
+    timeout_s = body.get("timeout_s")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise _BadRequest("field 'timeout_s' missing or not a number")
+    if not (math.isfinite(timeout_s) and timeout_s >= 0):
+        raise _BadRequest(f"timeout_s={timeout_s} is not a finite number >= 0")
+    return float(timeout_s)
+
+
+@dataclass
+class _Waiter:
+    """A parked ``get`` or ``wait``: answered when ``missing`` empties or at its deadline."""
+
+    call: RpcCall
+    op: str  # "get" or "wait"
+    keys: list[str]
+    missing: set[str]
+
+
+class StoreServer:
+    """Serves the store on ``host:port`` (port 0: a free one, see ``port``) in a thread.
+
+    A context manager (entering starts it); ``close()`` is idempotent. Counters:
+    ``rejected`` requests refused for their token, ``dropped`` malformed messages,
+    ``bad_requests`` well-formed messages with a valid token but bad fields.
+    All state lives on the server thread, so it needs no locks.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> None:
+        self.host = host
+        self.rejected = 0
+        self.bad_requests = 0
+        self._token = token.encode() if token else None
+        self._data: dict[str, bytes] = {}
+        self._waiters: dict[int, _Waiter] = {}
+        self._waiters_by_key: dict[str, set[int]] = {}
+        self._waiter_ids = itertools.count()
+        self._ops = {
+            "ping": self._op_ping,
+            "set": self._op_set,
+            "get": self._op_get,
+            "try_get": self._op_try_get,
+            "add": self._op_add,
+            "wait": self._op_wait,
+            "delete": self._op_delete,
+            "check": self._op_check,
+            "compare_set": self._op_compare_set,
+        }
+        try:
+            self._rpc = RpcServer(self._handle, host, port, name="ringcomm-store-server")
+        except RpcError as exc:
+            raise RendezvousError(f"cannot serve the store on {host}:{port}: {exc}") from exc
+        self.port: int = self._rpc.port
+
+    @property
+    def dropped(self) -> int:
+        """Malformed messages dropped by the server (wrong frames, not msgpack, bad types)."""
+        return self._rpc.dropped
+
+    @property
+    def num_waiters(self) -> int:
+        """``get``/``wait`` requests parked on the server right now (diagnostics, tests)."""
+        return len(self._waiters)
+
+    def start(self) -> Self:
+        """Serve in a background thread; returns self."""
+        self._rpc.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving; parked waiters are not answered (their clients time out)."""
+        self._rpc.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StoreServer({self.host}:{self.port})"
+
+    # -- server thread -------------------------------------------------------------------
+
+    def _handle(self, call: RpcCall) -> dict[str, Any] | None:
+        """The RPC handler: check the token, then run the op (None: answered later)."""
+        body = call.body
+        if self._token is not None:
+            presented = body.get("token")
+            if not isinstance(presented, str) or not hmac.compare_digest(
+                presented.encode(), self._token
+            ):
+                self.rejected += 1
+                return {"status": "auth"}
+        op_name = body.get("op")
+        op = self._ops.get(op_name) if isinstance(op_name, str) else None
+        try:
+            if op is None:
+                raise _BadRequest(f"unknown op {op_name!r}")
+            return op(call, body)
+        except _BadRequest as exc:
+            self.bad_requests += 1
+            return {"status": "error", "message": f"bad request: {exc}"}
+        except _NotAnInteger as exc:
+            return {"status": "value_error", "message": str(exc)}
+
+    def _store(self, key: str, value: bytes) -> None:
+        """Set ``key`` and answer the waiters it completes."""
+        self._data[key] = value
+        for waiter_id in self._waiters_by_key.pop(key, set()):
+            waiter = self._waiters.get(waiter_id)
+            if waiter is None:
+                continue
+            waiter.missing.discard(key)
+            if waiter.missing:
+                continue
+            # Recheck every key: one may have been deleted since it was seen.
+            still_missing = {k for k in waiter.keys if k not in self._data}
+            if still_missing:
+                waiter.missing = still_missing
+                for k in still_missing:
+                    self._waiters_by_key.setdefault(k, set()).add(waiter_id)
+                continue
+            del self._waiters[waiter_id]
+            self._rpc.reply(waiter.call, self._satisfied(waiter))
+
+    def _satisfied(self, waiter: _Waiter) -> dict[str, Any]:
+        if waiter.op == "get":
+            return {"status": "ok", "value": self._data[waiter.keys[0]]}
+        return {"status": "ok"}
+
+    def _park(self, call: RpcCall, op: str, keys: list[str], timeout_s: float) -> None:
+        waiter_id = next(self._waiter_ids)
+        missing = {k for k in keys if k not in self._data}
+        self._waiters[waiter_id] = _Waiter(call, op, keys, missing)
+        for k in missing:
+            self._waiters_by_key.setdefault(k, set()).add(waiter_id)
+        self._rpc.call_later(timeout_s, lambda: self._expire(waiter_id))
+
+    def _expire(self, waiter_id: int) -> None:
+        """A parked waiter's deadline: forget it and answer with the keys still missing."""
+        waiter = self._waiters.pop(waiter_id, None)
+        if waiter is None:
+            return  # answered already
+        for k in waiter.missing:
+            ids = self._waiters_by_key.get(k)
+            if ids is not None:
+                ids.discard(waiter_id)
+                if not ids:
+                    del self._waiters_by_key[k]
+        self._rpc.reply(waiter.call, {"status": "timeout", "missing": sorted(waiter.missing)})
+
+    def _op_ping(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+        return {"status": "ok"}
+
+    def _op_set(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+        self._store(_field(body, "key", str), _field(body, "value", bytes))
+        return {"status": "ok"}
+
+    def _op_get(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any] | None:
+        key = _field(body, "key", str)
+        timeout_s = _timeout_field(body)
+        if key in self._data:
+            return {"status": "ok", "value": self._data[key]}
+        self._park(call, "get", [key], timeout_s)
+        return None
+
+    def _op_try_get(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+        return {"status": "ok", "value": self._data.get(_field(body, "key", str))}
+
+    def _op_add(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+        key = _field(body, "key", str)
+        delta = _field(body, "delta", int)
+        old = self._data.get(key, b"0")
+        if not _INT_RE.fullmatch(old):
+            raise _NotAnInteger(f"add on key {key!r}: its value {old[:32]!r} is not an integer")
+        new = int(old) + delta
+        self._store(key, str(new).encode())
+        return {"status": "ok", "value": new}
+
+    def _op_wait(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any] | None:
+        keys = _keys_field(body)
+        timeout_s = _timeout_field(body)
+        if all(k in self._data for k in keys):
+            return {"status": "ok"}
+        self._park(call, "wait", keys, timeout_s)
+        return None
+
+    def _op_delete(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "deleted": self._data.pop(_field(body, "key", str), None) is not None,
+        }
+
+    def _op_check(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+        return {"status": "ok", "exists": all(k in self._data for k in _keys_field(body))}
+
+    def _op_compare_set(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+        key = _field(body, "key", str)
+        expected = body.get("expected")
+        if expected is not None and not isinstance(expected, bytes):
+            raise _BadRequest("field 'expected' is not bytes or None")
+        desired = _field(body, "desired", bytes)
+        current = self._data.get(key)
+        if current is None:
+            # torch: a missing key is swapped only when the expected value is empty ("no
+            # value"); otherwise the expected value is returned and nothing is stored.
+            if expected:
+                return {"status": "ok", "value": expected}
+            self._store(key, desired)
+            return {"status": "ok", "value": desired}
+        if expected is not None and current == expected:
+            self._store(key, desired)
+            return {"status": "ok", "value": desired}
+        return {"status": "ok", "value": current}
+
+
+class _Connection:
+    """One RPC client and identity, shared by a :class:`Store` and its prefixed views."""
+
+    def __init__(self, host: str, port: int, token: str | None, label: str) -> None:
+        self.host = host
+        self.port = port
+        self.token = token
+        self.label = label
+        self.address = f"{host}:{port}"
+        try:
+            self.rpc = RpcClient(tcp_endpoint(host, port), name="ringcomm-store-client")
+        except RpcError as exc:
+            raise RendezvousError(
+                f"{label}: cannot connect to the store at {host}:{port}: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        self.rpc.close()
+
+
+def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    raise TypeError(f"store values are bytes (or str), got {type(value).__name__}")
+
+
+def _check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {timeout_s!r}")
+    if not (math.isfinite(timeout_s) and timeout_s >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+class Store:
+    """A client of a :class:`StoreServer`; a context manager, thread-safe.
+
+    Connects at construction: raises :class:`RendezvousError` when the server does not
+    answer within ``timeout_s`` and :class:`AuthenticationError` when it refuses ``token``.
+    ``timeout_s`` is also the default deadline of every later call. ``prefix`` namespaces
+    every key as ``f"{prefix}/{key}"``; ``label`` (e.g. ``"rank 3"``) starts error messages.
+
+    Thread safety: the socket is owned by one I/O thread (see :class:`RpcClient`); callers
+    share a locked request queue, so a thread blocked in ``get`` does not hold up others.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
+        prefix: str = "",
+        label: str | None = None,
+    ) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
+            raise ValueError(f"store port must be in 1..65535, got {port!r}")
+        timeout_s = _check_timeout(timeout_s)
+        self._conn = _Connection(host, port, token or None, label or "store client")
+        self._prefix = prefix.strip("/")
+        self._timeout_s = timeout_s
+        self._owner = True
+        self._closed = False
+        try:
+            self._request("ping", {}, timeout_s, first_contact=True)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    @property
+    def label(self) -> str:
+        return self._conn.label
+
+    def prefixed(self, prefix: str) -> Store:
+        """A view whose keys live under ``prefix`` (nested under this store's own prefix).
+
+        It shares this store's connection; closing the view does not close the connection,
+        closing this store does (the views stop working).
+        """
+        view = object.__new__(Store)
+        view._conn = self._conn
+        view._prefix = "/".join(p for p in (self._prefix, prefix.strip("/")) if p)
+        view._timeout_s = self._timeout_s
+        view._owner = False
+        view._closed = False
+        return view
+
+    def close(self) -> None:
+        """Close the connection (a view only marks itself closed). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owner:
+            self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self._conn.address}, prefix={self._prefix!r}, label={self.label!r})"
+
+    # -- operations ----------------------------------------------------------------------
+
+    def set(self, key: str, value: bytes | bytearray | memoryview | str) -> None:
+        """Store ``value`` under ``key`` (overwriting), waking whoever waits for it.
+
+        Bytes-like values are copied to bytes; a str is stored UTF-8 encoded."""
+        self._request("set", {"key": self._key(key), "value": _as_bytes(value)}, self._timeout_s)
+
+    def get(self, key: str, timeout_s: float | None = None) -> bytes:
+        """The value of ``key``, waiting until it exists; :class:`CommTimeoutError` after
+        ``timeout_s`` (default: the store's)."""
+        wait_s = self._wait_timeout(timeout_s)
+        full = self._key(key)
+        reply = self._request("get", {"key": full, "timeout_s": wait_s}, wait_s, wait=True)
+        return _reply_bytes(reply, "value")
+
+    def try_get(self, key: str) -> bytes | None:
+        """The value of ``key``, or None when it does not exist (no waiting)."""
+        reply = self._request("try_get", {"key": self._key(key)}, self._timeout_s)
+        value = reply.get("value")
+        return None if value is None else _reply_bytes(reply, "value")
+
+    def add(self, key: str, delta: int = 1) -> int:
+        """Atomically add ``delta`` to the integer at ``key`` (missing: 0); the new value."""
+        if isinstance(delta, bool) or not isinstance(delta, int):
+            raise TypeError(f"add: delta must be an int, got {delta!r}")
+        reply = self._request("add", {"key": self._key(key), "delta": delta}, self._timeout_s)
+        value = reply.get("value")
+        if not isinstance(value, int):
+            raise RendezvousError(f"{self.label}, op store.add: malformed reply {reply!r}")
+        return value
+
+    def wait(self, keys: Sequence[str], timeout_s: float | None = None) -> None:
+        """Block until every key exists (the server parks the request, no client polling);
+        :class:`CommTimeoutError` after ``timeout_s`` (default: the store's)."""
+        wait_s = self._wait_timeout(timeout_s)
+        full = self._keys(keys)
+        if not full:
+            return
+        self._request("wait", {"keys": full, "timeout_s": wait_s}, wait_s, wait=True)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True when it existed."""
+        reply = self._request("delete", {"key": self._key(key)}, self._timeout_s)
+        return bool(reply.get("deleted"))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key exists (no waiting)."""
+        reply = self._request("check", {"keys": self._keys(keys)}, self._timeout_s)
+        return bool(reply.get("exists"))
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        """Atomically set ``key`` to ``desired`` if it holds ``expected``; the value now stored.
+
+        torch semantics: ``expected`` None or ``b""`` matches a missing key; when the key is
+        missing and ``expected`` is something else, nothing is stored and ``expected`` is
+        returned. Success is ``result == desired``.
+        """
+        fields = {
+            "key": self._key(key),
+            "expected": None if expected is None else _as_bytes(expected),
+            "desired": _as_bytes(desired),
+        }
+        return _reply_bytes(self._request("compare_set", fields, self._timeout_s), "value")
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        if not isinstance(key, str):
+            raise TypeError(f"store keys are str, got {type(key).__name__}")
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        if isinstance(keys, (str, bytes)):
+            raise TypeError("keys must be a sequence of str, not a single string")
+        return [self._key(k) for k in keys]
+
+    def _wait_timeout(self, timeout_s: float | None) -> float:
+        return self._timeout_s if timeout_s is None else _check_timeout(timeout_s)
+
+    def _request(
+        self,
+        op: str,
+        fields: dict[str, Any],
+        timeout_s: float,
+        *,
+        wait: bool = False,
+        first_contact: bool = False,
+    ) -> dict[str, Any]:
+        """Send one op; map every failure to a public error naming label, op and key(s)."""
+        conn = self._conn
+        what = _describe(op, fields)
+        if self._closed:
+            raise RendezvousError(f"{conn.label}, {what}: this store client is closed")
+        body = {"op": op, **fields}
+        if conn.token is not None:
+            body["token"] = conn.token
+        rpc_timeout_s = timeout_s + _WAIT_GRACE_S if wait else timeout_s
+        try:
+            reply = conn.rpc.call(body, rpc_timeout_s)
+        except RpcTimeoutError as exc:
+            if first_contact:
+                raise RendezvousError(
+                    f"{conn.label}: could not reach the store at {conn.address} within "
+                    f"{timeout_s:g} s; is rank 0 (or the launcher) serving it there? "
+                    "Check MASTER_ADDR/MASTER_PORT (or RINGCOMM_MASTER_ADDR/_PORT)."
+                ) from exc
+            raise CommTimeoutError(
+                f"{conn.label}, {what}: no reply from the store at {conn.address} within "
+                f"{rpc_timeout_s:g} s (store closed, unreachable or overloaded)"
+            ) from exc
+        except RpcClosedError as exc:
+            raise RendezvousError(f"{conn.label}, {what}: this store client is closed") from exc
+        except RpcRemoteError as exc:
+            raise RendezvousError(f"{conn.label}, {what}: {exc}") from exc
+        status = reply.get("status")
+        if status == "ok":
+            return reply
+        if status == "auth":
+            given = "no token was given" if conn.token is None else "the token is wrong"
+            raise AuthenticationError(
+                f"{conn.label}, {what}: the store at {conn.address} refused this process "
+                f"({given}); every rank must use the job's token (token= or RINGCOMM_TOKEN)"
+            )
+        if status == "timeout":
+            missing = reply.get("missing")
+            raise CommTimeoutError(
+                f"{conn.label}, {what}: not set within {timeout_s:g} s "
+                f"(missing {missing!r}; store at {conn.address})"
+            )
+        if status == "value_error":
+            raise ValueError(f"{conn.label}, {what}: {reply.get('message')}")
+        raise RendezvousError(
+            f"{conn.label}, {what}: the store at {conn.address} answered {reply!r}"
+        )
+
+
+def _describe(op: str, fields: dict[str, Any]) -> str:
+    """``op store.get, key 'pg0/x'`` for error messages."""
+    if "key" in fields:
+        return f"op store.{op}, key {fields['key']!r}"
+    if "keys" in fields:
+        keys = fields["keys"]
+        shown = keys if len(keys) <= 8 else [*keys[:8], f"... {len(keys) - 8} more"]
+        return f"op store.{op}, keys {shown!r}"
+    return f"op store.{op}"
+
+
+def _reply_bytes(reply: dict[str, Any], name: str) -> bytes:
+    value = reply.get(name)
+    if not isinstance(value, bytes):
+        raise RendezvousError(f"malformed store reply: {name!r} is {type(value).__name__}")
+    return value

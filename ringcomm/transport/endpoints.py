@@ -1,0 +1,111 @@
+"""Where a rank listens and how a peer is reached (pure helpers plus local-host facts).
+
+Each rank binds one receive socket on an ``ipc://`` path (peers on the same host) and a
+``tcp://`` address (peers elsewhere). A peer is reached over ipc:// when it reports the
+same host identity, else over tcp://; ``RINGCOMM_TRANSPORT=tcp|ipc|auto`` overrides.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "EndpointInfo",
+    "host_identity",
+    "local_address_towards",
+    "ipc_path",
+    "choose_endpoint",
+    "TRANSPORT_MODES",
+]
+
+TRANSPORT_MODES = ("auto", "ipc", "tcp")
+
+
+@dataclass(frozen=True)
+class EndpointInfo:
+    """What a rank publishes through the rendezvous store."""
+
+    rank: int
+    host_id: str
+    ipc: str | None
+    tcp: str | None
+    pid: int
+    version: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host_id": self.host_id,
+            "ipc": self.ipc,
+            "tcp": self.tcp,
+            "pid": self.pid,
+            "version": self.version,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EndpointInfo:
+        return cls(
+            rank=int(d["rank"]),
+            host_id=str(d["host_id"]),
+            ipc=d.get("ipc"),
+            tcp=d.get("tcp"),
+            pid=int(d["pid"]),
+            version=str(d["version"]),
+        )
+
+
+def host_identity() -> str:
+    """Hostname plus kernel boot id: equal exactly when ipc:// paths are shared."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "-"
+    return f"{socket.gethostname()}:{boot}"
+
+
+def local_address_towards(addr: str, port: int = 9) -> str:
+    """The local IP of the interface that routes to ``addr`` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(addr, port, socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return "127.0.0.1"
+    target = infos[0][4][0]
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((target, port))  # UDP connect only picks a route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def ipc_path(rank: int) -> str:
+    """A fresh, short socket path (AF_UNIX paths are limited to ~107 bytes)."""
+    base = tempfile.gettempdir()
+    path = os.path.join(base, f"ringcomm-{os.getuid()}-{uuid.uuid4().hex[:12]}-r{rank}.sock")
+    if len(path) > 100:
+        path = f"/tmp/rc-{uuid.uuid4().hex[:12]}-r{rank}.sock"
+    return path
+
+
+def choose_endpoint(me: EndpointInfo, peer: EndpointInfo, mode: str = "auto") -> str:
+    """The endpoint ``me`` connects to for ``peer``: ipc:// on the same host, else tcp://."""
+    if mode not in TRANSPORT_MODES:
+        raise ValueError(f"transport mode must be one of {TRANSPORT_MODES}, got {mode!r}")
+    same_host = me.host_id == peer.host_id
+    if mode == "ipc" or (mode == "auto" and same_host):
+        if peer.ipc is None or not same_host:
+            raise ValueError(
+                f"rank {me.rank}: peer {peer.rank} has no ipc endpoint reachable from here"
+            )
+        return peer.ipc
+    if peer.tcp is None:
+        raise ValueError(f"rank {me.rank}: peer {peer.rank} has no tcp endpoint")
+    return peer.tcp

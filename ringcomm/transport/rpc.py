@@ -1,0 +1,564 @@
+"""Request/reply over ZeroMQ: one ROUTER server, many DEALER clients, msgpack maps.
+
+Used by the rendezvous store. Frames on the wire (the ROUTER adds/strips the identity)::
+
+    request  [identity, msgpack {"id": int, "body": map}]
+    reply    [identity, msgpack {"id": int, "body": map}]      handled
+             [identity, msgpack {"id": int, "error": str}]     the handler raised
+
+Server (:class:`RpcServer`): one daemon thread owns the ROUTER socket and calls
+``handler(call)`` for each well-formed request. The handler returns the reply body, or
+``None`` to answer later with :meth:`RpcServer.reply` (deferred replies, e.g. a ``wait`` until
+a key exists). :meth:`RpcServer.call_later` runs a callback on the server thread at a
+deadline (to expire deferred requests). Malformed messages (wrong frame count, not msgpack,
+wrong types) are dropped and counted in ``dropped``; they never stop the server. A socket
+pair wakes the loop, so ``close()`` returns at once instead of waiting out a poll timeout.
+
+Client (:class:`RpcClient`): a DEALER, never a REQ (whose send/recv state machine wedges
+after a timed-out request). One I/O thread owns the socket; any number of caller threads
+issue :meth:`RpcClient.call` concurrently, each with its own deadline. Requests carry an id;
+a reply whose id nobody waits for any more (its caller timed out) is discarded. A request
+whose deadline passed is answered by :class:`RpcTimeoutError`; note that the server may still
+have executed it (at-most-once is not knowable without an answer).
+"""
+
+from __future__ import annotations
+
+import heapq
+import ipaddress
+import itertools
+import logging
+import math
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import zmq
+
+from ringcomm.errors import CommTimeoutError, RingcommError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "RpcCall",
+    "RpcClient",
+    "RpcClosedError",
+    "RpcError",
+    "RpcRemoteError",
+    "RpcServer",
+    "RpcTimeoutError",
+    "tcp_endpoint",
+]
+
+log = logging.getLogger(__name__)
+
+#: Largest message the server accepts; a bigger one makes ZeroMQ drop that connection.
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+_RECV_BATCH = 256  # messages handled per wake-up before timers and the outbox get a turn
+_JOIN_TIMEOUT_S = 10.0
+_MAX_POLL_MS = 60_000  # the loop re-polls at least this often (huge deadlines overflow poll)
+# What msgpack.unpackb raises on bad input (FormatError, ExtraData, StackError, bad UTF-8,
+# unhashable or non-str map keys, ...).
+_DECODE_ERRORS = (ValueError, TypeError, OverflowError, msgpack.UnpackException)
+
+
+class RpcError(RingcommError):
+    """A request could not be carried out by the RPC layer."""
+
+
+class RpcTimeoutError(RpcError, CommTimeoutError):
+    """No reply arrived before the call's deadline."""
+
+
+class RpcClosedError(RpcError):
+    """The client was closed (before or while the call was waiting)."""
+
+
+class RpcRemoteError(RpcError):
+    """The server's handler raised; the message is its ``Type: text``."""
+
+
+@dataclass(frozen=True)
+class RpcCall:
+    """One request as the server's handler sees it."""
+
+    client_id: bytes  # the ROUTER identity of the sender
+    request_id: int
+    body: dict[str, Any]
+
+
+Handler = Callable[[RpcCall], "dict[str, Any] | None"]
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version == 6
+    except ValueError:
+        return False
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """``tcp://host:port``, with brackets around an IPv6 literal."""
+    host = host.strip("[]")
+    return f"tcp://[{host}]:{port}" if _is_ipv6(host) else f"tcp://{host}:{port}"
+
+
+def _bind_host(host: str) -> str:
+    """What ZeroMQ's bind accepts for ``host``: ``*``, a numeric IP (names are resolved)."""
+    if host in ("", "*", "0.0.0.0"):
+        return "*"
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return host.strip("[]")
+    except ValueError:
+        pass
+    # ZeroMQ binds to interfaces or numeric addresses only; resolve a host name.
+    infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    return str(infos[0][4][0])
+
+
+def _wake_pair() -> tuple[socket.socket, socket.socket]:
+    """A non-blocking (reader, writer) socket pair used to wake a poll loop."""
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    return reader, writer
+
+
+def _poke(writer: socket.socket) -> None:
+    """Wake the loop; a full buffer already means a wake-up is pending."""
+    try:
+        writer.send(b"\0")
+    except OSError:  # BlockingIOError (already pending) or closed (loop gone)
+        pass
+
+
+def _drain(reader: socket.socket) -> None:
+    try:
+        while reader.recv(4096):
+            pass
+    except OSError:
+        pass
+
+
+class RpcServer:
+    """A ROUTER socket served by a daemon thread; see the module docstring.
+
+    The socket is bound in the constructor, so ``port`` is known before :meth:`start`.
+    Counters (read from any thread): ``served`` requests handed to the handler, ``dropped``
+    malformed messages, ``errors`` handler exceptions, ``unsent`` replies ZeroMQ refused.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        context: zmq.Context[Any] | None = None,
+        name: str = "ringcomm-rpc-server",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.host = host
+        self.name = name
+        self.served = 0
+        self.dropped = 0
+        self.errors = 0
+        self.unsent = 0
+        self._handler = handler
+        self._own_ctx = context is None
+        self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
+        self._lock = threading.Lock()
+        self._outbox: deque[tuple[bytes, bytes]] = deque()  # replies queued by other threads
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = itertools.count()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            # A server that is shutting down answers nothing more: drop unsent replies.
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            bind_host = _bind_host(host)
+            if _is_ipv6(bind_host):
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._sock.bind(tcp_endpoint(bind_host, port))
+            last = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.port = int(last.rsplit(":", 1)[1])
+        except (zmq.ZMQError, OSError) as exc:
+            self._sock.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise RpcError(f"{name}: cannot bind tcp://{host}:{port}: {exc}") from exc
+        self._wake_r, self._wake_w = _wake_pair()
+
+    @property
+    def endpoint(self) -> str:
+        """Where a client on this host connects (the wildcard address maps to loopback)."""
+        host = "127.0.0.1" if _bind_host(self.host) == "*" else self.host
+        return tcp_endpoint(host, self.port)
+
+    def start(self) -> Self:
+        """Start serving in the background; returns self. Starting twice is a no-op."""
+        with self._lock:
+            if self._closed:
+                raise RpcClosedError(f"{self.name}: start() after close()")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        return self
+
+    def _on_server_thread(self) -> bool:
+        return self._thread is not None and threading.get_ident() == self._thread.ident
+
+    def reply(self, call: RpcCall, body: dict[str, Any]) -> None:
+        """Answer ``call`` (deferred or not) with ``body``. Callable from any thread."""
+        self._send_or_queue(call.client_id, self._pack_reply(call, body))
+
+    def call_later(self, delay_s: float, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` on the server thread ``delay_s`` seconds from now."""
+        deadline = time.monotonic() + max(0.0, delay_s)
+        with self._lock:
+            heapq.heappush(self._timers, (deadline, next(self._timer_seq), callback))
+        if not self._on_server_thread():
+            _poke(self._wake_w)  # the loop must recompute its poll timeout
+
+    def close(self) -> None:
+        """Stop serving and release the socket. Idempotent, callable from any thread;
+        requests not yet answered stay unanswered (their clients time out)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            self._cleanup()
+            return
+        _poke(self._wake_w)
+        if thread is not threading.current_thread():
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.warning(
+                    "%s: server thread did not stop within %.0f s", self.name, _JOIN_TIMEOUT_S
+                )
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- server thread -------------------------------------------------------------------
+
+    def _send_or_queue(self, client_id: bytes, payload: bytes) -> None:
+        if self._on_server_thread():
+            self._send(client_id, payload)
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._outbox.append((client_id, payload))
+        _poke(self._wake_w)
+
+    def _send(self, client_id: bytes, payload: bytes) -> None:
+        try:
+            # NOBLOCK: a slow or vanished client never stalls the server; ROUTER drops
+            # messages to unknown identities itself.
+            self._sock.send_multipart([client_id, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.unsent += 1
+            log.debug("%s: reply not sent: %s", self.name, exc)
+
+    def _poll_timeout_ms(self) -> int:
+        with self._lock:
+            if not self._timers:
+                return -1
+            delay_s = self._timers[0][0] - time.monotonic()
+        return min(_MAX_POLL_MS, max(0, math.ceil(delay_s * 1000)))
+
+    def _run_due_timers(self) -> None:
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if not self._timers or self._timers[0][0] > now:
+                    return
+                _, _, callback = heapq.heappop(self._timers)
+            try:
+                callback()
+            except Exception:
+                self.errors += 1
+                log.exception("%s: timer callback failed", self.name)
+
+    def _flush_outbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return
+                client_id, payload = self._outbox.popleft()
+            self._send(client_id, payload)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()
+        try:
+            while not self._closed:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._closed:
+                    break
+                if wake_fd in events:
+                    _drain(self._wake_r)
+                self._flush_outbox()
+                self._run_due_timers()
+                if self._sock in events:
+                    self._receive_batch()
+        except Exception:  # a bug, not a bad message: keep it visible
+            log.exception("%s: server loop failed", self.name)
+        finally:
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._sock.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _receive_batch(self) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        call = self._decode(frames)
+        if call is None:
+            self.dropped += 1
+            return
+        self.served += 1
+        try:
+            body = self._handler(call)
+        except Exception as exc:
+            self.errors += 1
+            log.exception("%s: handler failed on request %d", self.name, call.request_id)
+            error = f"{type(exc).__name__}: {exc}"
+            self._send(call.client_id, msgpack.packb({"id": call.request_id, "error": error}))
+            return
+        if body is not None:
+            self._send(call.client_id, self._pack_reply(call, body))
+
+    def _pack_reply(self, call: RpcCall, body: dict[str, Any]) -> bytes:
+        """The reply message; an unpackable body becomes an error reply, never a crash."""
+        try:
+            return bytes(msgpack.packb({"id": call.request_id, "body": body}))
+        except (TypeError, ValueError, OverflowError) as exc:
+            self.errors += 1
+            log.exception("%s: reply to request %d cannot be packed", self.name, call.request_id)
+            error = f"reply cannot be packed: {type(exc).__name__}: {exc}"
+            return bytes(msgpack.packb({"id": call.request_id, "error": error}))
+
+    @staticmethod
+    def _decode(frames: list[bytes]) -> RpcCall | None:
+        """The request in ``frames``, or None when they are malformed."""
+        if len(frames) != 2:
+            return None
+        client_id, payload = frames
+        try:
+            message = msgpack.unpackb(payload, raw=False)
+        except _DECODE_ERRORS:
+            return None
+        if not isinstance(message, dict) or set(message) != {"id", "body"}:
+            return None
+        request_id, body = message["id"], message["body"]
+        if type(request_id) is not int or not isinstance(body, dict):
+            return None
+        if not all(isinstance(key, str) for key in body):
+            return None
+        return RpcCall(client_id, request_id, body)
+
+
+@dataclass
+class _Slot:
+    """Where the I/O thread leaves one call's outcome."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    body: dict[str, Any] | None = None
+    error: str | None = None
+    closed: bool = False
+
+
+class RpcClient:
+    """A DEALER connected to ``endpoint`` (``tcp://host:port``); see the module docstring.
+
+    Thread-safe: the socket belongs to one I/O thread, callers share a locked queue.
+    ``stale`` counts replies discarded because their caller had given up.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        context: zmq.Context[Any] | None = None,
+        name: str = "ringcomm-rpc-client",
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.stale = 0
+        self._own_ctx = context is None
+        self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
+        self._lock = threading.Lock()
+        self._outbox: deque[tuple[int, bytes]] = deque()
+        self._pending: dict[int, _Slot] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._sock = self._ctx.socket(zmq.DEALER)
+        try:
+            # LINGER=0: close() must not block on requests a dead server will never read.
+            self._sock.setsockopt(zmq.LINGER, 0)
+            if "[" in endpoint:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise RpcError(f"{name}: cannot connect to {endpoint}: {exc}") from exc
+        self._wake_r, self._wake_w = _wake_pair()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send ``body``, return the reply body.
+
+        Raises :class:`RpcTimeoutError` when no reply arrives within ``timeout_s``,
+        :class:`RpcRemoteError` when the server's handler raised, :class:`RpcClosedError`
+        when the client is closed.
+        """
+        if not (timeout_s >= 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+        request_id = next(self._ids)
+        payload = msgpack.packb({"id": request_id, "body": body})
+        slot = _Slot()
+        with self._lock:
+            if self._closed:
+                raise RpcClosedError(f"{self.name}: call on a closed client ({self.endpoint})")
+            self._pending[request_id] = slot
+            self._outbox.append((request_id, payload))
+        _poke(self._wake_w)
+        slot.event.wait(min(timeout_s, threading.TIMEOUT_MAX))
+        with self._lock:
+            self._pending.pop(request_id, None)
+            if not slot.event.is_set():
+                # Never sent (server unreachable, queue full)? Then do not send it late.
+                self._outbox = deque(item for item in self._outbox if item[0] != request_id)
+        if not slot.event.is_set():
+            raise RpcTimeoutError(
+                f"{self.name}: no reply from {self.endpoint} within {timeout_s:g} s"
+            )
+        if slot.closed:
+            raise RpcClosedError(f"{self.name}: client closed while waiting ({self.endpoint})")
+        if slot.error is not None:
+            raise RpcRemoteError(f"{self.endpoint}: server error: {slot.error}")
+        assert slot.body is not None
+        return slot.body
+
+    def close(self) -> None:
+        """Stop the I/O thread and close the socket. Idempotent; waiting calls get
+        :class:`RpcClosedError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            slots = list(self._pending.values())
+            self._pending.clear()
+            self._outbox.clear()
+        for slot in slots:
+            slot.closed = True
+            slot.event.set()
+        _poke(self._wake_w)
+        if self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_TIMEOUT_S)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- I/O thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()
+        try:
+            while not self._closed:
+                events = dict(poller.poll())
+                if self._closed:
+                    break
+                if wake_fd in events:
+                    _drain(self._wake_r)
+                blocked = self._flush_outbox()
+                # Ask for POLLOUT only while ZeroMQ's queue is full, else it fires constantly.
+                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
+                if events.get(self._sock, 0) & zmq.POLLIN:
+                    self._receive_all()
+        except Exception:
+            log.exception("%s: client I/O loop failed", self.name)
+        finally:
+            self._sock.close(linger=0)
+            self._wake_r.close()
+            self._wake_w.close()
+            if self._own_ctx:
+                self._ctx.term()
+
+    def _flush_outbox(self) -> bool:
+        """Hand queued requests to ZeroMQ; True when its queue is full (try again later)."""
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return False
+                _, payload = self._outbox[0]
+                try:
+                    self._sock.send(payload, zmq.NOBLOCK)
+                except zmq.Again:
+                    return True
+                self._outbox.popleft()
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                payload = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = msgpack.unpackb(payload, raw=False)
+            except _DECODE_ERRORS:
+                message = None
+            request_id = message.get("id") if isinstance(message, dict) else None
+            if type(request_id) is not int:
+                self.stale += 1  # not a reply we can read: nobody to give it to
+                continue
+            with self._lock:
+                slot = self._pending.pop(request_id, None)
+            if slot is None:
+                self.stale += 1  # its caller timed out already
+                continue
+            if isinstance(message.get("error"), str):
+                slot.error = message["error"]
+            elif isinstance(message.get("body"), dict):
+                slot.body = message["body"]
+            else:
+                slot.error = "malformed reply"
+            slot.event.set()

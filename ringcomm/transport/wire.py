@@ -1,0 +1,178 @@
+"""Wire format: pure pack/unpack of message headers (no sockets).
+
+A message is two ZeroMQ frames: a small msgpack header, then the raw payload bytes (possibly
+empty). The header is a msgpack array with fixed positions (compact and fast to parse):
+
+    [version, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth]
+
+- ``kind``: what the message is for (point-to-point data, collective data, control).
+- ``src``: the sender's global rank. ``group``: the group id (0 = the world group).
+- ``tag``: the user tag for point-to-point; the collective's sequence number for collectives.
+- ``step``: algorithm step (collectives), 0 for point-to-point.
+- ``piece``/``npieces``: this chunk's index and the message's chunk count.
+- ``dtype``: NumPy dtype string (``"<f4"``); ``nbytes``: bytes of the whole message;
+  ``offset``: byte offset of this piece inside it; ``shape``: the array's shape (piece 0
+  only, else None) for error messages.
+- ``fp``: the collective's fingerprint (None for point-to-point), ``auth``: reserved for a
+  message authentication tag (None when the job runs without a token on the data plane).
+
+Messages with the same (src, group, kind, tag) are matched in the order they were sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "WIRE_VERSION",
+    "KIND_P2P",
+    "KIND_COLL",
+    "KIND_CTRL",
+    "KIND_NAMES",
+    "SUPPORTED_DTYPES",
+    "Header",
+    "WireError",
+    "pack_header",
+    "unpack_header",
+    "dtype_to_wire",
+    "dtype_from_wire",
+]
+
+WIRE_VERSION = 1
+
+KIND_P2P = 1
+KIND_COLL = 2
+KIND_CTRL = 3
+KIND_NAMES = {KIND_P2P: "p2p", KIND_COLL: "collective", KIND_CTRL: "control"}
+
+#: The dtypes DESIGN.md §1 promises, in native byte order.
+SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(
+    np.dtype(t)
+    for t in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
+)
+_WIRE_DTYPES = {dt.str: dt for dt in SUPPORTED_DTYPES}
+
+_NFIELDS = 14
+_MAX_U64 = (1 << 64) - 1
+
+
+class WireError(ValueError):
+    """A frame that is not a valid ringcomm header (dropped and counted by the receiver)."""
+
+
+class Header(NamedTuple):
+    kind: int
+    src: int
+    group: int
+    tag: int
+    step: int = 0
+    piece: int = 0
+    npieces: int = 1
+    dtype: str = "|u1"
+    nbytes: int = 0
+    offset: int = 0
+    shape: tuple[int, ...] | None = None
+    fp: Any = None
+    auth: bytes | None = None
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """Matching key: messages with equal keys are delivered in the order sent."""
+        return (self.src, self.group, self.kind, self.tag)
+
+
+def dtype_to_wire(dtype: np.dtype[Any]) -> str:
+    return np.dtype(dtype).str
+
+
+def dtype_from_wire(text: str) -> np.dtype[Any]:
+    try:
+        return _WIRE_DTYPES[text]
+    except KeyError:
+        raise WireError(f"unsupported dtype on the wire: {text!r}") from None
+
+
+def pack_header(h: Header) -> bytes:
+    return msgpack.packb(
+        [
+            WIRE_VERSION,
+            h.kind,
+            h.src,
+            h.group,
+            h.tag,
+            h.step,
+            h.piece,
+            h.npieces,
+            h.dtype,
+            h.nbytes,
+            h.offset,
+            None if h.shape is None else list(h.shape),
+            h.fp,
+            h.auth,
+        ],
+        use_bin_type=True,
+    )
+
+
+def _int(v: Any, name: str, lo: int = 0, hi: int = _MAX_U64) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise WireError(f"bad header field {name}: {v!r}")
+    return v
+
+
+def unpack_header(data: bytes | memoryview) -> Header:
+    """Parse and validate a header frame; raise :class:`WireError` on anything malformed."""
+    try:
+        fields = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types on junk
+        raise WireError(f"header is not msgpack: {exc}") from exc
+    if not isinstance(fields, list) or len(fields) != _NFIELDS:
+        raise WireError("header is not a list of the expected length")
+    (ver, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth) = (
+        fields
+    )
+    if ver != WIRE_VERSION:
+        raise WireError(f"wire version {ver!r} != {WIRE_VERSION}")
+    if kind not in KIND_NAMES:
+        raise WireError(f"unknown message kind {kind!r}")
+    npieces = _int(npieces, "npieces", 1)
+    piece = _int(piece, "piece", 0, npieces - 1)
+    if not isinstance(dtype, str):
+        raise WireError("bad header field dtype")
+    if shape is not None:
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise WireError("bad header field shape")
+        shape = tuple(shape)
+    if auth is not None and not isinstance(auth, bytes):
+        raise WireError("bad header field auth")
+    return Header(
+        kind,
+        _int(src, "src"),
+        _int(group, "group"),
+        _int(tag, "tag"),
+        _int(step, "step"),
+        piece,
+        npieces,
+        dtype,
+        _int(nbytes, "nbytes"),
+        _int(offset, "offset"),
+        shape,
+        fp,
+        auth,
+    )
