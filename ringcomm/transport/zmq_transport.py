@@ -29,7 +29,7 @@ __all__ = ["ZmqTransport", "ZERO_COPY_MIN_BYTES", "Tracker", "tracker_wait"]
 
 #: Payloads at least this large go zero-copy (smaller ones are cheaper to copy than to
 #: track: zero-copy frames cost a free-callback round trip through pyzmq's gc thread).
-ZERO_COPY_MIN_BYTES = 64 * 1024
+ZERO_COPY_MIN_BYTES = int(os.environ.get("RINGCOMM_ZERO_COPY_MIN_BYTES", 64 * 1024))
 
 Tracker = zmq.MessageTracker
 

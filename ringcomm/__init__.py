@@ -1,0 +1,46 @@
+"""ringcomm: a from-scratch collective-communication runtime in Python over ZeroMQ.
+
+    import ringcomm as rc
+    with rc.init_process_group() as pg:       # rank/world/master from args or environment
+        pg.send(x, dst=1, tag=7)
+        pg.recv(y, src=0, tag=7)
+
+See DESIGN.md for the contracts; ``ringcomm.errors`` for the error tree.
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .errors import (
+    AuthenticationError,
+    CollectiveMismatchError,
+    CommTimeoutError,
+    GroupClosedError,
+    MessageMismatchError,
+    PeerFailedError,
+    RankFailedError,
+    RendezvousError,
+    RingcommError,
+)
+from .group import ProcessGroup, init_process_group
+from .launch import spawn
+from .ops import ReduceOp
+from .work import Work
+
+__all__ = [
+    "__version__",
+    "init_process_group",
+    "ProcessGroup",
+    "Work",
+    "ReduceOp",
+    "spawn",
+    "RingcommError",
+    "CommTimeoutError",
+    "PeerFailedError",
+    "CollectiveMismatchError",
+    "MessageMismatchError",
+    "AuthenticationError",
+    "RendezvousError",
+    "GroupClosedError",
+    "RankFailedError",
+]

@@ -1,0 +1,61 @@
+"""Argument checks and byte views for user arrays (checked at the call, before any send)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .transport.wire import SUPPORTED_DTYPES
+from .xp import is_cupy_array
+
+__all__ = ["check_array", "byte_view", "check_tag", "check_peer", "SUPPORTED_DTYPE_NAMES"]
+
+SUPPORTED_DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
+_SUPPORTED = set(SUPPORTED_DTYPES)
+
+
+def check_array(x: Any, what: str, *, writeable: bool = False) -> np.ndarray:
+    """Return ``x`` if it is a contiguous array of a supported dtype, else raise.
+
+    TypeError for a non-array or unsupported dtype, ValueError for non-contiguous,
+    non-native byte order or (with ``writeable``) a read-only buffer.
+    """
+    if is_cupy_array(x):
+        raise TypeError(f"{what}: cupy arrays are not supported by this build yet")
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in _SUPPORTED:
+        if x.dtype.newbyteorder("=") in _SUPPORTED and not x.dtype.isnative:
+            raise ValueError(f"{what}: non-native byte order {x.dtype.str} is not supported")
+        raise TypeError(
+            f"{what}: unsupported dtype {x.dtype}; supported: {', '.join(SUPPORTED_DTYPE_NAMES)}"
+        )
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{what}: array must be C-contiguous (use numpy.ascontiguousarray)")
+    if writeable and not x.flags.writeable:
+        raise ValueError(f"{what}: array is read-only but is written in place")
+    return x
+
+
+def byte_view(x: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a contiguous array (shares memory, any number of dims)."""
+    return x.reshape(-1).view(np.uint8)
+
+
+def check_tag(tag: Any, what: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"{what}: tag must be an int, got {type(tag).__name__}")
+    tag = int(tag)
+    if not 0 <= tag < (1 << 63):
+        raise ValueError(f"{what}: tag must be in [0, 2**63), got {tag}")
+    return tag
+
+
+def check_peer(peer: Any, world_size: int, what: str, name: str = "peer") -> int:
+    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
+        raise TypeError(f"{what}: {name} must be an int, got {type(peer).__name__}")
+    peer = int(peer)
+    if not 0 <= peer < world_size:
+        raise ValueError(f"{what}: {name} {peer} is out of range for world size {world_size}")
+    return peer

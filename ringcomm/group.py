@@ -1,0 +1,417 @@
+"""ProcessGroup: ranks, tags, deadlines, point-to-point, sub-groups; init_process_group.
+
+Forming a group (``init_process_group``):
+  1. Resolve rank, world size and master address from arguments and the environment
+     (:mod:`ringcomm.config`).
+  2. Rank 0 hosts the rendezvous store at master_addr:master_port (unless a launcher
+     already does); every rank connects to it.
+  3. Every rank binds its receive socket (ipc:// and tcp://), publishes its endpoints under
+     ``rank/<r>``, waits for everyone's, and picks ipc:// for peers on its host.
+  4. Send sockets connect lazily, on the first message to each peer.
+
+Tag spaces: a message is matched on (source, group id, kind, tag), so point-to-point tags,
+collectives (tagged by their sequence number) and sub-groups never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._version import __version__
+from .buffers import check_array, check_peer, check_tag
+from .config import InitConfig, resolve_init_config
+from .errors import GroupClosedError, RendezvousError, RingcommError
+from .p2p import RecvOp, SendOp
+from .progress import Engine, Op, SerialQueue
+from .rendezvous import Store, StoreServer
+from .transport.endpoints import (
+    TRANSPORT_MODES,
+    EndpointInfo,
+    choose_endpoint,
+    host_identity,
+    local_address_towards,
+)
+from .transport.zmq_transport import ZmqTransport
+from .work import Work
+
+__all__ = ["ProcessGroup", "init_process_group", "DEFAULT_CHUNK_BYTES"]
+
+#: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+_WORLD_GROUP_ID = 0
+
+
+class _Shared:
+    """What all groups of one process share: the engine, the store, the config."""
+
+    def __init__(
+        self,
+        config: InitConfig,
+        engine: Engine,
+        store: Store | None,
+        server: StoreServer | None,
+        chunk_bytes: int,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.store = store
+        self.server = server
+        self.chunk_bytes = chunk_bytes
+        self.closed = False
+        self.lock = threading.Lock()
+
+
+class ProcessGroup:
+    """A set of ranks that communicate. Use as a context manager; ``close()`` is idempotent.
+
+    Ranks given to and returned by methods are ranks *of this group* (0..world_size-1).
+    """
+
+    def __init__(self, shared: _Shared, ranks: Sequence[int], group_id: int) -> None:
+        self._shared = shared
+        self._engine = shared.engine
+        self._ranks = tuple(ranks)  # group rank -> global rank
+        self._group_id = group_id
+        me = shared.config.rank
+        self._rank = self._ranks.index(me)
+        self._world_size = len(self._ranks)
+        self._global_rank = me
+        self.timeout_s: float = shared.config.timeout_s
+        self.chunk_bytes: int = shared.chunk_bytes
+        self._serial = SerialQueue()
+        self._coll_seq = 0
+        self._subgroup_count = 0
+        self._failed: BaseException | None = None
+        self._closed = False
+
+    # -- identity ----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def group_id(self) -> int:
+        return self._group_id
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of this group's members, in group-rank order."""
+        return self._ranks
+
+    @property
+    def config(self) -> InitConfig:
+        return self._shared.config
+
+    def __repr__(self) -> str:
+        return (
+            f"<ProcessGroup rank {self._rank}/{self._world_size} group {self._group_id}"
+            f"{' closed' if self._closed else ''}>"
+        )
+
+    # -- internals used by collectives -------------------------------------------------
+    def _check_usable(self, what: str) -> None:
+        if self._closed or self._shared.closed:
+            raise GroupClosedError(f"rank {self._rank}: {what}: the process group is closed")
+        if self._failed is not None:
+            raise GroupClosedError(
+                f"rank {self._rank}: {what}: the process group failed earlier and stays "
+                f"failed: {self._failed}"
+            ) from self._failed
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not t > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        return t
+
+    def _run(self, op: Op, timeout_s: float | None, async_op: bool) -> Any:
+        """Submit ``op``; wait for it (blocking) or return its Work."""
+        t = self._timeout(timeout_s)
+        self._engine.submit(op)
+        if async_op:
+            return Work(self._engine, op, t)
+        try:
+            return self._engine.wait(op, t)
+        except RingcommError as exc:
+            if not isinstance(op, (SendOp, RecvOp)):
+                self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failed is None:
+            self._failed = exc
+
+    def next_collective_seq(self) -> int:
+        """Sequence number tagging the next collective (all ranks call them in one order)."""
+        self._coll_seq += 1
+        return self._coll_seq
+
+    def global_rank(self, group_rank: int) -> int:
+        return self._ranks[group_rank]
+
+    # -- point-to-point ----------------------------------------------------------------
+    def _send_op(self, x: Any, dst: Any, tag: Any, async_op: bool) -> SendOp:
+        what = f"rank {self._rank}: send"
+        x = check_array(x, what)
+        dst = check_peer(dst, self._world_size, what, "dst")
+        tag = check_tag(tag, what)
+        self._check_usable("send")
+        return SendOp(
+            self._engine,
+            x,
+            src_global=self._global_rank,
+            dst_global=self._ranks[dst],
+            dst=dst,
+            group_id=self._group_id,
+            tag=tag,
+            chunk_bytes=self.chunk_bytes,
+            rank=self._rank,
+            async_op=async_op,
+        )
+
+    def _recv_op(self, x: Any, src: Any, tag: Any, async_op: bool) -> RecvOp:
+        what = f"rank {self._rank}: recv"
+        x = check_array(x, what, writeable=True)
+        src = check_peer(src, self._world_size, what, "src")
+        tag = check_tag(tag, what)
+        self._check_usable("recv")
+        return RecvOp(
+            self._engine,
+            x,
+            src_global=self._ranks[src],
+            src=src,
+            group_id=self._group_id,
+            tag=tag,
+            rank=self._rank,
+            async_op=async_op,
+        )
+
+    def send(self, x: np.ndarray, dst: int, tag: int = 0, *, timeout_s: float | None = None) -> None:
+        """Send ``x`` to ``dst``; returns once ``x`` may be modified again."""
+        self._run(self._send_op(x, dst, tag, False), timeout_s, False)
+
+    def recv(
+        self, x: np.ndarray, src: int, tag: int = 0, *, timeout_s: float | None = None
+    ) -> np.ndarray:
+        """Receive the next message from ``src`` with ``tag`` into ``x`` (in place)."""
+        return self._run(self._recv_op(x, src, tag, False), timeout_s, False)  # type: ignore[no-any-return]
+
+    def isend(self, x: np.ndarray, dst: int, tag: int = 0) -> Work:
+        """Start a send; do not modify ``x`` until the returned Work is done."""
+        return self._run(self._send_op(x, dst, tag, True), None, True)  # type: ignore[no-any-return]
+
+    def irecv(self, x: np.ndarray, src: int, tag: int = 0) -> Work:
+        """Start a receive into ``x``; ``Work.wait()`` returns ``x``."""
+        return self._run(self._recv_op(x, src, tag, True), None, True)  # type: ignore[no-any-return]
+
+    # -- sub-groups --------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
+        """A sub-group of this group's ``ranks`` with its own tag space.
+
+        Every rank of this group must call ``new_group`` with the same ranks, in the same
+        order relative to its other ``new_group`` calls (as in torch.distributed);
+        members get the sub-group, others get None.
+        """
+        self._check_usable("new_group")
+        members = [check_peer(r, self._world_size, f"rank {self._rank}: new_group", "rank") for r in ranks]
+        if len(set(members)) != len(members) or not members:
+            raise ValueError(f"rank {self._rank}: new_group: ranks must be distinct and non-empty, got {list(ranks)}")
+        self._subgroup_count += 1
+        digest = hashlib.blake2b(
+            repr((self._group_id, self._subgroup_count, tuple(members))).encode(), digest_size=8
+        ).digest()
+        gid = int.from_bytes(digest, "little") >> 1 or 1  # 63-bit, never the world's 0
+        if self._rank not in members:
+            return None
+        sub = ProcessGroup(self._shared, [self._ranks[r] for r in members], gid)
+        sub.timeout_s = self.timeout_s
+        sub.chunk_bytes = self.chunk_bytes
+        return sub
+
+    # -- introspection -----------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counters of this process's transport (shared by all its groups)."""
+        e = self._engine
+        t = e.transport
+        return {
+            "sent_bytes": t.sent_bytes,
+            "sent_messages": t.sent_messages,
+            "dropped_frames": e.dropped_frames,
+            "unexpected_messages": e.unexpected_count,
+        }
+
+    # -- closing -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the group. Closing the world group closes the process's transport."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._group_id != _WORLD_GROUP_ID:
+            return
+        shared = self._shared
+        with shared.lock:
+            if shared.closed:
+                return
+            shared.closed = True
+        engine = shared.engine
+        engine.fail_pending(
+            lambda op: GroupClosedError(f"rank {self._rank}: {op.desc}: group closed before it ran")
+        )
+        store, server = shared.store, shared.server
+        checkout_s = min(self.timeout_s, 60.0)
+        try:
+            if store is not None:
+                try:
+                    n = store.add("__closed__", 1)
+                    if server is not None and n < self._world_size:
+                        # Keep serving until every rank has checked out (bounded): a rank
+                        # may still be reading its last rendezvous reply.
+                        store.wait(["__all_closed__"], timeout_s=checkout_s)
+                    elif n >= self._world_size:
+                        store.set("__all_closed__", b"1")
+                except RingcommError:
+                    pass
+        finally:
+            linger_s = 0.0 if self._failed is not None else min(3.0, self.timeout_s)
+            engine.close(linger_s)
+            if store is not None:
+                store.close()
+            if server is not None:
+                server.close()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort: never leave sockets behind
+        try:
+            if not self._closed and self._group_id == _WORLD_GROUP_ID:
+                self._shared.engine.close(0.0)
+        except Exception:
+            pass
+
+
+def _bind_host(addr: str) -> str:
+    """Interface to bind the store on: the master address itself if it is local."""
+    import socket
+
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError as exc:
+        raise RendezvousError(f"cannot resolve master address {addr!r}: {exc}") from exc
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+        return ip
+    except OSError:
+        return "0.0.0.0"  # e.g. a NAT address: listen on every interface
+
+
+def init_process_group(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout_s: float | None = None,
+    token: str | None = None,
+    host_store: bool | None = None,
+    chunk_bytes: int | None = None,
+    transport: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ProcessGroup:
+    """Join (or form) the world group; see DESIGN.md §1 for where values come from.
+
+    Extensions beyond the contract: ``host_store`` (False: a launcher serves the store,
+    as ``RINGCOMM_STORE_EXTERNAL=1``), ``chunk_bytes`` (piece size of pipelined
+    transfers, default ``RINGCOMM_CHUNK_BYTES`` or 1 MiB), ``transport`` (``auto``,
+    ``ipc`` or ``tcp``; default ``RINGCOMM_TRANSPORT`` or auto).
+    """
+    environ = os.environ if env is None else env
+    cfg = resolve_init_config(
+        rank,
+        world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        timeout_s=timeout_s,
+        token=token,
+        host_store=host_store,
+        env=environ,
+    )
+    mode = transport or environ.get("RINGCOMM_TRANSPORT", "auto") or "auto"
+    if mode not in TRANSPORT_MODES:
+        raise RendezvousError(f"RINGCOMM_TRANSPORT must be one of {TRANSPORT_MODES}, got {mode!r}")
+    chunk = chunk_bytes or cfg.chunk_bytes or DEFAULT_CHUNK_BYTES
+    if chunk <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk}")
+    label = f"rank {cfg.rank}"
+
+    server: StoreServer | None = None
+    store: Store | None = None
+    net: ZmqTransport | None = None
+    try:
+        port = cfg.master_port
+        if cfg.rank == 0 and not cfg.store_external and (cfg.world_size > 1 or port != 0):
+            try:
+                server = StoreServer(_bind_host(cfg.master_addr), port, token=cfg.token).start()
+            except RingcommError:
+                raise
+            except Exception as exc:
+                raise RendezvousError(
+                    f"{label}: cannot serve the rendezvous store on "
+                    f"{cfg.master_addr}:{port}: {exc}"
+                ) from exc
+            port = server.port
+        tcp_host = local_address_towards(cfg.master_addr, port or 9)
+        net = ZmqTransport(cfg.rank, tcp_host=tcp_host, use_ipc=mode != "tcp")
+        me = EndpointInfo(
+            rank=cfg.rank,
+            host_id=host_identity(),
+            ipc=net.ipc_endpoint,
+            tcp=net.tcp_endpoint,
+            pid=os.getpid(),
+            version=__version__,
+        )
+        infos = {cfg.rank: me}
+        if cfg.world_size > 1 or cfg.store_external:
+            store = Store(cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label)
+            store.set(f"rank/{cfg.rank}", json.dumps(me.to_dict()).encode())
+            keys = [f"rank/{r}" for r in range(cfg.world_size)]
+            store.wait(keys, timeout_s=cfg.timeout_s)
+            for r in range(cfg.world_size):
+                infos[r] = EndpointInfo.from_dict(json.loads(store.get(keys[r])))
+        for r, info in infos.items():
+            if info.version != __version__:
+                raise RendezvousError(
+                    f"{label}: rank {r} runs ringcomm {info.version}, this rank {__version__}"
+                )
+            if r != cfg.rank:
+                try:
+                    net.set_peer_endpoint(r, choose_endpoint(me, info, mode))
+                except ValueError as exc:
+                    raise RendezvousError(str(exc)) from exc
+        engine = Engine(net, cfg.rank)
+        shared = _Shared(cfg, engine, store, server, chunk)
+        return ProcessGroup(shared, range(cfg.world_size), _WORLD_GROUP_ID)
+    except BaseException:
+        if net is not None:
+            net.close(0.0)
+        if store is not None:
+            store.close()
+        if server is not None:
+            server.close()
+        raise

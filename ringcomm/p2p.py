@@ -1,0 +1,161 @@
+"""Point-to-point operations: chunked, pipelined send and receive.
+
+A send cuts the buffer into ``chunk_bytes`` pieces (:func:`chunk_spans`) and queues them
+all at once; large pieces go zero-copy, so libzmq streams piece k+1 while the receiver
+copies piece k into the caller's buffer straight from the received frame. A send is done
+when libzmq has released every piece (the caller may then reuse its buffer).
+
+Matching: messages with the same (source, group, tag) are received in the order sent (no
+overtaking, as in MPI); a receive posted before its message arrives is fed pieces as they
+come, otherwise the pieces wait in the engine's unexpected queue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import CommTimeoutError, MessageMismatchError
+from .progress import Engine, Op
+from .schedule.chunks import chunk_spans
+from .transport.wire import KIND_P2P, Header, dtype_to_wire
+
+__all__ = ["SendOp", "RecvOp"]
+
+
+class SendOp(Op):
+    def __init__(
+        self,
+        engine: Engine,
+        x: np.ndarray,
+        *,
+        src_global: int,
+        dst_global: int,
+        dst: int,
+        group_id: int,
+        tag: int,
+        chunk_bytes: int,
+        rank: int,
+        async_op: bool = False,
+    ) -> None:
+        super().__init__(engine, async_op=async_op)
+        self.x = x
+        self.dst = dst
+        self.src_global = src_global
+        self.dst_global = dst_global
+        self.group_id = group_id
+        self.tag = tag
+        self.chunk_bytes = chunk_bytes
+        self.sent_pieces = 0
+        self.npieces = 0
+
+    def describe(self) -> str:
+        return f"send to peer {self.dst} (op send, tag {self.tag}, {self.x.dtype}[{self.x.size}])"
+
+    def start(self) -> None:
+        x = self.x
+        data = x.reshape(-1).view(np.uint8)
+        mv = memoryview(data)  # type: ignore[arg-type]
+        spans = chunk_spans(x.nbytes, self.chunk_bytes, x.itemsize)
+        self.npieces = n = len(spans)
+        dtype = dtype_to_wire(x.dtype)
+        for i, (off, length) in enumerate(spans):
+            header = Header(
+                KIND_P2P,
+                self.src_global,
+                self.group_id,
+                self.tag,
+                0,
+                i,
+                n,
+                dtype,
+                x.nbytes,
+                off,
+                tuple(x.shape) if i == 0 else None,
+            )
+            self.add_tracker(self.engine.send(self.dst_global, header, mv[off : off + length], length))
+            self.sent_pieces = i + 1
+        self.settle()
+
+    def progress_note(self) -> str:
+        return f"{self.sent_pieces}/{self.npieces} pieces queued, waiting for the transport to release the buffer"
+
+
+class RecvOp(Op):
+    def __init__(
+        self,
+        engine: Engine,
+        x: np.ndarray,
+        *,
+        src_global: int,
+        src: int,
+        group_id: int,
+        tag: int,
+        rank: int,
+        async_op: bool = False,
+    ) -> None:
+        super().__init__(engine, async_op=async_op)
+        self.x = x
+        self.data = x.reshape(-1).view(np.uint8)
+        self.key = (src_global, group_id, KIND_P2P, tag)
+        self.src = src
+        self.tag = tag
+        self.rank = rank
+        self.group_id = group_id
+        self.got = 0
+        self.npieces = 0
+        self.mismatch: MessageMismatchError | None = None
+        self.result = x
+
+    def describe(self) -> str:
+        return f"recv from peer {self.src} (op recv, tag {self.tag}, {self.x.dtype}[{self.x.size}])"
+
+    def start(self) -> None:
+        self.engine.post(self.key, self)
+
+    def on_piece(self, header: Header, payload: memoryview) -> bool:
+        if self.done:  # finished by a timeout while pieces were in flight: discard them
+            self.got += 1
+            return self.got >= header.npieces
+        if self.got == 0:
+            self.npieces = header.npieces
+            if header.nbytes != self.x.nbytes or header.dtype != self.x.dtype.str:
+                shape = "?" if header.shape is None else "x".join(map(str, header.shape)) or "scalar"
+                self.mismatch = MessageMismatchError(
+                    f"rank {self.rank}: recv from peer {self.src} (op recv, tag {self.tag}): "
+                    f"message is {header.dtype}[{shape}] ({header.nbytes} bytes) but the "
+                    f"buffer is {self.x.dtype.str}[{'x'.join(map(str, self.x.shape)) or 'scalar'}] "
+                    f"({self.x.nbytes} bytes); message discarded, buffer untouched"
+                )
+        if header.piece != self.got or header.npieces != self.npieces:
+            self.mismatch = self.mismatch or MessageMismatchError(
+                f"rank {self.rank}: recv from peer {self.src} (op recv, tag {self.tag}): "
+                f"piece {header.piece}/{header.npieces} arrived, expected {self.got}/{self.npieces}"
+            )
+        n = len(payload)
+        if self.mismatch is None:
+            if header.offset + n > self.data.size:
+                self.mismatch = MessageMismatchError(
+                    f"rank {self.rank}: recv from peer {self.src} (op recv, tag {self.tag}): "
+                    f"piece {header.piece} overruns the buffer"
+                )
+            elif n:
+                self.data[header.offset : header.offset + n] = np.frombuffer(payload, np.uint8)
+        self.got += 1
+        if self.got >= self.npieces:
+            self.finish(self.mismatch)
+            return True
+        return False
+
+    def progress_note(self) -> str:
+        if self.got == 0:
+            return "no piece of the message has arrived"
+        return f"{self.got}/{self.npieces} pieces received"
+
+    def on_timeout(self, error: CommTimeoutError) -> bool:
+        if self.got == 0:
+            # Nothing consumed yet: withdraw cleanly, later messages match later receives.
+            self.engine.unpost(self.key, self)
+            return True
+        # Part of the message was consumed: keep discarding the rest (on_piece checks
+        # ``done``), but the caller's buffer holds a partial message.
+        return True
