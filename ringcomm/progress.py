@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from .errors import CommTimeoutError, GroupClosedError, RingcommError
 from .transport.wire import Header, WireError, pack_header, unpack_header
-from .transport.zmq_transport import Tracker, ZmqTransport, tracker_wait
+from .transport.zmq_transport import ZERO_COPY_MIN_BYTES, Tracker, ZmqTransport, tracker_wait
 
 __all__ = ["Engine", "Op", "Receiver", "SerialQueue", "POLL_SLICE_S"]
 
@@ -297,19 +297,23 @@ class Engine:
         transport = self.transport
         n = 0
         for n in range(1, MAX_DISPATCH_PER_ROUND + 1):
-            msg = transport.recv_nowait()
-            if msg is None:
+            raw_header = transport.recv_header()
+            if raw_header is None:
                 return n - 1
-            if msg is False:
+            if raw_header is False:
                 self.dropped_frames += 1
                 continue
-            raw_header, payload = msg
             try:
-                header = unpack_header(raw_header)
+                header: Header | None = unpack_header(raw_header)  # type: ignore[arg-type]
             except WireError:
+                header = None
+            # Small payloads are copied out of libzmq (cheaper than a zero-copy frame).
+            small = header is not None and header.nbytes < ZERO_COPY_MIN_BYTES
+            payload = transport.recv_payload(copy=small)
+            if header is None or payload is False:
                 self.dropped_frames += 1
                 continue
-            self.dispatch(header, payload)
+            self.dispatch(header, payload)  # type: ignore[arg-type]
         return n
 
     def _admit(self, op: Op) -> None:

@@ -29,7 +29,7 @@ __all__ = ["ZmqTransport", "ZERO_COPY_MIN_BYTES", "Tracker", "tracker_wait"]
 
 #: Payloads at least this large go zero-copy (smaller ones are cheaper to copy than to
 #: track: zero-copy frames cost a free-callback round trip through pyzmq's gc thread).
-ZERO_COPY_MIN_BYTES = int(os.environ.get("RINGCOMM_ZERO_COPY_MIN_BYTES", 64 * 1024))
+ZERO_COPY_MIN_BYTES = 64 * 1024
 
 Tracker = zmq.MessageTracker
 
@@ -145,11 +145,11 @@ class ZmqTransport:
                 pass
         return self._rx in events
 
-    def recv_nowait(self) -> tuple[bytes, memoryview] | None | bool:
-        """Next message as (header bytes, payload view), None when nothing is queued.
+    def recv_header(self) -> bytes | None | bool:
+        """First frame of the next message; None when nothing is queued.
 
-        Returns ``False`` for a message without exactly two frames (it is consumed and
-        must be counted as dropped by the caller).
+        Returns ``False`` for a one-frame message (consumed; the caller counts it as
+        dropped). After a header, the caller must call :meth:`recv_payload`.
         """
         try:
             header = self._rx.recv(zmq.NOBLOCK, copy=True)
@@ -157,12 +157,24 @@ class ZmqTransport:
             return None
         if not self._rx.getsockopt(zmq.RCVMORE):
             return False
-        frame = self._rx.recv(copy=False)
-        if frame.more:
+        return header
+
+    def recv_payload(self, copy: bool) -> memoryview | bool:
+        """The payload frame after a header: copied (small) or in place in libzmq's buffer.
+
+        Returns ``False`` when the message has more than two frames (the rest is consumed).
+        """
+        if copy:
+            data = memoryview(self._rx.recv(copy=True))
+            more = self._rx.getsockopt(zmq.RCVMORE)
+        else:
+            frame = self._rx.recv(copy=False)
+            data, more = frame.buffer, frame.more
+        if more:
             while self._rx.getsockopt(zmq.RCVMORE):
                 self._rx.recv()
             return False
-        return header, frame.buffer
+        return data
 
     def wake(self) -> None:
         """Interrupt a poll in progress on another thread (thread-safe)."""
