@@ -122,6 +122,23 @@ def _rc_latency(pg: rc.ProcessGroup, iters: int) -> float:
     return statistics.median(times)
 
 
+def chunk_sweep(pg: rc.ProcessGroup, sizes: list[int], chunks: list[int], iters: int, reps: int) -> list[dict]:  # type: ignore[type-arg]
+    """ringcomm send/recv throughput per piece size, chunk sizes interleaved per repetition."""
+    rows = []
+    for size in sizes:
+        buf = np.ones(size // 4, np.float32)
+        res: dict[int, list[float]] = {c: [] for c in chunks}
+        for _ in range(reps):
+            for c in chunks:
+                pg.chunk_bytes = c
+                _rc_throughput(pg, buf, 2)
+                res[c].append(size * iters / _rc_throughput(pg, buf, iters) / 1e9)
+        for c in chunks:
+            rows.append({"test": "chunk_sweep", "bytes": size, "chunk_bytes": c,
+                         "ringcomm_GBps": statistics.median(res[c])})
+    return rows if pg.rank == 0 else []
+
+
 def bench(pg: rc.ProcessGroup, sizes: list[int], iters: int, reps: int, name: str) -> list[dict]:  # type: ignore[type-arg]
     ctx, push, pull = _raw_sockets(pg, name)
     rows = []
@@ -181,11 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="write the rows as JSON lines here")
+    ap.add_argument("--chunk-sweep", help="instead: ringcomm throughput for these piece sizes, e.g. 256K,1M,4M")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    rows = rc.spawn(bench, 2, args=(sizes, args.iters, args.reps, uuid.uuid4().hex[:8]), timeout_s=600)[0]
+    if args.chunk_sweep:
+        chunks = [parse_size(c) for c in args.chunk_sweep.split(",")]
+        rows = rc.spawn(chunk_sweep, 2, args=(sizes, chunks, args.iters, args.reps), timeout_s=600)[0]
+    else:
+        rows = rc.spawn(bench, 2, args=(sizes, args.iters, args.reps, uuid.uuid4().hex[:8]), timeout_s=600)[0]
     for row in rows:
-        if row["test"] == "throughput":
+        if row["test"] == "chunk_sweep":
+            print(f"send/recv {row['bytes']:>10} B  chunk {row['chunk_bytes']:>8} B  "
+                  f"ringcomm {row['ringcomm_GBps']:.2f} GB/s")
+        elif row["test"] == "throughput":
             print(
                 f"send/recv {row['bytes']:>10} B  raw pyzmq {row['raw_GBps']:.2f} GB/s  "
                 f"raw+copy {row['raw_copy_GBps']:.2f}  raw tracked+copy {row['raw_tracked_GBps']:.2f}  "

@@ -144,6 +144,7 @@ class Engine:
         self._unexpected: dict[Key, collections.deque[tuple[Header, memoryview]]] = {}
         self._loopback: collections.deque[tuple[Header, memoryview]] = collections.deque()
         self._tracking: list[Op] = []
+        self._live: set[Op] = set()  # submitted and not finished (failed on close)
         self._closed = False
         self._cv = threading.Condition()
         self._async_pending = 0
@@ -162,6 +163,7 @@ class Engine:
                 self._async_pending += 1
                 self._ensure_thread()
                 self._cv.notify()
+        self._live.add(op)
         self._submitted.append(op)
         if self._lock.acquire(blocking=False):
             try:
@@ -177,6 +179,9 @@ class Engine:
         """Drive until ``op`` is done; raise its error, or CommTimeoutError at the deadline."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not op.done:
+            if self._closed:
+                op.finish(GroupClosedError(f"rank {self.rank}: {op.desc}: the process group was closed"))
+                break
             remaining = POLL_SLICE_S if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 self._expire(op, timeout_s)
@@ -337,6 +342,7 @@ class Engine:
             op.finish(err)
 
     def _on_finished(self, op: Op) -> None:
+        self._live.discard(op)
         if op.async_op:
             with self._cv:
                 self._async_pending -= 1
@@ -395,11 +401,13 @@ class Engine:
                     self._lock.release()
 
     # -- closing -----------------------------------------------------------------------
-    def fail_pending(self, error_for: Callable[[Op], BaseException], group: int | None = None) -> None:
-        """Fail every queued operation (all, or those of one group id)."""
+    def abort(self, error_for: Callable[[Op], BaseException], group: int | None = None) -> None:
+        """Fail every unfinished operation (all, or those of one group id)."""
         with self._lock:
-            for op in list(self._submitted):
+            for op in list(self._live):
                 if group is None or getattr(op, "group_id", None) == group:
+                    if op.serial is not None and op in op.serial.pending:
+                        op.serial.pending.remove(op)
                     op.finish(error_for(op))
 
     def close(self, linger_s: float | None = None) -> None:
@@ -412,6 +420,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         with self._lock:
+            for op in list(self._live):
+                op.finish(GroupClosedError(f"rank {self.rank}: {op.desc}: the process group was closed"))
             self.transport.close(linger_s)
             self._posted.clear()
             self._unexpected.clear()

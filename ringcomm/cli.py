@@ -1,0 +1,51 @@
+"""The ``ringcomm`` command line: ``ringcomm [--version] COMMAND ...``.
+
+Each subcommand lives in its own module, which provides a pair:
+
+* ``add_parser(subparsers) -> argparse.ArgumentParser``: registers the subcommand and its
+  options, and sets ``main=<its main>`` as the parser's default;
+* ``main(args: argparse.Namespace) -> int``: runs it and returns the exit status.
+
+To add a subcommand, add its module to :data:`SUBCOMMAND_MODULES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ringcomm._version import __version__
+
+__all__ = ["SUBCOMMAND_MODULES", "build_parser", "main"]
+
+#: Modules providing ``add_parser(subparsers)`` and ``main(args)``, in help order.
+SUBCOMMAND_MODULES: tuple[str, ...] = ("ringcomm.launch.local",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringcomm",
+        description="ringcomm: collective communication over ZeroMQ.",
+    )
+    parser.add_argument("--version", action="version", version=f"ringcomm {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ringcomm`` console script and of ``python -m ringcomm``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command_main = getattr(args, "main", None)
+    if command_main is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(command_main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
