@@ -266,8 +266,8 @@ class ProcessGroup:
                 return
             shared.closed = True
         engine = shared.engine
-        engine.fail_pending(
-            lambda op: GroupClosedError(f"rank {self._rank}: {op.desc}: group closed before it ran")
+        engine.abort(
+            lambda op: GroupClosedError(f"rank {self._rank}: {op.desc}: the group was closed first")
         )
         store, server = shared.store, shared.server
         checkout_s = min(self.timeout_s, 60.0)
