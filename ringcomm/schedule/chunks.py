@@ -29,6 +29,8 @@ def chunk_spans(nbytes: int, chunk_bytes: int, itemsize: int = 1) -> list[tuple[
     bytes (but at least one element). An empty buffer is one empty piece ``[(0, 0)]``: a
     message is still sent, so the receiver's call completes.
     """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if nbytes % max(itemsize, 1) != 0:
         raise ValueError(f"nbytes {nbytes} is not a multiple of itemsize {itemsize}")
     piece = _piece_bytes(chunk_bytes, itemsize)

@@ -100,7 +100,7 @@ def choose_endpoint(me: EndpointInfo, peer: EndpointInfo, mode: str = "auto") ->
     if mode not in TRANSPORT_MODES:
         raise ValueError(f"transport mode must be one of {TRANSPORT_MODES}, got {mode!r}")
     same_host = me.host_id == peer.host_id
-    if mode == "ipc" or (mode == "auto" and same_host):
+    if mode == "ipc" or (mode == "auto" and same_host and peer.ipc is not None):
         if peer.ipc is None or not same_host:
             raise ValueError(
                 f"rank {me.rank}: peer {peer.rank} has no ipc endpoint reachable from here"

@@ -147,9 +147,9 @@ def unpack_header(data: bytes | memoryview) -> Header:
     (ver, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth) = (
         fields
     )
-    if ver != WIRE_VERSION:
+    if type(ver) is not int or ver != WIRE_VERSION:
         raise WireError(f"wire version {ver!r} != {WIRE_VERSION}")
-    if kind not in KIND_NAMES:
+    if type(kind) is not int or kind not in KIND_NAMES:  # also rejects unhashable junk
         raise WireError(f"unknown message kind {kind!r}")
     npieces = _int(npieces, "npieces", 1)
     piece = _int(piece, "piece", 0, npieces - 1)

@@ -1,0 +1,98 @@
+"""Shared test helpers: leaked-process check, free ports, and a case runner for spawned jobs.
+
+Spawning ranks costs a few hundred milliseconds per job on a small machine, so multi-process
+tests batch many cases into one job: :func:`run_cases` runs each case on every rank inside
+its own sub-group (its own tag space, so a failed case cannot leave stray messages for the
+next) and reports per case, and the test module turns that into one pytest test per case.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+
+def _live_children(pid: int) -> list[tuple[int, str]]:
+    """(pid, cmdline) of live, non-zombie children of ``pid`` (multiprocessing's
+    resource tracker, which lives as long as the test process, does not count)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid != pid or state == "Z" or "resource_tracker" in cmdline:
+            continue
+        found.append((int(name), cmdline))
+    return found
+
+
+@pytest.fixture
+def no_child_processes() -> Iterator[None]:
+    """Fail the test if a child process it started outlives it (by 5 s); kill leftovers."""
+    before = {p for p, _ in _live_children(os.getpid())}
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = [(p, c) for p, c in _live_children(os.getpid()) if p not in before]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    for p, _ in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left behind: {left}"
+
+
+def free_port() -> int:
+    """A TCP port the OS just handed out on 127.0.0.1 (free, barring a race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+Case = Callable[[Any], None]
+
+
+def run_cases(pg: Any, cases: Sequence[Case], case_timeout_s: float = 15.0) -> dict[str, Any]:
+    """Run every case ``fn(sub)`` on this rank, each in a fresh sub-group of all ranks.
+
+    Returns ``{case name: (error text or None, seconds)}``. Module-level; pass it to
+    ``rc.spawn`` as ``rc.spawn(run_cases, n, args=(CASES,))``.
+    """
+    results: dict[str, Any] = {}
+    for fn in cases:
+        sub = pg.new_group(range(pg.world_size))
+        sub.timeout_s = case_timeout_s
+        t0 = time.monotonic()
+        try:
+            fn(sub)
+            err = None
+        except Exception:  # noqa: BLE001  (a case's failure is its report)
+            err = f"rank {pg.rank}:\n{traceback.format_exc()}"
+        finally:
+            sub.close()
+        results[fn.__name__] = (err, time.monotonic() - t0)
+    return results
+
+
+def case_report(per_rank: Sequence[dict[str, Any]], name: str) -> str | None:
+    """The failures of case ``name`` across ranks (None if it passed everywhere)."""
+    errors = [r[name][0] for r in per_rank if r[name][0] is not None]
+    return "\n".join(errors) if errors else None
