@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .errors import CommTimeoutError, GroupClosedError, RingcommError
-from .transport.wire import Header, WireError, pack_header, unpack_header
+from .transport.wire import INLINE_MAX_BYTES, Header, WireError, pack_header, unpack_header
 from .transport.zmq_transport import ZERO_COPY_MIN_BYTES, Tracker, ZmqTransport, tracker_wait
 
 __all__ = ["Engine", "Op", "Receiver", "SerialQueue", "POLL_SLICE_S"]
@@ -223,6 +223,9 @@ class Engine:
             # Loopback: copy now (the caller may reuse its buffer once the op completes).
             self._loopback.append((header, memoryview(bytes(payload))))
             return None
+        if nbytes < INLINE_MAX_BYTES:
+            self.transport.send_one(peer, pack_header(header, bytes(payload)), nbytes)
+            return None
         return self.transport.send(peer, pack_header(header), payload, nbytes)
 
     def post(self, key: Key, receiver: Receiver) -> None:
@@ -302,21 +305,31 @@ class Engine:
         transport = self.transport
         n = 0
         for n in range(1, MAX_DISPATCH_PER_ROUND + 1):
-            raw_header = transport.recv_header()
-            if raw_header is None:
+            first = transport.recv_first()
+            if first is None:
                 return n - 1
-            if raw_header is False:
+            raw_header, more = first
+            try:
+                header, inline = unpack_header(raw_header)
+            except WireError:
+                if more:
+                    transport.recv_payload(copy=True)
                 self.dropped_frames += 1
                 continue
-            try:
-                header: Header | None = unpack_header(raw_header)  # type: ignore[arg-type]
-            except WireError:
-                header = None
-            # Small payloads are copied out of libzmq (cheaper than a zero-copy frame).
-            small = header is not None and header.nbytes < ZERO_COPY_MIN_BYTES
-            payload = transport.recv_payload(copy=small)
-            if header is None or payload is False:
-                self.dropped_frames += 1
+            if inline is not None:
+                if more:  # an inline payload and a payload frame: malformed
+                    transport.recv_payload(copy=True)
+                    self.dropped_frames += 1
+                    continue
+                payload: memoryview | bool = memoryview(inline)
+            elif more:
+                # Small payloads are copied out of libzmq (cheaper than a zero-copy frame).
+                payload = transport.recv_payload(copy=header.nbytes < ZERO_COPY_MIN_BYTES)
+                if payload is False:
+                    self.dropped_frames += 1
+                    continue
+            else:
+                self.dropped_frames += 1  # a header without its payload
                 continue
             self.dispatch(header, payload)  # type: ignore[arg-type]
         return n

@@ -67,30 +67,37 @@ def headers(draw: st.DrawFn) -> Header:
 def test_header_round_trip(h: Header) -> None:
     raw = pack_header(h)
     assert isinstance(raw, bytes)
-    got = unpack_header(raw)
-    assert got == h
+    got, inline = unpack_header(raw)
+    assert got == h and inline is None
     assert got.key == (h.src, h.group, h.kind, h.tag)
-    assert unpack_header(memoryview(raw)) == h  # frames arrive as buffers too
+    assert unpack_header(memoryview(raw)) == (h, None)  # frames arrive as buffers too
+
+
+@given(headers(), st.binary(max_size=5000))
+def test_header_with_inline_payload_round_trip(h: Header, payload: bytes) -> None:
+    assert unpack_header(pack_header(h, payload)) == (h, payload)
 
 
 def test_header_defaults_round_trip() -> None:
     h = Header(1, 0, 0, 0)
-    assert unpack_header(pack_header(h)) == h
+    assert unpack_header(pack_header(h)) == (h, None)
 
 
 def _fields(**override: object) -> list[object]:
     """A valid header as the raw msgpack list, with some positions replaced."""
     names = [
         "version", "kind", "src", "group", "tag", "step", "piece", "npieces",
-        "dtype", "nbytes", "offset", "shape", "fp", "auth",
+        "dtype", "nbytes", "offset", "shape", "fp", "auth", "inline",
     ]  # fmt: skip
-    base = dict(zip(names, [WIRE_VERSION, 1, 0, 0, 7, 0, 0, 1, "<f4", 40, 0, [10], None, None]))
+    base = dict(
+        zip(names, [WIRE_VERSION, 1, 0, 0, 7, 0, 0, 1, "<f4", 40, 0, [10], None, None, None])
+    )
     base.update(override)
     return [base[n] for n in names]
 
 
 def test_fields_helper_is_valid() -> None:
-    assert unpack_header(msgpack.packb(_fields(), use_bin_type=True)).tag == 7
+    assert unpack_header(msgpack.packb(_fields(), use_bin_type=True))[0].tag == 7
 
 
 INT_FIELDS = ("src", "group", "tag", "step", "nbytes", "offset", "piece", "npieces")
@@ -187,14 +194,14 @@ ANY_VALUE = st.one_of(
 )
 
 
-@given(st.dictionaries(st.integers(0, 13), ANY_VALUE, min_size=1, max_size=4))
+@given(st.dictionaries(st.integers(0, 14), ANY_VALUE, min_size=1, max_size=4))
 def test_corrupted_fields_never_raise_anything_else(changes: dict[int, object]) -> None:
     """A valid header with a few positions replaced by arbitrary msgpack values."""
     fields = _fields()
     for i, v in changes.items():
         fields[i] = v
     try:
-        h = unpack_header(msgpack.packb(fields, use_bin_type=True))
+        h, _ = unpack_header(msgpack.packb(fields, use_bin_type=True))
     except WireError:
         return
     assert 0 <= h.piece < h.npieces and type(h.kind) is int and h.kind in KIND_NAMES

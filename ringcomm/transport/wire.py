@@ -1,9 +1,15 @@
 """Wire format: pure pack/unpack of message headers (no sockets).
 
-A message is two ZeroMQ frames: a small msgpack header, then the raw payload bytes (possibly
-empty). The header is a msgpack array with fixed positions (compact and fast to parse):
+A message is a small msgpack header frame followed by one raw payload frame. The header is
+a msgpack array with fixed positions (compact and fast to parse):
 
-    [version, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth]
+    [version, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp,
+     auth, inline]
+
+Small payloads (below ``INLINE_MAX_BYTES``) travel inside the header as ``inline`` and the
+message is that single frame: it saves a send and a receive call per message, which is most
+of the cost of an 8-byte message; larger payloads follow as their own frame (``inline`` is
+None), zero-copy when large.
 
 - ``kind``: what the message is for (point-to-point data, collective data, control).
 - ``src``: the sender's global rank. ``group``: the group id (0 = the world group).
@@ -15,6 +21,7 @@ empty). The header is a msgpack array with fixed positions (compact and fast to 
   only, else None) for error messages.
 - ``fp``: the collective's fingerprint (None for point-to-point), ``auth``: reserved for a
   message authentication tag (None when the job runs without a token on the data plane).
+- ``inline``: the payload bytes of a one-frame message, else None.
 
 Messages with the same (src, group, kind, tag) are matched in the order they were sent.
 """
@@ -28,6 +35,7 @@ import numpy as np
 
 __all__ = [
     "WIRE_VERSION",
+    "INLINE_MAX_BYTES",
     "KIND_P2P",
     "KIND_COLL",
     "KIND_CTRL",
@@ -68,7 +76,10 @@ SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(
 )
 _WIRE_DTYPES = {dt.str: dt for dt in SUPPORTED_DTYPES}
 
-_NFIELDS = 14
+_NFIELDS = 15
+
+#: Payloads smaller than this ride inside the header frame (one frame per message).
+INLINE_MAX_BYTES = 4096
 _MAX_U64 = (1 << 64) - 1
 
 
@@ -108,8 +119,9 @@ def dtype_from_wire(text: str) -> np.dtype[Any]:
         raise WireError(f"unsupported dtype on the wire: {text!r}") from None
 
 
-def pack_header(h: Header) -> bytes:
-    return msgpack.packb(
+def pack_header(h: Header, inline: bytes | None = None) -> bytes:
+    """Encode a header; ``inline`` carries a small payload inside it (one-frame message)."""
+    return _packb(
         [
             WIRE_VERSION,
             h.kind,
@@ -125,54 +137,55 @@ def pack_header(h: Header) -> bytes:
             None if h.shape is None else list(h.shape),
             h.fp,
             h.auth,
-        ],
-        use_bin_type=True,
+            inline,
+        ]
     )
 
 
-def _int(v: Any, name: str, lo: int = 0, hi: int = _MAX_U64) -> int:
-    if type(v) is not int or not lo <= v <= hi:
-        raise WireError(f"bad header field {name}: {v!r}")
-    return v
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def unpack_header(data: bytes | memoryview) -> Header:
-    """Parse and validate a header frame; raise :class:`WireError` on anything malformed."""
+def _bad(name: str, value: Any) -> WireError:
+    return WireError(f"bad header field {name}: {value!r}")
+
+
+def unpack_header(data: bytes | memoryview) -> tuple[Header, bytes | None]:
+    """Parse and validate a header frame: ``(header, inline payload or None)``.
+
+    Raises :class:`WireError` on anything malformed (the receiver drops and counts it).
+    """
     try:
         fields = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types on junk
         raise WireError(f"header is not msgpack: {exc}") from exc
-    if not isinstance(fields, list) or len(fields) != _NFIELDS:
+    if type(fields) is not list or len(fields) != _NFIELDS:
         raise WireError("header is not a list of the expected length")
-    (ver, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth) = (
-        fields
-    )
+    (ver, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth,
+     inline) = fields
     if type(ver) is not int or ver != WIRE_VERSION:
         raise WireError(f"wire version {ver!r} != {WIRE_VERSION}")
-    if type(kind) is not int or kind not in KIND_NAMES:  # also rejects unhashable junk
+    if type(kind) is not int or kind not in KIND_NAMES:
         raise WireError(f"unknown message kind {kind!r}")
-    npieces = _int(npieces, "npieces", 1)
-    piece = _int(piece, "piece", 0, npieces - 1)
-    if not isinstance(dtype, str):
-        raise WireError("bad header field dtype")
+    # One pass over the integer fields (msgpack gives Python ints; bools are rejected).
+    for name, v in (("src", src), ("group", group), ("tag", tag), ("step", step),
+                    ("nbytes", nbytes), ("offset", offset)):
+        if type(v) is not int or not 0 <= v <= _MAX_U64:
+            raise _bad(name, v)
+    if type(npieces) is not int or not 1 <= npieces <= _MAX_U64:
+        raise _bad("npieces", npieces)
+    if type(piece) is not int or not 0 <= piece < npieces:
+        raise _bad("piece", piece)
+    if type(dtype) is not str:
+        raise _bad("dtype", dtype)
     if shape is not None:
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise WireError("bad header field shape")
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            raise _bad("shape", shape)
         shape = tuple(shape)
-    if auth is not None and not isinstance(auth, bytes):
-        raise WireError("bad header field auth")
-    return Header(
-        kind,
-        _int(src, "src"),
-        _int(group, "group"),
-        _int(tag, "tag"),
-        _int(step, "step"),
-        piece,
-        npieces,
-        dtype,
-        _int(nbytes, "nbytes"),
-        _int(offset, "offset"),
-        shape,
-        fp,
-        auth,
-    )
+    if auth is not None and type(auth) is not bytes:
+        raise _bad("auth", auth)
+    if inline is not None and type(inline) is not bytes:
+        raise _bad("inline", inline)
+    header = Header(kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape,
+                    fp, auth)
+    return header, inline

@@ -33,6 +33,11 @@ ZERO_COPY_MIN_BYTES = 64 * 1024
 
 Tracker = zmq.MessageTracker
 
+# Flag values as plain ints: combining pyzmq's enum members costs a microsecond per call.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+
 
 def tracker_wait(tracker: Tracker, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for libzmq to release a zero-copy payload; True if done."""
@@ -117,21 +122,28 @@ class ZmqTransport:
 
     # -- sending -----------------------------------------------------------------------
     def send(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
-        """Queue one message; return a tracker when the payload went zero-copy.
+        """Queue a two-frame message; return a tracker when the payload went zero-copy.
 
         ``payload`` is anything with the buffer protocol. While the tracker is not done,
         libzmq may still read the payload's memory: do not modify it.
         """
-        sock = self._socket_to(peer)
-        sock.send(header, zmq.SNDMORE | zmq.NOBLOCK, copy=True)
+        sock = self._tx.get(peer) or self._socket_to(peer)
+        sock.send(header, _SNDMORE_NOBLOCK, copy=True)
         tracker: Tracker | None = None
         if nbytes >= ZERO_COPY_MIN_BYTES:
-            tracker = sock.send(payload, zmq.NOBLOCK, copy=False, track=True)
+            tracker = sock.send(payload, _NOBLOCK, copy=False, track=True)
         else:
-            sock.send(payload, zmq.NOBLOCK, copy=True)
+            sock.send(payload, _NOBLOCK, copy=True)
         self.sent_bytes += nbytes
         self.sent_messages += 1
         return tracker
+
+    def send_one(self, peer: int, frame: bytes, nbytes: int) -> None:
+        """Queue a one-frame message (a header carrying its small payload inline)."""
+        sock = self._tx.get(peer) or self._socket_to(peer)
+        sock.send(frame, _NOBLOCK, copy=True)
+        self.sent_bytes += nbytes
+        self.sent_messages += 1
 
     # -- receiving ---------------------------------------------------------------------
     def poll(self, timeout_s: float) -> bool:
@@ -145,34 +157,33 @@ class ZmqTransport:
                 pass
         return self._rx in events
 
-    def recv_header(self) -> bytes | None | bool:
-        """First frame of the next message; None when nothing is queued.
+    def recv_first(self) -> tuple[bytes, bool] | None:
+        """First frame of the next message and whether more frames follow; None if idle.
 
-        Returns ``False`` for a one-frame message (consumed; the caller counts it as
-        dropped). After a header, the caller must call :meth:`recv_payload`.
+        A message with more frames must be finished with :meth:`recv_payload`.
         """
+        rx = self._rx
         try:
-            header = self._rx.recv(zmq.NOBLOCK, copy=True)
+            first = rx.recv(_NOBLOCK, copy=True)
         except zmq.Again:
             return None
-        if not self._rx.getsockopt(zmq.RCVMORE):
-            return False
-        return header
+        return first, bool(rx.getsockopt(_RCVMORE))
 
     def recv_payload(self, copy: bool) -> memoryview | bool:
         """The payload frame after a header: copied (small) or in place in libzmq's buffer.
 
         Returns ``False`` when the message has more than two frames (the rest is consumed).
         """
+        rx = self._rx
         if copy:
-            data = memoryview(self._rx.recv(copy=True))
-            more = self._rx.getsockopt(zmq.RCVMORE)
+            data = memoryview(rx.recv(copy=True))
+            more = rx.getsockopt(_RCVMORE)
         else:
-            frame = self._rx.recv(copy=False)
+            frame = rx.recv(copy=False)
             data, more = frame.buffer, frame.more
         if more:
-            while self._rx.getsockopt(zmq.RCVMORE):
-                self._rx.recv()
+            while rx.getsockopt(_RCVMORE):
+                rx.recv()
             return False
         return data
 
