@@ -199,7 +199,7 @@ class Engine:
             if self._lock.acquire(blocking=False):
                 try:
                     if not op.done:
-                        self._round(min(remaining, POLL_SLICE_S))
+                        self._round(min(remaining, POLL_SLICE_S), until=op)
                 finally:
                     self._lock.release()
             else:
@@ -277,8 +277,12 @@ class Engine:
             listener(header)
 
     # -- the round ---------------------------------------------------------------------
-    def _round(self, timeout_s: float) -> None:
-        """One progress round: admit, deliver loopback, check trackers, poll, dispatch."""
+    def _round(self, timeout_s: float, until: Op | None = None) -> None:
+        """One progress round: admit, deliver loopback, check trackers, poll, dispatch.
+
+        With ``until``, dispatching stops as soon as that op is done (its caller returns
+        without paying for another look at the socket).
+        """
         while self._submitted:
             self._admit(self._submitted.popleft())
         while self._loopback:
@@ -295,16 +299,18 @@ class Engine:
                 timeout_s = min(timeout_s, 0.0005)
         if self._submitted or self._loopback:
             timeout_s = 0.0
-        if self._drain() or timeout_s <= 0.0:
+        if self._drain(until) or timeout_s <= 0.0 or (until is not None and until.done):
             return
         if self.transport.poll(timeout_s):
-            self._drain()
+            self._drain(until)
 
-    def _drain(self) -> int:
+    def _drain(self, until: Op | None = None) -> int:
         """Dispatch what has arrived (without blocking); return how many messages."""
         transport = self.transport
         n = 0
         for n in range(1, MAX_DISPATCH_PER_ROUND + 1):
+            if until is not None and until.done:
+                return n - 1
             first = transport.recv_first()
             if first is None:
                 return n - 1
