@@ -26,6 +26,7 @@ import numpy as np
 
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
+from .collectives import api as _collectives
 from .config import InitConfig, resolve_init_config
 from .errors import GroupClosedError, RendezvousError, RingcommError
 from .p2p import RecvOp, SendOp
@@ -215,6 +216,99 @@ class ProcessGroup:
     def irecv(self, x: np.ndarray, src: int, tag: int = 0) -> Work:
         """Start a receive into ``x``; ``Work.wait()`` returns ``x``."""
         return self._run(self._recv_op(x, src, tag, True), None, True)  # type: ignore[no-any-return]
+
+    # -- collectives -------------------------------------------------------------------
+    # Thin delegates to ringcomm.collectives.api (argument checks, algorithm choice and the
+    # algorithms live there). DESIGN.md §1; every call also takes timeout_s=.
+    def all_reduce(
+        self,
+        x: Any,
+        op: Any = "sum",
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+        algo: str | None = None,
+    ) -> Any:
+        """Reduce ``x`` over the group in place; return ``x`` (a Work if ``async_op``)."""
+        return _collectives.all_reduce(self, x, op, async_op, timeout_s=timeout_s, algo=algo)
+
+    def reduce_scatter(
+        self,
+        x: Any,
+        out: Any = None,
+        op: Any = "sum",
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """This rank's row of the reduction of ``x`` (``x.shape[0] == world_size``)."""
+        return _collectives.reduce_scatter(self, x, out, op, async_op, timeout_s=timeout_s)
+
+    def all_gather(
+        self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
+    ) -> Any:
+        """Every rank's ``x`` as ``(world_size, *x.shape)`` in rank order."""
+        return _collectives.all_gather(self, x, out, async_op, timeout_s=timeout_s)
+
+    def broadcast(
+        self,
+        x: Any,
+        src: int = 0,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+        algo: str | None = None,
+    ) -> Any:
+        """``src``'s ``x`` into every rank's ``x`` (in place)."""
+        return _collectives.broadcast(self, x, src, async_op, timeout_s=timeout_s, algo=algo)
+
+    def reduce(
+        self,
+        x: Any,
+        dst: int = 0,
+        op: Any = "sum",
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Reduction of ``x`` over the group, in place on ``dst``."""
+        return _collectives.reduce(self, x, dst, op, async_op, timeout_s=timeout_s)
+
+    def gather(
+        self,
+        x: Any,
+        dst: int = 0,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """``(world_size, *x.shape)`` on ``dst``, None elsewhere."""
+        return _collectives.gather(self, x, dst, out, async_op, timeout_s=timeout_s)
+
+    def scatter(
+        self,
+        x: Any,
+        src: int = 0,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Row ``x[rank]`` of ``src``'s ``x`` on every rank (``x`` may be None off ``src``)."""
+        return _collectives.scatter(self, x, src, out, async_op, timeout_s=timeout_s)
+
+    def all_to_all(
+        self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
+    ) -> Any:
+        """``out[j]`` is rank ``j``'s ``x[rank]``."""
+        return _collectives.all_to_all(self, x, out, async_op, timeout_s=timeout_s)
+
+    def barrier(self, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
+        """Return once every rank of the group has entered the barrier."""
+        return _collectives.barrier(self, async_op, timeout_s=timeout_s)
+
+    # -- end of collectives --------------------------------------------------------------
 
     # -- sub-groups --------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:

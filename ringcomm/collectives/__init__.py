@@ -1,0 +1,117 @@
+"""Collective algorithms, one per module, picked by name from :data:`ALGORITHMS`.
+
+Every algorithm is a :class:`~ringcomm.collectives.base.CollectiveOp` subclass with the same
+signature, ``Algorithm(comm: Comm, call: Call, *, async_op=False)`` (see ``base``). The
+public calls live in :mod:`ringcomm.collectives.api` (``ProcessGroup`` methods delegate
+there): they check the arguments on the calling rank before anything is sent, choose the
+algorithm (``algo=`` keyword, else ``RINGCOMM_ALGO``, else by size), and run it.
+
+=================  =========================================================
+collective         algorithms (default first)
+=================  =========================================================
+all_reduce         ``rd`` (<= :data:`ALL_REDUCE_RD_MAX_BYTES`), ``ring``
+reduce_scatter     ``ring``
+all_gather         ``ring``
+broadcast          ``tree`` (<= :data:`BROADCAST_TREE_MAX_BYTES`), ``chain``
+reduce             ``tree``
+gather             ``direct``
+scatter            ``direct``
+all_to_all         ``direct``
+barrier            ``dissemination``
+=================  =========================================================
+
+:mod:`ringcomm.collectives.reference` keeps naive implementations over point-to-point
+(gather to rank 0, ``reference_reduce``, send back) as a test oracle.
+
+This package never imports zmq: it talks to the engine (``progress``) and the pure wire
+format only.
+"""
+
+from __future__ import annotations
+
+from .all_gather_ring import AllGatherRing
+from .all_to_all_direct import AllToAllDirect
+from .allreduce_rd import AllReduceRd
+from .allreduce_ring import AllReduceRing
+from .barrier import BarrierDissemination
+from .base import Call, CollectiveOp, Comm
+from .broadcast_chain import BroadcastChain
+from .broadcast_tree import BroadcastTree
+from .gather_direct import GatherDirect
+from .reduce_scatter_ring import ReduceScatterRing
+from .reduce_tree import ReduceTree
+from .scatter_direct import ScatterDirect
+
+__all__ = [
+    "ALGORITHMS",
+    "ALL_REDUCE_RD_MAX_BYTES",
+    "BROADCAST_TREE_MAX_BYTES",
+    "Call",
+    "CollectiveOp",
+    "Comm",
+    "choose_algorithm",
+    "get_algorithm",
+]
+
+#: collective -> {algorithm name -> class}; the first entry is the size-independent default.
+ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
+    "all_reduce": {"ring": AllReduceRing, "rd": AllReduceRd},
+    "reduce_scatter": {"ring": ReduceScatterRing},
+    "all_gather": {"ring": AllGatherRing},
+    "broadcast": {"chain": BroadcastChain, "tree": BroadcastTree},
+    "reduce": {"tree": ReduceTree},
+    "gather": {"direct": GatherDirect},
+    "scatter": {"direct": ScatterDirect},
+    "all_to_all": {"direct": AllToAllDirect},
+    "barrier": {"dissemination": BarrierDissemination},
+}
+
+#: all_reduce takes recursive doubling up to this many bytes, the ring above. Measured
+#: (benchmarks/results/collectives_switch.md, W=2 and W=4, ipc://, 2 shared cores): rd
+#: 0.5-0.75x the ring's time up to 512 KiB, even at 1 MiB, 1.2-1.9x from 2 MiB on. (rd
+#: moves log2(n) buffers per rank, the ring 2(n-1)/n: at larger n the crossover falls.)
+ALL_REDUCE_RD_MAX_BYTES = 512 * 1024
+#: broadcast takes the binomial tree up to this many bytes, the pipelined chain above.
+#: Measured alongside (W=4 and W=8): within noise of each other up to 4 MiB on one host,
+#: the tree a little ahead at W=8; the chain is kept for large messages, where its
+#: one-send-per-rank matters once links (not cores) are the limit.
+BROADCAST_TREE_MAX_BYTES = 1024 * 1024
+
+
+def get_algorithm(collective: str, algo: str) -> type[CollectiveOp]:
+    """The class implementing ``collective`` with ``algo``; ValueError if there is none."""
+    table = ALGORITHMS.get(collective)
+    if table is None:
+        raise ValueError(f"unknown collective {collective!r}; known: {', '.join(ALGORITHMS)}")
+    try:
+        return table[algo]
+    except KeyError:
+        raise ValueError(
+            f"unknown algo {algo!r} for {collective}; choose from {', '.join(table)}"
+        ) from None
+
+
+def choose_algorithm(
+    collective: str, requested: str | None, env_algo: str | None, nbytes: int
+) -> str:
+    """The algorithm to run: ``requested`` (the ``algo=`` keyword), else ``env_algo``
+    (``RINGCOMM_ALGO``) when it names one of this collective's algorithms, else by size.
+
+    An ``algo=`` naming no algorithm of the collective raises ValueError; so does a
+    ``RINGCOMM_ALGO`` that names no algorithm of any collective.
+    """
+    table = ALGORITHMS[collective]
+    if requested is not None:
+        get_algorithm(collective, requested)
+        return requested
+    if env_algo:
+        if env_algo in table:
+            return env_algo
+        if not any(env_algo in t for t in ALGORITHMS.values()):
+            names = sorted({a for t in ALGORITHMS.values() for a in t})
+            raise ValueError(f"RINGCOMM_ALGO={env_algo!r} names no algorithm; known: {names}")
+    if collective == "all_reduce":
+        return "rd" if nbytes <= ALL_REDUCE_RD_MAX_BYTES else "ring"
+    if collective == "broadcast":
+        return "tree" if nbytes <= BROADCAST_TREE_MAX_BYTES else "chain"
+    return next(iter(table))

@@ -1,0 +1,98 @@
+"""All-gather as a ring (``out.shape == (n, *x.shape)``; segment ``s`` is the row ``out[s]``).
+
+Steps ``k = 0 .. n-2`` (``schedule.ring.all_gather_steps``) on rank ``r``::
+
+    send row (r-k) right            # our own row at k = 0
+    recv row (r-k-1) from the left: out[row] = incoming
+
+and the row received at step ``k`` is the one sent at step ``k+1``: pipelined per piece,
+piece ``j`` is copied into ``out`` and sent on from there at once.
+
+Copies per byte: our own row is sent zero-copy from ``x`` and copied once into ``out[r]``
+(when the first piece from the left has shown that its call matches ours, so a mismatch
+leaves ``out`` untouched); every other row is received (1 kernel copy), copied once from
+the frame into ``out``, and sent on zero-copy from there (1 kernel copy).
+
+Zero-copy safety: ``x`` is never written (if it overlaps a row of ``out`` other than
+``out[r]``, we send from a private copy of it); every other region of ``out`` is written
+exactly once, before it is sent, and never again; ``settle()`` waits for libzmq to release
+the sent pieces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..schedule.chunks import chunk_spans
+from ..schedule.ring import all_gather_steps, ring_neighbors
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["AllGatherRing"]
+
+
+class AllGatherRing(CollectiveOp):
+    name = "all_gather"
+    algo = "ring"
+
+    def start(self) -> None:
+        x, out = self.call.x, self.call.out
+        assert x is not None and out is not None
+        n, r = self.n, self.rank
+        self.result = out
+        out_rows = out.reshape(n, -1)
+        own = out_rows[r]
+        self.own_row = own
+        if n == 1:
+            own[...] = x.reshape(-1)
+            self.post_inboxes()
+            return
+        src = x.reshape(-1)
+        if np.may_share_memory(x, out) and not (
+            src.__array_interface__["data"][0] == own.__array_interface__["data"][0]
+            and src.nbytes == own.nbytes
+        ):  # (x exactly out[r] is the in-place form: nothing is received into it)
+            # x overlaps rows we receive into: send from a private copy instead.
+            src = src.copy()
+        self.src = src
+        self.out_u8 = out_rows.view(np.uint8)  # (n, row_nbytes)
+        self.data = byte_view(out)
+        self.row_nbytes = x.nbytes
+        self.dtype_str = x.dtype.str
+        self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
+        self.right, self.left = ring_neighbors(r, n)
+        self.recv_row = [rs for _, rs in all_gather_steps(r, n)]
+        self.will_send(self.right, n - 1)
+        self.expect(self.left, n - 1)
+        # Step 0 goes out from x itself; out[r] is filled once the left neighbour's first
+        # piece proved its call matches ours (out stays untouched on a mismatch).
+        self.send_message(self.right, 0, byte_view(src), self.spans, 0, self.dtype_str)
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        k, j = header.step, header.piece
+        spans = self.spans
+        if k >= self.n - 1 or header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: step {k} piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes does not fit the schedule"
+            )
+        off, length = spans[j]
+        row = self.recv_row[k]
+        if not self.touched:
+            self.touched = True
+            self.own_row[...] = self.src
+        self.out_u8[row, off : off + length] = np.frombuffer(payload, np.uint8)
+        if k < self.n - 2:
+            base = row * self.row_nbytes
+            self.send_piece(
+                self.right,
+                k + 1,
+                j,
+                len(spans),
+                self.row_nbytes,
+                off,
+                self.data[base + off : base + off + length],
+                self.dtype_str,
+            )

@@ -1,0 +1,153 @@
+"""All-reduce by recursive doubling, for small messages (latency: ``log2 n`` exchanges).
+
+The plan is ``schedule.rd.rd_allreduce_plan`` (MPICH's scheme with the non-power-of-two
+pre- and post-step): each rank exchanges its whole buffer with ``log2 p2`` partners and
+reduces the partner's in, the lower rank's operand always on the left
+(``RdStep.incoming_first``), so every rank evaluates the same bracketing and ends with the
+same bits. AVG is finalized right after the last reducing step, before the result is handed
+to a partner that sat out (which then copies it).
+
+Every directed pair of ranks exchanges at most one message per all-reduce, so one inbox
+per partner; and the reduction is elementwise, so each ``chunk_bytes`` piece runs the plan
+on its own: piece ``j`` moves to its next step as soon as its current step is done, while
+other pieces may be a step ahead or behind (pieces that arrive early wait, as the received
+frame, until their piece catches up).
+
+Copies per byte, per step: one copy at send (by the transport for small pieces; by us,
+into a private ``bytes``, for exchange pieces of at least ``PRIVATE_COPY_MIN_BYTES``),
+one kernel copy into a frame, and the reduction straight from it (``recv_result`` copies
+the frame into ``x``). ``send``/``send_result`` pieces go zero-copy when large.
+
+Zero-copy safety: in an exchange the partner's piece can arrive before libzmq has finished
+reading ours (nothing orders them), and we are about to reduce into that very piece. Large
+exchange pieces are therefore sent from a private copy; if the transport still went
+zero-copy from ``x`` (its threshold lowered below ours), we wait for that piece's tracker
+(:meth:`wait_released`) before reducing. A ``send`` followed by ``recv_result`` from the
+same partner needs no wait: the result exists only after the partner received our piece
+whole; ``send_result`` is our last write-free step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..ops import finalize, reduce_into
+from ..schedule.chunks import chunk_spans
+from ..schedule.rd import rd_allreduce_plan
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["AllReduceRd"]
+
+#: Exchange pieces at least this large are sent from a private copy (one memcpy) rather
+#: than zero-copy from ``x``: waiting for libzmq to release a zero-copy piece before we
+#: may reduce into it costs more (measured: 64 KiB W=2 went from ~130 us to ~330 us).
+#: The transport's zero-copy threshold (``ZERO_COPY_MIN_BYTES``, 64 KiB); below it the
+#: transport copies anyway. (Should they drift apart, wait_released keeps it correct.)
+PRIVATE_COPY_MIN_BYTES = 64 * 1024
+
+_RECEIVING = ("recv_reduce", "exchange", "recv_result")
+_REDUCING = ("recv_reduce", "exchange")
+
+
+class AllReduceRd(CollectiveOp):
+    name = "all_reduce"
+    algo = "rd"
+
+    def start(self) -> None:
+        x, op = self.call.x, self.call.op
+        assert x is not None and op is not None
+        self.result = x
+        plan = rd_allreduce_plan(self.rank, self.n)
+        self.plan = plan
+        reducing = [i for i, st in enumerate(plan) if st.kind in _REDUCING]
+        # Finalize after the last reducing step; a world of one finalizes at once; a rank
+        # that sat out receives finalized bytes.
+        self.finalize_after = reducing[-1] if reducing else (-1 if not plan else None)
+        self.flat = x.reshape(-1)
+        self.data = byte_view(self.flat)
+        self.dtype = x.dtype
+        self.dtype_str = x.dtype.str
+        self.itemsize = x.itemsize
+        self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
+        npieces = len(self.spans)
+        self.step_of_peer: dict[int, int] = {}
+        for i, st in enumerate(plan):
+            if st.kind in _RECEIVING:
+                self.expect(st.peer, 1)
+                self.step_of_peer[st.peer] = i
+            else:
+                self.will_send(st.peer, 1)
+            if st.kind == "exchange":
+                self.will_send(st.peer, 1)
+        self.pos = [0] * npieces  # next plan step of each piece
+        self.sent = [-1] * npieces  # last plan step whose send of the piece is queued
+        self.early: dict[tuple[int, int], memoryview] = {}  # (step, piece) -> frame
+        self.trackers: dict[tuple[int, int], Any] = {}
+        if self.finalize_after == -1:
+            finalize(op, x, self.n)
+        for j in range(npieces):
+            self._advance(j)
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        j = header.piece
+        spans = self.spans
+        if header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes from rank {peer} does not fit the buffer"
+            )
+        i = self.step_of_peer[peer]
+        self.early[(i, j)] = payload
+        if self.pos[j] == i:
+            self._advance(j)
+
+    def _advance(self, j: int) -> None:
+        """Carry piece ``j`` through its plan as far as the frames received allow."""
+        plan = self.plan
+        off, length = self.spans[j]
+        while self.pos[j] < len(plan):
+            i = self.pos[j]
+            st = plan[i]
+            if st.kind in ("send", "exchange", "send_result") and self.sent[j] < i:
+                view = self.data[off : off + length]
+                private = st.kind == "exchange" and length >= PRIVATE_COPY_MIN_BYTES
+                tracker = self.send_piece(
+                    st.peer,
+                    i,
+                    j,
+                    len(self.spans),
+                    len(self.data),
+                    off,
+                    bytes(view) if private else view,
+                    self.dtype_str,
+                    track=not private,
+                )
+                self.sent[j] = i
+                if tracker is not None and st.kind == "exchange" and not private:
+                    self.trackers[(i, j)] = tracker
+            if st.kind in ("send", "send_result"):
+                self.pos[j] = i + 1
+                continue
+            frame = self.early.pop((i, j), None)
+            if frame is None:
+                return  # wait for the partner's piece
+            a = off // self.itemsize
+            target = self.flat[a : a + length // self.itemsize]
+            incoming = np.frombuffer(frame, self.dtype)
+            self.touched = True
+            if st.kind == "recv_result":
+                target[...] = incoming
+            else:
+                # Our piece of this exchange must be out of libzmq's hands before we write.
+                self.wait_released(self.trackers.pop((i, j), None))
+                op = self.call.op
+                assert op is not None
+                reduce_into(op, target, incoming, incoming_first=st.incoming_first)
+                if i == self.finalize_after:
+                    finalize(op, target, self.n)
+            self.pos[j] = i + 1

@@ -1,0 +1,136 @@
+"""All-reduce as a ring: reduce-scatter then all-gather, pipelined piece by piece.
+
+The buffer of ``count`` elements is cut into ``n`` segments (``schedule.ring``; uneven
+sizes and empty segments are fine). Over ``2(n-1)`` global steps ``t`` every rank sends to
+its right neighbour and receives from its left one::
+
+    t = 0 .. n-2      reduce-scatter step k=t:       recv segment (r-k-2): x[seg] op= incoming
+    t = n-1 .. 2n-3   all-gather step k=t-(n-1):     recv segment (r-k-1): x[seg] = incoming
+
+and the segment received at step ``t`` is the one sent at step ``t+1`` (at the switch, the
+owned segment ``r``, reduced last, is the first one all-gathered). Each step's segment is
+cut into ``chunk_bytes`` pieces; the pipeline runs at piece granularity, as NCCL does: as
+soon as piece ``j`` received at step ``t`` is reduced (or copied), it is sent on as piece
+``j`` of step ``t+1``. Step 0 (our own data of segment ``r-1``) is sent whole at start.
+The left neighbour's whole stream, all steps in order, goes to one inbox.
+
+Bit-identical results on every rank: only the owner of segment ``s`` (rank ``s``) computes
+its final value (``finalize`` for AVG happens there, before all-gather); everybody else
+copies those bytes.
+
+Copies per byte, large pieces: send zero-copy from ``x`` (libzmq -> kernel: 1 kernel copy),
+receive into a libzmq frame (1 kernel copy), reduce straight from the frame into ``x``
+(one NumPy pass, no copy) in reduce-scatter, or one copy frame -> ``x`` in all-gather.
+Pieces below the transport's zero-copy threshold are also copied once at send.
+
+Zero-copy safety (why ``x`` is never written while libzmq may still read it): we send a
+region of ``x`` (segment ``s``, piece ``j``) once per phase. In reduce-scatter it is sent
+right after it was last written, and not written again until all-gather receives segment
+``s`` piece ``j`` back from the left -- a message that exists only because our piece
+travelled the whole ring (right neighbour ... owner of ``s`` ... left neighbour): the right
+neighbour received it whole, so libzmq had finished reading it. In all-gather a region is
+written once (the copy) and then sent; nothing writes it afterwards. ``settle()`` at the
+end makes the op complete only once libzmq released every piece.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..ops import finalize, reduce_into
+from ..schedule.chunks import chunk_spans
+from ..schedule.ring import all_gather_steps, reduce_scatter_steps, ring_neighbors, segment_bounds
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["AllReduceRing"]
+
+
+class AllReduceRing(CollectiveOp):
+    name = "all_reduce"
+    algo = "ring"
+
+    def start(self) -> None:
+        x = self.call.x
+        op = self.call.op
+        assert x is not None and op is not None
+        n, r = self.n, self.rank
+        self.result = x
+        if n == 1:
+            finalize(op, x, 1)
+            self.post_inboxes()
+            return
+        self.flat = x.reshape(-1)
+        self.data = byte_view(self.flat)
+        self.dtype = x.dtype
+        self.dtype_str = x.dtype.str
+        itemsize = x.itemsize
+        self.right, self.left = ring_neighbors(r, n)
+        bounds = segment_bounds(x.size, n)
+        self.seg_first = [a for a, _ in bounds]  # first element of each segment
+        self.seg_spans = [
+            chunk_spans((b - a) * itemsize, self.comm.chunk_bytes, itemsize) for a, b in bounds
+        ]
+        self.seg_nbytes = [(b - a) * itemsize for a, b in bounds]
+        self.itemsize = itemsize
+        # Segment received at each global step: reduce-scatter steps, then all-gather steps.
+        self.recv_seg = [rs for _, rs in reduce_scatter_steps(r, n)] + [
+            ag for _, ag in all_gather_steps(r, n)
+        ]
+        self.last_step = 2 * (n - 1) - 1
+        self.will_send(self.right, 2 * (n - 1))
+        self.expect(self.left, 2 * (n - 1))
+        # Step 0: send our own data of segment r-1 to the right, all pieces now.
+        first = reduce_scatter_steps(r, n)[0][0]
+        self.send_message(
+            self.right,
+            0,
+            self.data,
+            self.seg_spans[first],
+            self.seg_first[first] * itemsize,
+            self.dtype_str,
+        )
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        t = header.step
+        j = header.piece
+        if t > self.last_step:
+            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {t}")
+        seg = self.recv_seg[t]
+        spans = self.seg_spans[seg]
+        if header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: step {t} piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes does not fit segment {seg}"
+            )
+        off, length = spans[j]
+        start = self.seg_first[seg] + off // self.itemsize
+        stop = start + length // self.itemsize
+        incoming = np.frombuffer(payload, self.dtype)
+        target = self.flat[start:stop]
+        self.touched = True
+        if t < self.n - 1:
+            # Reduce-scatter: reduce the left neighbour's partial sum in, from its frame.
+            op = self.call.op
+            assert op is not None
+            reduce_into(op, target, incoming)
+            if t == self.n - 2:  # our owned segment is complete: only we finalize it
+                finalize(op, target, self.n)
+        else:
+            # All-gather: the owner's final bytes.
+            target[...] = incoming
+        if t < self.last_step:
+            # Send piece j on as step t+1 (the same segment, the same span).
+            base = self.seg_first[seg] * self.itemsize
+            self.send_piece(
+                self.right,
+                t + 1,
+                j,
+                len(spans),
+                self.seg_nbytes[seg],
+                off,
+                self.data[base + off : base + off + length],
+                self.dtype_str,
+            )

@@ -1,0 +1,320 @@
+"""The public collective calls (``ProcessGroup`` methods delegate here).
+
+Each call: check the arguments on the calling rank (TypeError/ValueError, before anything
+is sent), choose the algorithm, take the group's next collective sequence number, build the
+algorithm's op and run it through the group (blocking, or a ``Work`` with
+``async_op=True``). Collectives of one group run one after another in the order called
+(the group's serial queue), so several outstanding async ones complete in order.
+
+Contracts: DESIGN.md §1. Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
+all_reduce and broadcast, ``async_op`` on every call, ``out`` on gather (used on ``dst``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..buffers import check_array, check_peer
+from ..ops import ReduceOp, check_op_dtype, parse_op
+from . import choose_algorithm, get_algorithm
+from .base import Call, Comm
+
+if TYPE_CHECKING:
+    from ..group import ProcessGroup
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]
+
+
+# -- argument checks -------------------------------------------------------------------
+def _what(pg: ProcessGroup, name: str) -> str:
+    return f"rank {pg.rank}: {name}"
+
+
+def _check_op(op: Any, dtype: np.dtype[Any], what: str) -> ReduceOp:
+    try:
+        rop = parse_op(op)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    try:
+        check_op_dtype(rop, dtype)
+    except TypeError as exc:
+        raise TypeError(f"{what}: {exc}") from None
+    return rop
+
+
+def _check_flag(value: Any, what: str, name: str = "async_op") -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what}: {name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _check_rows(x: np.ndarray, n: int, what: str, name: str = "x") -> None:
+    if x.ndim == 0 or x.shape[0] != n:
+        raise ValueError(
+            f"{what}: {name}.shape[0] must equal the world size {n}, got shape {x.shape}"
+        )
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str) -> np.ndarray:
+    out = check_array(out, f"{what} (out)", writeable=True)
+    assert isinstance(out, np.ndarray)
+    if out.dtype != dtype:
+        raise TypeError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
+    if out.shape != shape:
+        raise ValueError(f"{what}: out has shape {out.shape}, expected {shape}")
+    return out
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.nbytes == b.nbytes
+    )
+
+
+def _check_root(root: Any, pg: ProcessGroup, what: str, name: str) -> int:
+    return check_peer(root, pg.world_size, what, name)
+
+
+def _check_chunk_bytes(pg: ProcessGroup, what: str) -> int:
+    chunk = pg.chunk_bytes
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
+        raise ValueError(f"{what}: pg.chunk_bytes must be a positive int, got {chunk!r}")
+    return int(chunk)
+
+
+# -- running ---------------------------------------------------------------------------
+def _run(pg: ProcessGroup, call: Call, timeout_s: float | None, async_op: bool) -> Any:
+    what = _what(pg, call.name)
+    chunk = _check_chunk_bytes(pg, what)
+    try:
+        timeout = pg._timeout(timeout_s)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    pg._check_usable(call.name)
+    cls = get_algorithm(call.name, call.algo)
+    comm = Comm(
+        engine=pg._engine,
+        rank=pg.rank,
+        world_size=pg.world_size,
+        group_id=pg.group_id,
+        ranks=pg.ranks,
+        seq=pg.next_collective_seq(),  # last: only a call that will run takes a number
+        chunk_bytes=chunk,
+        timeout_s=timeout,
+        serial=pg._serial,
+    )
+    return pg._run(cls(comm, call, async_op=async_op), timeout_s, async_op)
+
+
+def _env_algo(pg: ProcessGroup) -> str | None:
+    return pg.config.algo
+
+
+# -- the collectives -------------------------------------------------------------------
+def all_reduce(
+    pg: ProcessGroup,
+    x: Any,
+    op: ReduceOp | str = "sum",
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+    algo: str | None = None,
+) -> Any:
+    """Reduce ``x`` over all ranks, in place on every rank; return ``x`` (or a Work)."""
+    what = _what(pg, "all_reduce")
+    x = check_array(x, what, writeable=True)
+    rop = _check_op(op, x.dtype, what)
+    async_op = _check_flag(async_op, what)
+    try:
+        chosen = choose_algorithm("all_reduce", algo, _env_algo(pg), x.nbytes)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    call = Call("all_reduce", chosen, x=x, op=rop, dtype=x.dtype, shape=tuple(x.shape))
+    return _run(pg, call, timeout_s, async_op)
+
+
+def reduce_scatter(
+    pg: ProcessGroup,
+    x: Any,
+    out: Any = None,
+    op: ReduceOp | str = "sum",
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Reduce ``x`` (``x.shape[0] == world_size``) and return this rank's row ``x[rank]``
+    of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified."""
+    what = _what(pg, "reduce_scatter")
+    x = check_array(x, what)
+    _check_rows(x, pg.world_size, what)
+    rop = _check_op(op, x.dtype, what)
+    async_op = _check_flag(async_op, what)
+    shape = tuple(x.shape[1:])
+    out = np.empty(shape, x.dtype) if out is None else _check_out(out, shape, x.dtype, what)
+    if np.may_share_memory(out, x) and not _same_memory(out, x[pg.rank]):
+        raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
+    call = Call("reduce_scatter", "ring", x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape))
+    return _run(pg, call, timeout_s, async_op)
+
+
+def all_gather(
+    pg: ProcessGroup,
+    x: Any,
+    out: Any = None,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order."""
+    what = _what(pg, "all_gather")
+    x = check_array(x, what)
+    async_op = _check_flag(async_op, what)
+    shape = (pg.world_size, *x.shape)
+    out = np.empty(shape, x.dtype) if out is None else _check_out(out, shape, x.dtype, what)
+    call = Call("all_gather", "ring", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
+    return _run(pg, call, timeout_s, async_op)
+
+
+def broadcast(
+    pg: ProcessGroup,
+    x: Any,
+    src: int = 0,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+    algo: str | None = None,
+) -> Any:
+    """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work)."""
+    what = _what(pg, "broadcast")
+    src = _check_root(src, pg, what, "src")
+    x = check_array(x, what, writeable=pg.rank != src)
+    async_op = _check_flag(async_op, what)
+    try:
+        chosen = choose_algorithm("broadcast", algo, _env_algo(pg), x.nbytes)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape))
+    return _run(pg, call, timeout_s, async_op)
+
+
+def reduce(
+    pg: ProcessGroup,
+    x: Any,
+    dst: int = 0,
+    op: ReduceOp | str = "sum",
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Reduce ``x`` over all ranks into ``dst``'s ``x`` (in place there); return ``x``.
+    Other ranks' ``x`` is not modified."""
+    what = _what(pg, "reduce")
+    dst = _check_root(dst, pg, what, "dst")
+    x = check_array(x, what, writeable=pg.rank == dst)
+    rop = _check_op(op, x.dtype, what)
+    async_op = _check_flag(async_op, what)
+    call = Call("reduce", "tree", x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
+    return _run(pg, call, timeout_s, async_op)
+
+
+def gather(
+    pg: ProcessGroup,
+    x: Any,
+    dst: int = 0,
+    out: Any = None,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Every rank's ``x`` as ``(world_size, *x.shape)`` on ``dst`` (in ``out`` if given
+    there); None on the other ranks (which ignore ``out``)."""
+    what = _what(pg, "gather")
+    dst = _check_root(dst, pg, what, "dst")
+    x = check_array(x, what)
+    async_op = _check_flag(async_op, what)
+    if pg.rank == dst:
+        shape = (pg.world_size, *x.shape)
+        out = np.empty(shape, x.dtype) if out is None else _check_out(out, shape, x.dtype, what)
+    else:
+        out = None
+    call = Call("gather", "direct", x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
+    return _run(pg, call, timeout_s, async_op)
+
+
+def scatter(
+    pg: ProcessGroup,
+    x: Any,
+    src: int = 0,
+    out: Any = None,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Row ``x[rank]`` of ``src``'s ``x`` (``x.shape[0] == world_size``) on every rank.
+
+    On other ranks ``x`` may be None (dtype and shape then come from ``src``'s message) or
+    an array of ``src``'s shape and dtype (checked against it; not written). The row is
+    returned, in ``out`` if given (shape ``x.shape[1:]``).
+    """
+    what = _what(pg, "scatter")
+    src = _check_root(src, pg, what, "src")
+    n = pg.world_size
+    async_op = _check_flag(async_op, what)
+    dtype: np.dtype[Any] | None = None
+    shape: tuple[int, ...] | None = None
+    if x is not None or pg.rank == src:
+        x = check_array(x, what)
+        _check_rows(x, n, what)
+        dtype, shape = x.dtype, tuple(x.shape)
+    if out is not None:
+        if dtype is not None and shape is not None:
+            out = _check_out(out, shape[1:], dtype, what)
+        else:
+            out = check_array(out, f"{what} (out)", writeable=True)
+            dtype, shape = out.dtype, (n, *out.shape)
+    elif dtype is not None and shape is not None:  # src, or a rank that passed x
+        out = np.empty(shape[1:], dtype)
+    call = Call("scatter", "direct", x=x, out=out, root=src, dtype=dtype, shape=shape)
+    return _run(pg, call, timeout_s, async_op)
+
+
+def all_to_all(
+    pg: ProcessGroup,
+    x: Any,
+    out: Any = None,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """``out[j]`` is rank ``j``'s ``x[rank]`` (``x.shape[0] == world_size``); return out."""
+    what = _what(pg, "all_to_all")
+    x = check_array(x, what)
+    _check_rows(x, pg.world_size, what)
+    async_op = _check_flag(async_op, what)
+    if out is None:
+        out = np.empty_like(x)
+    else:
+        out = _check_out(out, tuple(x.shape), x.dtype, what)
+        if np.may_share_memory(out, x):
+            raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
+    call = Call("all_to_all", "direct", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
+    return _run(pg, call, timeout_s, async_op)
+
+
+def barrier(pg: ProcessGroup, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
+    """Return once every rank of the group has entered the barrier."""
+    async_op = _check_flag(async_op, _what(pg, "barrier"))
+    return _run(pg, Call("barrier", "dissemination"), timeout_s, async_op)

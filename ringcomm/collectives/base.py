@@ -1,0 +1,466 @@
+"""What every collective algorithm shares: the call, its fingerprint, inboxes and sends.
+
+An algorithm is a :class:`CollectiveOp` (a progress-engine :class:`~ringcomm.progress.Op`)
+built from two frozen descriptions, the same for every algorithm (the registry's one
+signature)::
+
+    AlgorithmClass(comm: Comm, call: Call, *, async_op: bool = False)
+
+* :class:`Comm` -- the group as the algorithm sees it: engine, rank, world size, group id,
+  the group-rank -> global-rank table, this collective's sequence number, ``chunk_bytes``,
+  the deadline, and the group's serial queue (collectives of one group run one after
+  another, in the order called).
+* :class:`Call` -- the checked arguments: arrays, reduce op, root, dtype, shape, algorithm.
+
+Messages. Every collective message is ``Header(KIND_COLL, src, group, seq, step, piece,
+npieces, ...)``: it is matched on ``(src, group, KIND_COLL, seq)``, so one collective's
+stream from one peer is its own ordered channel. ``step`` says which step of the algorithm
+the message belongs to, ``piece``/``npieces`` which ``chunk_bytes`` piece of that step's
+message it is, ``offset`` its byte offset inside the message. Each peer's stream is
+consumed by one :class:`_Inbox`, posted once per collective; it knows how many messages
+(not pieces) to expect and returns True from ``on_piece`` only after the last piece of the
+last message.
+
+Fingerprint. Every piece carries ``fp = [name, dtype, shape, op, root, algo, chunk_bytes]``
+of the sender's call. An inbox compares it with its own call's before the piece reaches the
+algorithm, so a mismatching rank fails with :class:`CollectiveMismatchError` naming both
+calls, before anything is reduced or copied into the user's buffers. The failing rank then
+sends an *abort* message (``fp = ["!abort", rank, kind, text]``) with this collective's key
+to every other rank of the group (not only its partners in this algorithm: a rank that
+called another collective, or chose another algorithm, may be waiting on anyone). A rank
+with an inbox for us fails at once with the same story and passes the abort on, so every
+rank still inside this collective fails promptly instead of waiting for its deadline. An
+abort that reaches a rank with no inbox for us stays in its unexpected queue (a few bytes,
+only after a failure). Inboxes of a failed collective stay posted and keep swallowing the
+rest of their streams, so no stale piece ever reaches another call.
+
+Not detectable: calls that never send to each other, e.g. two ranks that both believe they
+are a broadcast's source (each only sends). Such a call completes on both; the deadline of
+whoever waits on them is the backstop.
+
+Zero-copy sends. Pieces go out with :meth:`Engine.send`; large ones are zero-copy, i.e.
+libzmq's I/O thread may read our memory until the piece's tracker is done. Algorithms
+either never write a region after sending it, or (a causal argument in their docstring)
+only after a message that could not exist before the peer had the whole piece, or they
+call :meth:`CollectiveOp.wait_released` first. Every op ends with ``settle()``: it
+completes only once libzmq has released every buffer it sent from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError, CommTimeoutError, RingcommError
+from ..ops import ReduceOp, _float_errors_silenced, _ufunc_name
+from ..progress import Engine, Op, SerialQueue
+from ..transport.wire import KIND_COLL, Header
+
+__all__ = [
+    "ABORT",
+    "Call",
+    "CollectiveOp",
+    "Comm",
+    "byte_view",
+    "describe_fingerprint",
+    "fingerprint",
+    "reduce_out",
+]
+
+#: First field of an abort message's fingerprint.
+ABORT = "!abort"
+#: Longest abort reason put on the wire.
+_ABORT_TEXT_MAX = 2000
+
+
+@dataclass(frozen=True)
+class Comm:
+    """The group, as one collective call sees it."""
+
+    engine: Engine
+    rank: int
+    world_size: int
+    group_id: int
+    ranks: tuple[int, ...]  # group rank -> global rank
+    seq: int
+    chunk_bytes: int
+    timeout_s: float
+    serial: SerialQueue | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """A checked collective call. Fields a collective does not use are None.
+
+    ``shape``/``dtype``: the shape and dtype of ``x`` (for ``scatter`` on a rank that
+    passed ``x=None``, None: they come from the source's message).
+    """
+
+    name: str
+    algo: str
+    x: np.ndarray | None = None
+    out: np.ndarray | None = None
+    op: ReduceOp | None = None
+    root: int | None = None
+    dtype: np.dtype[Any] | None = None
+    shape: tuple[int, ...] | None = None
+
+
+# Which keyword names the root in messages about each collective.
+_ROOT_NAMES = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
+
+
+def fingerprint(call: Call, chunk_bytes: int | None) -> list[Any]:
+    """``[name, dtype, shape, op, root, algo, chunk_bytes]`` as it goes on the wire.
+
+    ``chunk_bytes`` is part of it because the pipelined algorithms forward a piece as soon
+    as it arrives, which needs both sides to cut messages alike. A list (msgpack gives
+    lists back), so a received one compares equal with ``==``. None fields on the receiving
+    side are wildcards (scatter onto ``x=None``).
+    """
+    return [
+        call.name,
+        None if call.dtype is None else call.dtype.str,
+        None if call.shape is None else list(call.shape),
+        None if call.op is None else call.op.value,
+        call.root,
+        call.algo,
+        chunk_bytes,
+    ]
+
+
+def describe_fingerprint(fp: Any) -> str:
+    """``all_reduce(float32[4x250], op=sum, algo=ring, chunk_bytes=64)``, for messages."""
+    if not isinstance(fp, (list, tuple)) or len(fp) != 7 or not isinstance(fp[0], str):
+        return f"an unrecognised message (fingerprint {fp!r:.200})"
+    name, dtype, shape, op, root, algo, chunk = fp
+    parts = []
+    if dtype is not None or shape is not None:
+        try:
+            dname = "?" if dtype is None else np.dtype(dtype).name
+        except TypeError:
+            dname = repr(dtype)
+        dims = "?" if shape is None else "x".join(map(str, shape))
+        parts.append(f"{dname}[{dims}]")
+    if op is not None:
+        parts.append(f"op={op}")
+    if root is not None:
+        parts.append(f"{_ROOT_NAMES.get(name, 'root')}={root}")
+    parts.append(f"algo={algo}")
+    if chunk is not None:
+        parts.append(f"chunk_bytes={chunk}")
+    return f"{name}({', '.join(parts)})"
+
+
+def byte_view(a: np.ndarray) -> memoryview:
+    """A flat byte memoryview of a contiguous array (what pieces are sliced from)."""
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def reduce_out(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out <- a (op) b``: out-of-place form of :func:`ringcomm.ops.reduce_into`.
+
+    Same semantics (bool maps onto logical ops, float overflow silent); used where the
+    input must stay untouched (reduce_scatter, inner nodes of a reduce tree), so that no
+    copy of the input is made first. AVG is the SUM phase (call ``finalize`` after).
+    """
+    ufunc = getattr(np, _ufunc_name(op, out.dtype))
+    with _float_errors_silenced(np, out.dtype):
+        ufunc(a, b.reshape(a.shape), out=out)
+
+
+class _Inbox:
+    """The receiver for one peer's stream of one collective (posted once, see module doc).
+
+    Pieces reach ``op.on_data`` only after their fingerprint matched. Once the op is
+    finished with an error the inbox is detached (``op`` None): it keeps counting the
+    peer's pieces of the expected messages, so it unposts itself at the stream's end, and
+    after a foreign fingerprint (a mismatching call or an abort) it is *sealed*: it swallows
+    every further piece with its key (only this collective's stream ever uses that key).
+    """
+
+    __slots__ = ("expected", "fp", "got", "key", "op", "peer", "sealed")
+
+    def __init__(self, op: CollectiveOp, peer: int, key: tuple[int, int, int, int], expected: int):
+        self.op: CollectiveOp | None = op
+        self.peer = peer
+        self.key = key
+        self.fp = op.fp
+        self.expected = expected
+        self.got = 0
+        self.sealed = False
+
+    @property
+    def complete(self) -> bool:
+        return self.got >= self.expected
+
+    def on_piece(self, header: Header, payload: memoryview) -> bool:
+        op = self.op
+        fp = header.fp
+        if self.sealed:
+            return False
+        if fp != self.fp and (op is None or not op.accepts(self, fp)):
+            self.sealed = True
+            if op is not None:
+                op.on_foreign(self.peer, fp)
+            return False
+        if op is not None:
+            try:
+                op.on_data(self.peer, header, payload)
+            except Exception as exc:  # noqa: BLE001 (a late error: fail the op, not the rank)
+                op.fail_from(exc)
+        if header.piece + 1 == header.npieces:
+            self.got += 1
+            if self.got >= self.expected:
+                if self.op is not None:
+                    self.op.inbox_done()
+                return True
+        return False
+
+
+class CollectiveOp(Op):
+    """Base of every collective algorithm (see the module docstring)."""
+
+    #: The public collective this implements (``"all_reduce"``) and the algorithm name.
+    name: ClassVar[str] = ""
+    algo: ClassVar[str] = ""
+
+    def __init__(self, comm: Comm, call: Call, *, async_op: bool = False) -> None:
+        super().__init__(comm.engine, async_op=async_op)
+        self.comm = comm
+        self.call = call
+        self.serial = comm.serial
+        self.group_id = comm.group_id  # Engine.fail_pending matches on it
+        self.rank = comm.rank
+        self.n = comm.world_size
+        self.seq = comm.seq
+        self.fp = fingerprint(call, self.fingerprint_chunk_bytes())
+        self._me_global = comm.ranks[comm.rank]
+        self._inboxes: dict[int, _Inbox] = {}
+        self._open_inboxes = 0
+        self._out_left: dict[int, int] = {}
+        self._posted = False
+        self.touched = False  # set by algorithms when they first write a user buffer
+
+    # -- description -------------------------------------------------------------------
+    def fingerprint_chunk_bytes(self) -> int | None:
+        """chunk_bytes as it matters to the message layout (None: it does not)."""
+        return self.comm.chunk_bytes
+
+    def describe(self) -> str:
+        return f"{describe_fingerprint(self.fp)} (collective #{self.seq} of group {self.group_id})"
+
+    def progress_note(self) -> str:
+        waiting = [
+            f"{ib.got}/{ib.expected} messages from rank {p}"
+            for p, ib in sorted(self._inboxes.items())
+            if not ib.complete
+        ]
+        if not self.started:
+            return "queued behind an earlier collective of this group"
+        if waiting:
+            return "received " + ", ".join(waiting)
+        return "everything received; waiting for the transport to release sent buffers"
+
+    # -- setup (in start) --------------------------------------------------------------
+    def expect(self, peer: int, messages: int) -> None:
+        """Receive ``messages`` messages from group rank ``peer`` in this collective."""
+        if messages <= 0:
+            return
+        key = (self.comm.ranks[peer], self.group_id, KIND_COLL, self.seq)
+        self._inboxes[peer] = _Inbox(self, peer, key, messages)
+        self._open_inboxes += 1
+
+    def will_send(self, peer: int, messages: int) -> None:
+        """Declare ``messages`` messages to ``peer`` (so a failure can abort that stream)."""
+        self._out_left[peer] = self._out_left.get(peer, 0) + messages
+
+    def post_inboxes(self) -> None:
+        """Post every inbox. Call after the first sends: queued pieces are fed right away
+        and may trigger later steps' sends, which must follow the first ones on the wire."""
+        for inbox in list(self._inboxes.values()):
+            self.engine.post(inbox.key, inbox)
+        self._posted = True
+        self._maybe_complete()
+
+    # -- sending -----------------------------------------------------------------------
+    def send_piece(
+        self,
+        peer: int,
+        step: int,
+        piece: int,
+        npieces: int,
+        msg_nbytes: int,
+        offset: int,
+        payload: Any,
+        dtype: str,
+        *,
+        track: bool = True,
+    ) -> Any:
+        """Queue one piece to group rank ``peer``; return its tracker (None if copied).
+
+        ``track=False``: ``payload`` is a private copy nobody writes, so the op need not
+        wait for libzmq to release it before it completes.
+        """
+        header = Header(
+            KIND_COLL,
+            self._me_global,
+            self.group_id,
+            self.seq,
+            step,
+            piece,
+            npieces,
+            dtype,
+            msg_nbytes,
+            offset,
+            None,
+            self.fp,
+        )
+        tracker = self.engine.send(self.comm.ranks[peer], header, payload, len(payload))
+        if track:
+            self.add_tracker(tracker)
+        if piece + 1 == npieces:
+            self._out_left[peer] -= 1
+        return tracker
+
+    def send_message(
+        self,
+        peer: int,
+        step: int,
+        data: memoryview,
+        spans: list[tuple[int, int]],
+        base: int,
+        dtype: str,
+    ) -> None:
+        """Queue a whole message: ``data[base + off : base + off + length]`` per span."""
+        n = len(spans)
+        total = sum(length for _, length in spans)
+        for j, (off, length) in enumerate(spans):
+            self.send_piece(
+                peer, step, j, n, total, off, data[base + off : base + off + length], dtype
+            )
+
+    def wait_released(self, tracker: Any) -> None:
+        """Block until libzmq let go of a zero-copy piece (before we overwrite its memory).
+
+        Only libzmq's I/O thread (and pyzmq's gc thread) can finish this, and they never
+        wait on us, so waiting here under the driver lock cannot deadlock; it is bounded
+        by the call's deadline all the same.
+        """
+        if tracker is None or tracker.done:
+            return
+        deadline = time.monotonic() + self.comm.timeout_s
+        while not tracker.done:
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {self.desc}: the transport did not release a sent "
+                    f"piece within {self.comm.timeout_s:g} s"
+                )
+            time.sleep(0.00005)
+
+    # -- receiving (called by inboxes) -------------------------------------------------
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        """A piece from group rank ``peer`` whose fingerprint matched."""
+        raise NotImplementedError
+
+    def accepts(self, inbox: _Inbox, fp: Any) -> bool:
+        """Whether a fingerprint that differs from ours is acceptable (wildcards)."""
+        return False
+
+    def inbox_done(self) -> None:
+        self._open_inboxes -= 1
+        self._maybe_complete()
+
+    def all_received(self) -> None:
+        """Hook: every inbox is complete (before settle)."""
+
+    def _maybe_complete(self) -> None:
+        if self.done or not self._posted or self._open_inboxes > 0:
+            return
+        unsent = {p: k for p, k in self._out_left.items() if k}
+        if unsent:  # every algorithm sends its last piece before its last receive
+            self.fail_from(
+                RingcommError(
+                    f"rank {self.rank}: {self.desc}: internal error: everything received "
+                    f"but messages still unsent {unsent}"
+                )
+            )
+            return
+        self.all_received()
+        if not self.done:
+            self.settle()
+
+    # -- failure -----------------------------------------------------------------------
+    def on_foreign(self, peer: int, fp: Any) -> None:
+        """A piece with another call's fingerprint (or an abort) arrived from ``peer``."""
+        state = "partly written before the mismatch was seen" if self.touched else "untouched"
+        if isinstance(fp, list) and len(fp) == 4 and fp[0] == ABORT:
+            _, origin, kind, text = fp
+            text = str(text)[:_ABORT_TEXT_MAX]  # it came off the wire
+            cls = CollectiveMismatchError if kind == "mismatch" else RingcommError
+            err = cls(
+                f"rank {self.rank}: {self.desc}: aborted by rank {origin} (via rank {peer}): "
+                f"{text} -- rank {self.rank}'s output buffer is {state}"
+            )
+            # Pass the original story on (not a nested one); the aborting peer knows.
+            self.fail(err, skip_peer=peer, abort=(origin, kind, text))
+            return
+        err = CollectiveMismatchError(
+            f"rank {self.rank}: collective mismatch in collective #{self.seq} of group "
+            f"{self.group_id}: this rank called {describe_fingerprint(self.fp)} but "
+            f"peer rank {peer} called {describe_fingerprint(fp)}; rank {self.rank}'s "
+            f"output buffer is {state}"
+        )
+        # No skip: the mismatching peer may not know (it may be waiting in another call).
+        self.fail(err)
+
+    def fail_from(self, exc: BaseException) -> None:
+        if isinstance(exc, RingcommError):
+            self.fail(exc)
+            return
+        err = RingcommError(f"rank {self.rank}: {self.desc} failed: {exc!r}")
+        err.__cause__ = exc
+        self.fail(err)
+
+    def fail(
+        self,
+        err: BaseException,
+        skip_peer: int | None = None,
+        abort: tuple[Any, Any, Any] | None = None,
+    ) -> None:
+        """Finish with ``err``; send an abort to every other rank (but ``skip_peer``).
+
+        ``abort``: ``(origin rank, kind, text)`` of an abort we received and pass on.
+        """
+        if self.done:
+            return
+        for inbox in self._inboxes.values():
+            inbox.op = None
+        # Every other rank, not only this algorithm's partners: a rank that called
+        # something else may be waiting on anyone (see the module docstring).
+        peers = set(range(self.n)) - {self.rank, skip_peer}
+        if abort is None:
+            kind = "mismatch" if isinstance(err, CollectiveMismatchError) else "error"
+            abort = (self.rank, kind, str(err)[:_ABORT_TEXT_MAX])
+        fp = [ABORT, *abort]
+        for peer in sorted(peers):
+            header = Header(
+                KIND_COLL, self._me_global, self.group_id, self.seq, 0, 0, 1, "|u1", 0, 0, None, fp
+            )
+            try:
+                self.engine.send(self.comm.ranks[peer], header, b"", 0)
+            except RingcommError:
+                pass  # best effort: the peer's deadline still bounds its wait
+        self.finish(err)
+
+    def on_timeout(self, error: CommTimeoutError) -> bool:
+        # Detach: pieces still in flight are swallowed by the inboxes, never written.
+        for inbox in self._inboxes.values():
+            inbox.op = None
+        return False
+
+    def start(self) -> None:
+        raise NotImplementedError

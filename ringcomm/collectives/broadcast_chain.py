@@ -1,0 +1,72 @@
+"""Broadcast along a pipelined chain, for large messages.
+
+The chain is ``root, root+1, ..., root-1`` (``schedule.tree.chain_neighbors``). The root
+sends all its pieces to the next rank at once; every other rank copies each piece into
+``x`` as it arrives and sends it on from there at once, so all links carry pieces at the
+same time and the time is about ``nbytes / bandwidth + (n-1) * piece latency``.
+
+Copies per byte: send zero-copy from ``x`` (1 kernel copy), receive (1 kernel copy), one
+copy frame -> ``x``. Zero-copy safety: a region of ``x`` is written once (non-root) before
+it is sent and never afterwards; the root never writes ``x``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..schedule.chunks import chunk_spans
+from ..schedule.tree import chain_neighbors
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["BroadcastChain"]
+
+
+class BroadcastChain(CollectiveOp):
+    name = "broadcast"
+    algo = "chain"
+
+    def start(self) -> None:
+        x, root = self.call.x, self.call.root
+        assert x is not None and root is not None
+        self.result = x
+        if self.n == 1:
+            self.post_inboxes()
+            return
+        self.u8 = x.reshape(-1).view(np.uint8)
+        self.data = byte_view(self.u8)
+        self.dtype_str = x.dtype.str
+        self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
+        self.prev, self.next = chain_neighbors(self.rank, self.n, root)
+        if self.next is not None:
+            self.will_send(self.next, 1)
+        if self.prev is None:
+            assert self.next is not None
+            self.send_message(self.next, 0, self.data, self.spans, 0, self.dtype_str)
+        else:
+            self.expect(self.prev, 1)
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        j = header.piece
+        spans = self.spans
+        if header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes does not fit the buffer"
+            )
+        off, length = spans[j]
+        self.touched = True
+        self.u8[off : off + length] = np.frombuffer(payload, np.uint8)
+        if self.next is not None:
+            self.send_piece(
+                self.next,
+                0,
+                j,
+                len(spans),
+                len(self.u8),
+                off,
+                self.data[off : off + length],
+                self.dtype_str,
+            )

@@ -1,0 +1,69 @@
+"""Broadcast down a binomial tree, for small messages (``ceil(log2 n)`` rounds).
+
+``schedule.tree``: the root sends to its children, largest subtree first; every other rank
+receives from its parent and forwards to its own children. Pieces are forwarded as they
+arrive (each piece goes to every child in the same order), so a multi-piece message is
+pipelined down the tree too.
+
+Copies per byte: as the chain (one copy frame -> ``x`` per non-root rank; sends go
+zero-copy when large). Zero-copy safety: a region of ``x`` is written once, before it is
+sent, and never afterwards; the root never writes ``x``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..schedule.chunks import chunk_spans
+from ..schedule.tree import binomial_children, binomial_parent
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["BroadcastTree"]
+
+
+class BroadcastTree(CollectiveOp):
+    name = "broadcast"
+    algo = "tree"
+
+    def start(self) -> None:
+        x, root = self.call.x, self.call.root
+        assert x is not None and root is not None
+        self.result = x
+        if self.n == 1:
+            self.post_inboxes()
+            return
+        self.u8 = x.reshape(-1).view(np.uint8)
+        self.data = byte_view(self.u8)
+        self.dtype_str = x.dtype.str
+        self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
+        self.parent = binomial_parent(self.rank, self.n, root)
+        self.children = binomial_children(self.rank, self.n, root)
+        for child in self.children:
+            self.will_send(child, 1)
+        if self.parent is None:
+            for j in range(len(self.spans)):
+                self._forward(j)
+        else:
+            self.expect(self.parent, 1)
+        self.post_inboxes()
+
+    def _forward(self, j: int) -> None:
+        off, length = self.spans[j]
+        piece = self.data[off : off + length]
+        for child in self.children:
+            self.send_piece(child, 0, j, len(self.spans), len(self.u8), off, piece, self.dtype_str)
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        j = header.piece
+        spans = self.spans
+        if header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes does not fit the buffer"
+            )
+        off, length = spans[j]
+        self.touched = True
+        self.u8[off : off + length] = np.frombuffer(payload, np.uint8)
+        self._forward(j)

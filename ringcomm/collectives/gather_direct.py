@@ -1,0 +1,65 @@
+"""Gather to ``dst`` directly: every other rank sends its ``x`` to ``dst``.
+
+``dst`` copies its own ``x`` into ``out[dst]`` (once the first piece has shown a matching
+call, so a mismatch leaves ``out`` untouched) and copies each arriving piece from its
+frame into ``out[src]``; it returns ``out`` (``(n, *x.shape)``), the others None.
+(Direct, not a tree: the root has to take in ``(n-1) * nbytes`` either way, and a tree
+would add copies and steps on the way.)
+
+Copies per byte: one send (zero-copy when large), one frame, one copy into ``out``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..schedule.chunks import chunk_spans
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["GatherDirect"]
+
+
+class GatherDirect(CollectiveOp):
+    name = "gather"
+    algo = "direct"
+
+    def start(self) -> None:
+        x, root = self.call.x, self.call.root
+        assert x is not None and root is not None
+        n = self.n
+        self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
+        self.row_nbytes = x.nbytes
+        if self.rank != root:
+            self.result = None
+            self.will_send(root, 1)
+            data = byte_view(x)
+            self.send_message(root, 0, data, self.spans, 0, x.dtype.str)
+            self.post_inboxes()
+            return
+        out = self.call.out
+        assert out is not None
+        self.result = out
+        self.out_u8 = out.reshape(n, -1).view(np.uint8)
+        self.own = x.reshape(-1).view(np.uint8)
+        if n == 1:
+            self.out_u8[root] = self.own
+        for peer in range(n):
+            if peer != root:
+                self.expect(peer, 1)
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        j = header.piece
+        spans = self.spans
+        if header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes from rank {peer} does not fit the buffer"
+            )
+        off, length = spans[j]
+        if not self.touched:  # the first matching piece: now out may be written
+            self.touched = True
+            self.out_u8[self.rank] = self.own
+        self.out_u8[peer, off : off + length] = np.frombuffer(payload, np.uint8)

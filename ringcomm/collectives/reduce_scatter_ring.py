@@ -1,0 +1,122 @@
+"""Reduce-scatter as a ring (``x.shape[0] == n``; segment ``s`` is the row ``x[s]``).
+
+Steps ``k = 0 .. n-2`` (``schedule.ring.reduce_scatter_steps``) on rank ``r``::
+
+    send the partial result of row (r-k-1) right      # our own row x[r-1] at k = 0
+    recv row (r-k-2) from the left; tmp = x[row] op incoming, out of place
+
+and the row received at step ``k`` is the one sent at step ``k+1``; at the last step the
+row is ``r`` itself and the result goes into ``out``. Pipelined per piece like the ring
+all-reduce: piece ``j`` of step ``k`` is combined and sent on as piece ``j`` of step
+``k+1`` at once. The input ``x`` is never written: every combination is out of place
+(``np.add(x_row, incoming, out=tmp)``), straight from the received frame, so no copy of
+``x`` is made first.
+
+Where the partial results live: the final step writes ``out``; the steps before alternate
+between a one-row scratch buffer and ``out`` (counting back from the last step), or a
+second scratch row when ``out`` is ``x[r]`` (allowed, the in-place form; any other
+overlap of ``out`` and ``x`` is refused at the call). A buffer written at step ``k`` and sent at
+step ``k+1`` is written again at step ``k+2``; nothing orders that after libzmq finished
+reading the step-``k+1`` piece (our sends only come back to us around the whole ring), so
+:meth:`wait_released` checks its tracker first (normally already done: two whole steps of
+pieces passed in between).
+
+Copies per byte: send zero-copy (1 kernel copy), receive (1 kernel copy), one NumPy pass
+combining frame and ``x`` into the partial buffer; no other copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..ops import finalize
+from ..schedule.chunks import chunk_spans
+from ..schedule.ring import reduce_scatter_steps, ring_neighbors
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view, reduce_out
+
+__all__ = ["ReduceScatterRing"]
+
+
+class ReduceScatterRing(CollectiveOp):
+    name = "reduce_scatter"
+    algo = "ring"
+
+    def start(self) -> None:
+        x, out, op = self.call.x, self.call.out, self.call.op
+        assert x is not None and out is not None and op is not None
+        n, r = self.n, self.rank
+        self.result = out
+        if n == 1:
+            out[...] = x[0]
+            finalize(op, out, 1)
+            self.post_inboxes()
+            return
+        rows = x.reshape(n, -1)
+        self.rows = rows
+        self.row_size = rows.shape[1]
+        self.itemsize = x.itemsize
+        self.dtype = x.dtype
+        self.dtype_str = x.dtype.str
+        self.row_nbytes = self.row_size * self.itemsize
+        self.spans = chunk_spans(self.row_nbytes, self.comm.chunk_bytes, self.itemsize)
+        self.right, self.left = ring_neighbors(r, n)
+        steps = reduce_scatter_steps(r, n)
+        self.recv_row = [rs for _, rs in steps]
+        out_flat = out.reshape(-1)
+        self.out_flat = out_flat
+        self.out_view = byte_view(out_flat)
+        # Partial results of step k < n-2 go to partial[(n-2-k) % 2]: parity 0 is `out`
+        # (its last write is the final one) unless `out` is x[r], which the last step
+        # still reads; parity 1 is a scratch row.
+        even = np.empty_like(out_flat) if n >= 4 and np.may_share_memory(out, x) else out_flat
+        odd = np.empty_like(out_flat) if n >= 3 else out_flat
+        self.partial = [(b, byte_view(b)) for b in (even, odd)]
+        self.trackers: dict[tuple[int, int], Any] = {}
+        self.will_send(self.right, n - 1)
+        self.expect(self.left, n - 1)
+        x_bytes = byte_view(x)
+        self.send_message(
+            self.right, 0, x_bytes, self.spans, steps[0][0] * self.row_nbytes, self.dtype_str
+        )
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        k, j = header.step, header.piece
+        spans = self.spans
+        if k >= self.n - 1 or header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: step {k} piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes does not fit the schedule"
+            )
+        op = self.call.op
+        assert op is not None
+        off, length = spans[j]
+        a = off // self.itemsize
+        b = a + length // self.itemsize
+        row = self.recv_row[k]
+        incoming = np.frombuffer(payload, self.dtype)
+        last = k == self.n - 2
+        buf, view = (self.out_flat, self.out_view) if last else self.partial[(self.n - 2 - k) % 2]
+        # This buffer's piece j was sent at step k-1 (parity reuse): libzmq must be done.
+        self.wait_released(self.trackers.pop((id(buf), j), None))
+        self.touched = True
+        reduce_out(op, self.rows[row, a:b], incoming, buf[a:b])
+        if last:
+            finalize(op, buf[a:b], self.n)
+            return
+        tracker = self.send_piece(
+            self.right,
+            k + 1,
+            j,
+            len(spans),
+            self.row_nbytes,
+            off,
+            view[off : off + length],
+            self.dtype_str,
+        )
+        if tracker is not None:
+            self.trackers[(id(buf), j)] = tracker

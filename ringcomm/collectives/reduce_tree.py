@@ -1,0 +1,109 @@
+"""Reduce to ``dst`` up a binomial tree (``schedule.tree``, rooted at ``dst``).
+
+Each rank combines its children's contributions in increasing-subtree order
+(``reversed(binomial_children(...))``), ``local (op) incoming``, then sends the result to
+its parent: one fixed bracketing of the inputs in the order of ranks relative to ``dst``,
+the same bits on every run. Pipelined per piece: piece ``j`` goes up as soon as every
+child's piece ``j`` is in; a child's piece that arrives before an earlier child's waits as
+its frame (the order of operands is fixed). ``dst`` finalizes AVG.
+
+Buffers: ``dst`` reduces in place into ``x`` (the result); a leaf sends its ``x`` as it is;
+an inner rank combines into a scratch buffer (its ``x`` is left untouched), the first child
+out of place (``acc = x op child``), so no copy of ``x`` is made.
+
+Copies per byte: every rank sends once (zero-copy when large) and receives its children's
+pieces into frames; each combination reads straight from the frame. Zero-copy safety: a
+region is sent only after its last write, and never written again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..ops import finalize, reduce_into
+from ..schedule.chunks import chunk_spans
+from ..schedule.tree import binomial_children, binomial_parent
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view, reduce_out
+
+__all__ = ["ReduceTree"]
+
+
+class ReduceTree(CollectiveOp):
+    name = "reduce"
+    algo = "tree"
+
+    def start(self) -> None:
+        x, op, root = self.call.x, self.call.op, self.call.root
+        assert x is not None and op is not None and root is not None
+        self.result = x
+        if self.n == 1:
+            finalize(op, x, 1)
+            self.post_inboxes()
+            return
+        self.x_flat = x.reshape(-1)
+        self.dtype = x.dtype
+        self.dtype_str = x.dtype.str
+        self.itemsize = x.itemsize
+        self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
+        self.parent = binomial_parent(self.rank, self.n, root)
+        self.order = list(reversed(binomial_children(self.rank, self.n, root)))
+        self.child_index = {c: i for i, c in enumerate(self.order)}
+        if self.parent is None or not self.order:
+            self.acc = self.x_flat  # dst: in place; leaf: sends x as it is
+        else:
+            self.acc = np.empty_like(self.x_flat)
+        self.acc_data = byte_view(self.acc)
+        self.next_child = [0] * len(self.spans)  # per piece: how many children are in
+        self.early: dict[tuple[int, int], memoryview] = {}
+        for child in self.order:
+            self.expect(child, 1)
+        if self.parent is not None:
+            self.will_send(self.parent, 1)
+            if not self.order:
+                self.send_message(self.parent, 0, self.acc_data, self.spans, 0, self.dtype_str)
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        j = header.piece
+        spans = self.spans
+        if header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
+                f"{len(payload)} bytes does not fit the buffer"
+            )
+        self.early[(self.child_index[peer], j)] = payload
+        self._advance(j)
+
+    def _advance(self, j: int) -> None:
+        op = self.call.op
+        assert op is not None
+        off, length = self.spans[j]
+        a = off // self.itemsize
+        b = a + length // self.itemsize
+        while self.next_child[j] < len(self.order):
+            c = self.next_child[j]
+            frame = self.early.pop((c, j), None)
+            if frame is None:
+                return
+            incoming = np.frombuffer(frame, self.dtype)
+            self.touched = True
+            if c == 0 and self.acc is not self.x_flat:
+                reduce_out(op, self.x_flat[a:b], incoming, self.acc[a:b])
+            else:
+                reduce_into(op, self.acc[a:b], incoming)
+            self.next_child[j] = c + 1
+        if self.parent is None:
+            finalize(op, self.acc[a:b], self.n)
+        else:
+            self.send_piece(
+                self.parent,
+                0,
+                j,
+                len(self.spans),
+                len(self.acc_data),
+                off,
+                self.acc_data[off : off + length],
+                self.dtype_str,
+            )
