@@ -1,0 +1,295 @@
+"""``ringcomm bench OP -n N``: an nccl-tests-style sweep, optionally beside Gloo or MPI.
+
+Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
+:class:`~ringcomm.bench.spec.BenchConfig`; :class:`UsageError` for what cannot run) ->
+:func:`~ringcomm.bench.runner.run` -> the table and footer on stdout, ``--json`` rows,
+``--plot`` figure. Exit status: 0; 1 if ``--check`` found wrong values or a rank failed;
+2 for a usage error or a missing optional dependency (torch, mpirun/mpi4py, matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ringcomm.config import parse_size
+
+from .report import Result, format_footer, format_table, json_row
+from .spec import GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
+
+__all__ = ["UsageError", "add_parser", "config_from_args", "main", "preamble", "write_outputs"]
+
+_PROG = "ringcomm bench"
+_REDOPS = ("sum", "avg", "max", "min", "prod")
+
+
+class UsageError(Exception):
+    """A command line that cannot run; ``main`` prints it and exits 2."""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
+    from ringcomm.buffers import SUPPORTED_DTYPE_NAMES
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "bench",
+        help="nccl-tests-style bandwidth/latency sweep of a collective",
+        description="Sweep buffer sizes of one operation over N local ranks and print an "
+        "nccl-tests-style table (time = median per rank, max over ranks; GB/s = 1e9 B/s). "
+        "With --compare, the same sweep through Gloo or MPI in the same invocation, "
+        "alternating implementations per size, with ratios.",
+    )
+    p.add_argument("op", choices=OPS, metavar="OP", help=f"one of: {', '.join(OPS)}")
+    p.add_argument("-n", "--nproc", type=int, required=True, metavar="N", help="number of ranks")
+    p.add_argument(
+        "-b",
+        "--minbytes",
+        type=_size,
+        default=8,
+        metavar="SIZE",
+        help="smallest size (default 8; K/M/G suffixes)",
+    )
+    p.add_argument(
+        "-e",
+        "--maxbytes",
+        type=_size,
+        default=64 << 20,
+        metavar="SIZE",
+        help="largest size (default 64M)",
+    )
+    p.add_argument(
+        "-f",
+        "--stepfactor",
+        type=int,
+        default=2,
+        metavar="F",
+        help="size multiplier between steps (default 2)",
+    )
+    p.add_argument(
+        "--iters", type=int, default=20, help="timed iterations per size and round (default 20)"
+    )
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=SUPPORTED_DTYPE_NAMES,
+        metavar="DTYPE",
+        help="element type (default float32)",
+    )
+    p.add_argument(
+        "--op",
+        dest="redop",
+        default="sum",
+        choices=_REDOPS,
+        help="reduce op of all_reduce/reduce_scatter (default sum)",
+    )
+    p.add_argument("--root", type=int, default=0, help="broadcast root (default 0)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="verify every size against NumPy before timing it (#wrong column)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write one JSON object per size and implementation (DESIGN.md §2)",
+    )
+    p.add_argument(
+        "--compare",
+        choices=("gloo", "mpi"),
+        help="also run the sweep through torch.distributed Gloo or mpi4py",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        metavar="R",
+        help="alternations per size (A B A B...; times pooled); default 2 with --compare, else 1",
+    )
+    p.add_argument(
+        "--mpi-tcp",
+        action="store_true",
+        help="with --compare mpi: force Open MPI's TCP transport over loopback",
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="draw busbw and time vs size")
+    p.add_argument("--hostfile", metavar="FILE", help="multi-host (not implemented yet)")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="bound on the whole job (default %(default)s)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(main=main)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Validate parsed arguments into a :class:`BenchConfig`; raise :class:`UsageError`."""
+    if args.hostfile is not None:
+        raise UsageError(
+            "--hostfile: multi-host benchmarks are not implemented yet (the multi-host "
+            "launcher does not exist); run without it to benchmark local ranks"
+        )
+    if args.nproc < 1:
+        raise UsageError(f"-n must be >= 1, got {args.nproc}")
+    if args.op == "sendrecv" and args.nproc < 2:
+        raise UsageError("sendrecv needs -n >= 2 (a ring of ranks)")
+    if args.minbytes < 1:
+        raise UsageError(f"-b must be >= 1 byte, got {args.minbytes}")
+    if args.maxbytes < args.minbytes:
+        raise UsageError(f"-e ({args.maxbytes}) must be >= -b ({args.minbytes})")
+    if args.stepfactor < 2 and args.maxbytes != args.minbytes:
+        raise UsageError(f"-f must be >= 2, got {args.stepfactor}")
+    if args.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    rounds = args.rounds if args.rounds is not None else (2 if args.compare else 1)
+    if rounds < 1:
+        raise UsageError(f"--rounds must be >= 1, got {rounds}")
+    if args.op == "broadcast" and not 0 <= args.root < args.nproc:
+        raise UsageError(f"--root {args.root} is not a rank of {args.nproc}")
+    if args.op in REDUCING_OPS and args.redop == "avg" and args.dtype == "bool":
+        raise UsageError("--op avg is not defined on bool")
+    if args.mpi_tcp and args.compare != "mpi":
+        raise UsageError("--mpi-tcp applies to --compare mpi only")
+    if not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    config = BenchConfig(
+        op=args.op,
+        world_size=args.nproc,
+        begin=args.minbytes,
+        end=args.maxbytes,
+        factor=args.stepfactor,
+        iters=args.iters,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        redop=args.redop,
+        root=args.root,
+        check=args.check,
+        compare=args.compare,
+        rounds=rounds,
+        timeout_s=args.timeout_s,
+        op_timeout_s=min(120.0, args.timeout_s),
+        quiet=args.quiet,
+        mpi_tcp=args.mpi_tcp,
+    )
+    _check_available(config, args.plot)
+    return config
+
+
+def _check_available(config: BenchConfig, plot: str | None) -> None:
+    """Refuse, before anything starts, what this installation cannot run."""
+    from .collectives import missing_collective
+
+    why = missing_collective(config.op)
+    if why is not None:
+        raise UsageError(f"{config.op}: {why}")
+    if config.compare == "gloo":
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            raise UsageError(
+                "--compare gloo needs PyTorch (torch.distributed with Gloo): "
+                "pip install 'ringcomm[torch]' (or pip install torch)"
+            )
+        if config.dtype not in GLOO_DTYPES:
+            raise UsageError(f"--compare gloo: Gloo does not support {config.dtype}")
+    if config.compare == "mpi":
+        from .mpi import mpi_missing
+
+        why = mpi_missing()
+        if why is not None:
+            raise UsageError(why)
+        if config.op in REDUCING_OPS and config.redop == "avg":
+            raise UsageError("--compare mpi: MPI has no avg reduction")
+    if plot is not None:
+        from .plot import matplotlib_missing
+
+        why = matplotlib_missing()
+        if why is not None:
+            raise UsageError(why)
+
+
+def preamble(config: BenchConfig) -> str:
+    """The ``#`` lines printed before the sweep (nccl-tests' run description)."""
+    import numpy as np
+
+    from ringcomm import __version__
+
+    versus = f"; compared with {config.compare}" if config.compare else ""
+    lines = [
+        (
+            f"# ringcomm bench {config.op}: nranks {config.world_size} minBytes {config.begin} "
+            f"maxBytes {config.end} step: {config.factor}(factor) warmup iters: "
+            f"{config.warmup} iters: {config.iters} rounds: {config.rounds} "
+            f"validation: {int(config.check)}"
+        ),
+        (
+            f"# ringcomm {__version__}, numpy {np.__version__}, python "
+            f"{platform.python_version()}, {platform.node()} ({os.cpu_count()} cpus){versus}"
+        ),
+        (
+            "# time: median of each rank's iteration times, max over ranks; "
+            "p50/p99: all iterations of all ranks; GB/s = 1e9 B/s"
+        ),
+        "#",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(
+    results: Sequence[Result], config: BenchConfig, json_path: str | None, plot_path: str | None
+) -> None:
+    """The ``--json`` rows and the ``--plot`` figure."""
+    rows = [json_row(r) for r in results]
+    if json_path:
+        with open(json_path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    if plot_path:
+        from .plot import plot_rows
+
+        impls = " vs ".join(config.impls)
+        plot_rows(
+            rows, plot_path, title=f"ringcomm bench {config.op}: {impls}, {config.world_size} ranks"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    """``ringcomm bench``: see the module docstring for the exit status."""
+    try:
+        config = config_from_args(args)
+    except UsageError as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    from ringcomm.errors import RankFailedError
+
+    from .runner import run
+
+    sys.stdout.write(preamble(config))
+    sys.stdout.flush()
+    try:
+        results = run(config)
+    except (RankFailedError, RuntimeError) as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_table(results, config.impls))
+    sys.stdout.write(format_footer(results, config.impls))
+    sys.stdout.flush()
+    write_outputs(results, config, args.json, args.plot)
+    errors = sum(r.errors or 0 for r in results)
+    return 1 if errors else 0

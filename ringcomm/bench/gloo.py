@@ -1,0 +1,156 @@
+"""The Gloo family: the same operations through torch.distributed's Gloo backend.
+
+The only module of ``ringcomm.bench`` that imports torch. Set-up (BENCHMARKING.md): each
+rank ``torch.set_num_threads(1)``, ``GLOO_SOCKET_IFNAME=lo``, a Gloo group over a TCP store
+on 127.0.0.1. The Gloo ranks live in the same processes as the ringcomm ranks (one process
+start for both): rank 0 opens torch's ``TCPStore`` on a port the OS picks (what
+``init_method="tcp://127.0.0.1:PORT"`` does, minus the race of choosing a free port first)
+and hands the port to the other ranks over the ringcomm group.
+
+Operations: ``all_reduce``; ``reduce_scatter_tensor``; ``all_gather_into_tensor``;
+``broadcast``; ``all_to_all_single``; sendrecv as ``isend``/``irecv`` then wait. Tensors
+are ``torch.from_numpy`` views of NumPy buffers (no copies).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .spec import GLOO_DTYPES, BenchConfig, SizeSpec
+from .sweep import Record, Step, run_sweep
+
+if TYPE_CHECKING:
+    from ringcomm.group import ProcessGroup
+
+__all__ = ["GLOO_DTYPES", "GlooImpl", "bench"]
+
+_PORT_TAG = 0x600
+_HOST = "127.0.0.1"
+
+
+def _redop(name: str | None) -> Any:
+    table = {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.AVG,
+        "prod": dist.ReduceOp.PRODUCT,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }
+    return table[name or "sum"]
+
+
+class GlooImpl:
+    """The operations over torch.distributed's default (Gloo) group."""
+
+    name = "gloo"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def join(cls, pg: ProcessGroup, config: BenchConfig) -> GlooImpl:
+        """Form the Gloo group of ``pg``'s ranks (rank 0 serves the store)."""
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        torch.set_num_threads(1)
+        warnings.filterwarnings("ignore", module=r"torch\.distributed")
+        rank, n = pg.rank, pg.world_size
+        timeout = datetime.timedelta(seconds=config.op_timeout_s)
+        port = np.zeros(1, dtype=np.int64)
+        if rank == 0:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                _HOST, 0, n, is_master=True, timeout=timeout, wait_for_workers=False
+            )
+            port[0] = store.port
+            for peer in range(1, n):
+                pg.send(port, peer, _PORT_TAG)
+        else:
+            pg.recv(port, 0, _PORT_TAG)
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                _HOST, int(port[0]), n, is_master=False, timeout=timeout
+            )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timeout)
+        return cls(rank, n)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def sync(self) -> None:
+        dist.barrier()
+
+    def prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
+        x = data.copy()
+        t = torch.from_numpy(x)
+        op = spec.op
+        if op == "all_reduce":
+            redop = _redop(spec.redop)
+
+            def all_reduce() -> np.ndarray:
+                dist.all_reduce(t, op=redop)
+                return x
+
+            return all_reduce
+        out = np.empty(spec.out_shape, dtype=x.dtype)
+        o = torch.from_numpy(out)
+        if op == "reduce_scatter":
+            redop = _redop(spec.redop)
+            flat = t.view(-1)
+
+            def reduce_scatter() -> np.ndarray:
+                dist.reduce_scatter_tensor(o, flat, op=redop)
+                return out
+
+            return reduce_scatter
+        if op == "all_gather":
+            flat_out = o.view(-1)
+
+            def all_gather() -> np.ndarray:
+                dist.all_gather_into_tensor(flat_out, t)
+                return out
+
+            return all_gather
+        if op == "broadcast":
+            root = spec.root
+
+            def broadcast() -> np.ndarray:
+                dist.broadcast(t, src=root)
+                return x
+
+            return broadcast
+        if op == "all_to_all":
+            flat_in, flat_out = t.view(-1), o.view(-1)
+
+            def all_to_all() -> np.ndarray:
+                dist.all_to_all_single(flat_out, flat_in)
+                return out
+
+            return all_to_all
+        if op == "sendrecv":
+            n, rank = self.world_size, self.rank
+
+            def sendrecv() -> np.ndarray:
+                reqs = [dist.isend(t, (rank + 1) % n), dist.irecv(o, (rank - 1) % n)]
+                for req in reqs:
+                    if req is not None:
+                        req.wait()
+                return out
+
+            return sendrecv
+        raise ValueError(f"unknown op {op!r}")
+
+
+def bench(pg: ProcessGroup, config: BenchConfig) -> list[Record]:
+    """This rank's records of the sweep with Gloo alone (``pg`` only forms the group)."""
+    impl = GlooImpl.join(pg, config)
+    try:
+        return run_sweep([impl], config, pg.rank)
+    finally:
+        impl.close()
