@@ -2,7 +2,7 @@
 
     python benchmarks/collectives_switch.py [--op all_reduce|broadcast] [--world-sizes 2,4]
                                             [--min 8] [--max 1M] [--reps 5] [--iters 30]
-                                            [--json FILE]
+                                            [--algos A,B] [--json FILE]
 
 Local ranks (``rc.spawn``), float32 (sum), the group's default chunk_bytes. For every size
 (powers of two from --min to --max bytes) and repetition, the two algorithms alternate
@@ -27,10 +27,11 @@ from ringcomm.config import parse_size
 PAIRS = {"all_reduce": ("ring", "rd"), "broadcast": ("chain", "tree")}
 
 
-def job(pg: rc.ProcessGroup, op: str, sizes: list[int], reps: int, iters: int) -> dict[str, float]:
+def job(pg: rc.ProcessGroup, op: str, sizes: list[int], reps: int, iters: int,
+        pair: tuple[str, str] | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     run = getattr(pg, op)
-    a, b = PAIRS[op]
+    a, b = pair or PAIRS[op]
     for rep in range(reps):
         for nbytes in sizes:
             x = np.ones(max(1, nbytes // 4), np.float32)
@@ -58,7 +59,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--algos", default=None, help="the two algorithms to compare, e.g. rd,direct")
     args = ap.parse_args()
+    pair = tuple(args.algos.split(",")) if args.algos else PAIRS[args.op]
     sizes = []
     s = parse_size(args.min)
     while s <= parse_size(args.max):
@@ -66,8 +69,10 @@ def main() -> None:
         s *= 2
     rows = []
     for w in (int(v) for v in args.world_sizes.split(",")):
-        per_rank = rc.spawn(job, w, args=(args.op, sizes, args.reps, args.iters), timeout_s=1800)
-        a, b = PAIRS[args.op]
+        per_rank = rc.spawn(
+            job, w, args=(args.op, sizes, args.reps, args.iters, pair), timeout_s=1800
+        )
+        a, b = pair
         print(f"\nW={w}  (median over {args.reps} reps of max-over-ranks per-iteration medians)")
         print(f"{args.op}\n{'bytes':>9} {a + ' us':>10} {b + ' us':>10} {b + '/' + a:>11}")
         for nbytes in sizes:

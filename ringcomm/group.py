@@ -45,7 +45,7 @@ from .work import Work
 __all__ = ["ProcessGroup", "init_process_group", "DEFAULT_CHUNK_BYTES"]
 
 #: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 _WORLD_GROUP_ID = 0
 

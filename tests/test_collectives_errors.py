@@ -41,7 +41,9 @@ def test_registry_and_choice() -> None:
         for name, cls in table.items():
             assert get_algorithm(coll, name) is cls
             assert (cls.name, cls.algo) == (coll, name)
-    assert choose_algorithm("all_reduce", None, None, 8) == "rd"
+    assert choose_algorithm("all_reduce", None, None, 8) == "direct"
+    assert choose_algorithm("all_reduce", None, None, 8, world_size=8) == "rd"
+    assert choose_algorithm("all_reduce", None, None, 256 << 10, world_size=2) == "rd"
     assert choose_algorithm("all_reduce", None, None, 64 << 20) == "ring"
     assert choose_algorithm("all_reduce", "ring", "rd", 8) == "ring"  # keyword wins
     assert choose_algorithm("all_reduce", None, "ring", 8) == "ring"  # then the env

@@ -9,7 +9,9 @@ algorithm (``algo=`` keyword, else ``RINGCOMM_ALGO``, else by size), and run it.
 =================  =========================================================
 collective         algorithms (default first)
 =================  =========================================================
-all_reduce         ``rd`` (<= :data:`ALL_REDUCE_RD_MAX_BYTES`), ``ring``
+all_reduce         ``direct`` (<= :data:`ALL_REDUCE_DIRECT_MAX_BYTES` and at most
+                   :data:`ALL_REDUCE_DIRECT_MAX_WORLD` ranks), ``rd``
+                   (<= :data:`ALL_REDUCE_RD_MAX_BYTES`), ``ring``
 reduce_scatter     ``ring``
 all_gather         ``ring``
 broadcast          ``tree`` (<= :data:`BROADCAST_TREE_MAX_BYTES`), ``chain``
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from .all_gather_ring import AllGatherRing
 from .all_to_all_direct import AllToAllDirect
+from .allreduce_direct import AllReduceDirect
 from .allreduce_rd import AllReduceRd
 from .allreduce_ring import AllReduceRing
 from .barrier import BarrierDissemination
@@ -44,6 +47,8 @@ from .scatter_direct import ScatterDirect
 
 __all__ = [
     "ALGORITHMS",
+    "ALL_REDUCE_DIRECT_MAX_BYTES",
+    "ALL_REDUCE_DIRECT_MAX_WORLD",
     "ALL_REDUCE_RD_MAX_BYTES",
     "BROADCAST_TREE_MAX_BYTES",
     "Call",
@@ -55,7 +60,7 @@ __all__ = [
 
 #: collective -> {algorithm name -> class}; the first entry is the size-independent default.
 ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
-    "all_reduce": {"ring": AllReduceRing, "rd": AllReduceRd},
+    "all_reduce": {"ring": AllReduceRing, "rd": AllReduceRd, "direct": AllReduceDirect},
     "reduce_scatter": {"ring": ReduceScatterRing},
     "all_gather": {"ring": AllGatherRing},
     "broadcast": {"chain": BroadcastChain, "tree": BroadcastTree},
@@ -71,6 +76,12 @@ ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
 #: 0.5-0.75x the ring's time up to 512 KiB, even at 1 MiB, 1.2-1.9x from 2 MiB on. (rd
 #: moves log2(n) buffers per rank, the ring 2(n-1)/n: at larger n the crossover falls.)
 ALL_REDUCE_RD_MAX_BYTES = 512 * 1024
+#: all_reduce takes the one-step direct exchange up to this many bytes on at most
+#: ALL_REDUCE_DIRECT_MAX_WORLD ranks. Measured (collectives_switch.md, "direct vs rd"):
+#: direct/rd 0.67-0.82 at W=3 (rd needs a pre- and post-step there), 0.87-1.0 at W=4,
+#: even at W=2 (both are one exchange), 0.94-1.0 at W=5, 1.03-1.18 at W=6 and W=8.
+ALL_REDUCE_DIRECT_MAX_BYTES = 32 * 1024
+ALL_REDUCE_DIRECT_MAX_WORLD = 4
 #: broadcast takes the binomial tree up to this many bytes, the pipelined chain above.
 #: Measured alongside (W=4 and W=8): within noise of each other up to 4 MiB on one host,
 #: the tree a little ahead at W=8; the chain is kept for large messages, where its
@@ -92,7 +103,11 @@ def get_algorithm(collective: str, algo: str) -> type[CollectiveOp]:
 
 
 def choose_algorithm(
-    collective: str, requested: str | None, env_algo: str | None, nbytes: int
+    collective: str,
+    requested: str | None,
+    env_algo: str | None,
+    nbytes: int,
+    world_size: int = 2,
 ) -> str:
     """The algorithm to run: ``requested`` (the ``algo=`` keyword), else ``env_algo``
     (``RINGCOMM_ALGO``) when it names one of this collective's algorithms, else by size.
@@ -111,6 +126,8 @@ def choose_algorithm(
             names = sorted({a for t in ALGORITHMS.values() for a in t})
             raise ValueError(f"RINGCOMM_ALGO={env_algo!r} names no algorithm; known: {names}")
     if collective == "all_reduce":
+        if nbytes <= ALL_REDUCE_DIRECT_MAX_BYTES and world_size <= ALL_REDUCE_DIRECT_MAX_WORLD:
+            return "direct"
         return "rd" if nbytes <= ALL_REDUCE_RD_MAX_BYTES else "ring"
     if collective == "broadcast":
         return "tree" if nbytes <= BROADCAST_TREE_MAX_BYTES else "chain"

@@ -139,7 +139,7 @@ def all_reduce(
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
     try:
-        chosen = choose_algorithm("all_reduce", algo, _env_algo(pg), x.nbytes)
+        chosen = choose_algorithm("all_reduce", algo, _env_algo(pg), x.nbytes, pg.world_size)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     call = Call("all_reduce", chosen, x=x, op=rop, dtype=x.dtype, shape=tuple(x.shape))
