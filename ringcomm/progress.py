@@ -296,7 +296,9 @@ class Engine:
                     still.append(op)
             self._tracking = still
             if still:
-                timeout_s = min(timeout_s, 0.0005)
+                # Trackers finish on pyzmq's gc thread, which cannot wake a poll: look again
+                # every millisecond (zmq poll's resolution) rather than spin and starve it.
+                timeout_s = min(timeout_s, 0.001)
         if self._submitted or self._loopback:
             timeout_s = 0.0
         if self._drain(until) or timeout_s <= 0.0 or (until is not None and until.done):

@@ -17,6 +17,7 @@ caller consumes in place (copy or reduce straight from ``frame.buffer``).
 from __future__ import annotations
 
 import errno
+import math
 import os
 from typing import Any
 
@@ -150,7 +151,8 @@ class ZmqTransport:
     # -- receiving ---------------------------------------------------------------------
     def poll(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for an incoming message (or a wake-up)."""
-        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        # Round up: a positive timeout below 1 ms must not turn into a busy poll(0).
+        events = dict(self._poller.poll(max(0, math.ceil(timeout_s * 1000))))
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
