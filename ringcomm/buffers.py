@@ -9,7 +9,7 @@ import numpy as np
 from .transport.wire import SUPPORTED_DTYPES
 from .xp import is_cupy_array
 
-__all__ = ["check_array", "byte_view", "check_tag", "check_peer", "SUPPORTED_DTYPE_NAMES"]
+__all__ = ["SUPPORTED_DTYPE_NAMES", "byte_view", "check_array", "check_peer", "check_tag"]
 
 SUPPORTED_DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
 _SUPPORTED = set(SUPPORTED_DTYPES)

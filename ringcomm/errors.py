@@ -19,15 +19,15 @@ Lower-layer errors (zmq, msgpack, OS) are mapped to these with ``raise X(...) fr
 from __future__ import annotations
 
 __all__ = [
-    "RingcommError",
-    "CommTimeoutError",
-    "PeerFailedError",
-    "CollectiveMismatchError",
-    "MessageMismatchError",
     "AuthenticationError",
-    "RendezvousError",
+    "CollectiveMismatchError",
+    "CommTimeoutError",
     "GroupClosedError",
+    "MessageMismatchError",
+    "PeerFailedError",
     "RankFailedError",
+    "RendezvousError",
+    "RingcommError",
     "where",
 ]
 

@@ -42,7 +42,7 @@ from .transport.endpoints import (
 from .transport.zmq_transport import ZmqTransport
 from .work import Work
 
-__all__ = ["ProcessGroup", "init_process_group", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 
 #: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
 DEFAULT_CHUNK_BYTES = 4 << 20

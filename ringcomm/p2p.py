@@ -19,7 +19,7 @@ from .progress import Engine, Op
 from .schedule.chunks import chunk_spans
 from .transport.wire import KIND_P2P, Header, dtype_to_wire
 
-__all__ = ["SendOp", "RecvOp"]
+__all__ = ["RecvOp", "SendOp"]
 
 
 class SendOp(Op):

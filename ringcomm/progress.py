@@ -27,7 +27,7 @@ from .errors import CommTimeoutError, GroupClosedError, RingcommError
 from .transport.wire import INLINE_MAX_BYTES, Header, WireError, pack_header, unpack_header
 from .transport.zmq_transport import ZERO_COPY_MIN_BYTES, Tracker, ZmqTransport, tracker_wait
 
-__all__ = ["Engine", "Op", "Receiver", "SerialQueue", "POLL_SLICE_S"]
+__all__ = ["POLL_SLICE_S", "Engine", "Op", "Receiver", "SerialQueue"]
 
 #: Longest a driver blocks in one poll before re-checking deadlines and its operation.
 POLL_SLICE_S = 0.05

@@ -12,7 +12,7 @@ __all__ = ["Work"]
 class Work:
     """Completion handle. ``wait()`` returns the result or raises the operation's error."""
 
-    __slots__ = ("_engine", "_op", "_default_timeout_s")
+    __slots__ = ("_default_timeout_s", "_engine", "_op")
 
     def __init__(self, engine: Engine, op: Op, default_timeout_s: float | None) -> None:
         self._engine = engine

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["get_xp", "is_cupy_array", "cupy_or_none"]
+__all__ = ["cupy_or_none", "get_xp", "is_cupy_array"]
 
 
 def cupy_or_none() -> ModuleType | None:
@@ -21,7 +21,7 @@ def cupy_or_none() -> ModuleType | None:
     if mod is not None:
         return mod
     try:
-        import cupy  # noqa: PLC0415  (lazy on purpose)
+        import cupy
     except Exception:  # ImportError, or a CUDA runtime failure at import
         return None
     return cupy

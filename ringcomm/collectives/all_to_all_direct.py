@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..transport.wire import Header
 from .base import CollectiveOp, byte_view
@@ -48,11 +47,7 @@ class AllToAllDirect(CollectiveOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         j = header.piece
         spans = self.spans
-        if header.npieces != len(spans) or len(payload) != spans[j][1]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
-                f"{len(payload)} bytes from rank {peer} does not fit the buffer"
-            )
+        self.piece_span(peer, header, payload, spans)
         off, length = spans[j]
         if not self.touched:  # the first matching piece: now out may be written
             self.touched = True

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from ..ops import finalize, reduce_into
 from ..schedule.chunks import chunk_spans
 from ..transport.wire import Header
@@ -63,11 +62,7 @@ class AllReduceDirect(CollectiveOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         j = header.piece
         spans = self.spans
-        if header.npieces != len(spans) or len(payload) != spans[j][1]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
-                f"{len(payload)} bytes from rank {peer} does not fit the buffer"
-            )
+        self.piece_span(peer, header, payload, spans)
         self.pieces[peer][j] = payload
 
     def all_received(self) -> None:

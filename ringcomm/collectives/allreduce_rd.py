@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from ..ops import finalize, reduce_into
 from ..schedule.chunks import chunk_spans
 from ..schedule.rd import rd_allreduce_plan
@@ -96,11 +95,7 @@ class AllReduceRd(CollectiveOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         j = header.piece
         spans = self.spans
-        if header.npieces != len(spans) or len(payload) != spans[j][1]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
-                f"{len(payload)} bytes from rank {peer} does not fit the buffer"
-            )
+        self.piece_span(peer, header, payload, spans)
         i = self.step_of_peer[peer]
         self.early[(i, j)] = payload
         if self.pos[j] == i:

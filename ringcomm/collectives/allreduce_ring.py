@@ -100,11 +100,7 @@ class AllReduceRing(CollectiveOp):
             raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {t}")
         seg = self.recv_seg[t]
         spans = self.seg_spans[seg]
-        if header.npieces != len(spans) or len(payload) != spans[j][1]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: step {t} piece {j}/{header.npieces} of "
-                f"{len(payload)} bytes does not fit segment {seg}"
-            )
+        self.piece_span(peer, header, payload, spans, f"segment {seg}")
         off, length = spans[j]
         start = self.seg_first[seg] + off // self.itemsize
         stop = start + length // self.itemsize

@@ -362,6 +362,28 @@ class CollectiveOp(Op):
             time.sleep(0.00005)
 
     # -- receiving (called by inboxes) -------------------------------------------------
+    def piece_span(
+        self,
+        peer: int,
+        header: Header,
+        payload: memoryview,
+        spans: list[tuple[int, int]],
+        what: str = "the buffer",
+    ) -> tuple[int, int]:
+        """``(offset, length)`` of the arriving piece in ``spans``, checked against it.
+
+        A piece count or length that does not match our own cut of the message means the
+        sender's call differs from ours: CollectiveMismatchError, before any byte is used.
+        """
+        j = header.piece
+        if header.npieces != len(spans) or len(payload) != spans[j][1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: step {header.step} piece "
+                f"{j}/{header.npieces} of {len(payload)} bytes from rank {peer} does not "
+                f"fit {what}"
+            )
+        return spans[j]
+
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         """A piece from group rank ``peer`` whose fingerprint matched."""
         raise NotImplementedError

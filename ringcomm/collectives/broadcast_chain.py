@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.tree import chain_neighbors
 from ..transport.wire import Header
@@ -51,11 +50,7 @@ class BroadcastChain(CollectiveOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         j = header.piece
         spans = self.spans
-        if header.npieces != len(spans) or len(payload) != spans[j][1]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
-                f"{len(payload)} bytes does not fit the buffer"
-            )
+        self.piece_span(peer, header, payload, spans)
         off, length = spans[j]
         self.touched = True
         self.u8[off : off + length] = np.frombuffer(payload, np.uint8)

@@ -87,11 +87,9 @@ class ReduceScatterRing(CollectiveOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
         spans = self.spans
-        if k >= self.n - 1 or header.npieces != len(spans) or len(payload) != spans[j][1]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: step {k} piece {j}/{header.npieces} of "
-                f"{len(payload)} bytes does not fit the schedule"
-            )
+        if k >= self.n - 1:
+            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
+        self.piece_span(peer, header, payload, spans, "the schedule")
         op = self.call.op
         assert op is not None
         off, length = spans[j]

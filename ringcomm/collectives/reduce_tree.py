@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from ..ops import finalize, reduce_into
 from ..schedule.chunks import chunk_spans
 from ..schedule.tree import binomial_children, binomial_parent
@@ -68,11 +67,7 @@ class ReduceTree(CollectiveOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         j = header.piece
         spans = self.spans
-        if header.npieces != len(spans) or len(payload) != spans[j][1]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: piece {j}/{header.npieces} of "
-                f"{len(payload)} bytes does not fit the buffer"
-            )
+        self.piece_span(peer, header, payload, spans)
         self.early[(self.child_index[peer], j)] = payload
         self._advance(j)
 

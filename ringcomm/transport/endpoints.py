@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "EndpointInfo",
-    "host_identity",
-    "local_address_towards",
-    "ipc_path",
-    "choose_endpoint",
     "TRANSPORT_MODES",
+    "EndpointInfo",
+    "choose_endpoint",
+    "host_identity",
+    "ipc_path",
+    "local_address_towards",
 ]
 
 TRANSPORT_MODES = ("auto", "ipc", "tcp")

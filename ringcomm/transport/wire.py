@@ -34,19 +34,19 @@ import msgpack
 import numpy as np
 
 __all__ = [
-    "WIRE_VERSION",
     "INLINE_MAX_BYTES",
-    "KIND_P2P",
     "KIND_COLL",
     "KIND_CTRL",
     "KIND_NAMES",
+    "KIND_P2P",
     "SUPPORTED_DTYPES",
+    "WIRE_VERSION",
     "Header",
     "WireError",
+    "dtype_from_wire",
+    "dtype_to_wire",
     "pack_header",
     "unpack_header",
-    "dtype_to_wire",
-    "dtype_from_wire",
 ]
 
 WIRE_VERSION = 1

@@ -26,7 +26,7 @@ import zmq
 from ..errors import RingcommError
 from .endpoints import ipc_path
 
-__all__ = ["ZmqTransport", "ZERO_COPY_MIN_BYTES", "Tracker", "tracker_wait"]
+__all__ = ["ZERO_COPY_MIN_BYTES", "Tracker", "ZmqTransport", "tracker_wait"]
 
 #: Payloads at least this large go zero-copy (smaller ones are cheaper to copy than to
 #: track: zero-copy frames cost a free-callback round trip through pyzmq's gc thread).
