@@ -21,6 +21,10 @@ def check_array(x: Any, what: str, *, writeable: bool = False) -> np.ndarray:
     TypeError for a non-array or unsupported dtype, ValueError for non-contiguous,
     non-native byte order or (with ``writeable``) a read-only buffer.
     """
+    if type(x) is np.ndarray and x.dtype in _SUPPORTED:  # the common case, in one look
+        flags = x.flags
+        if flags.c_contiguous and (flags.writeable or not writeable):
+            return x
     if is_cupy_array(x):
         raise TypeError(f"{what}: cupy arrays are not supported by this build yet")
     if not isinstance(x, np.ndarray):

@@ -88,6 +88,8 @@ class ProcessGroup:
         self.timeout_s: float = shared.config.timeout_s
         self.chunk_bytes: int = shared.chunk_bytes
         self._serial = SerialQueue()
+        # Per-call-shape state of this group's collectives (collectives.base.ShapeCache).
+        self._plans: dict[Any, Any] = {}
         self._coll_seq = 0
         self._subgroup_count = 0
         self._failed: BaseException | None = None
@@ -137,14 +139,18 @@ class ProcessGroup:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         return t
 
-    def _run(self, op: Op, timeout_s: float | None, async_op: bool) -> Any:
-        """Submit ``op``; wait for it (blocking) or return its Work."""
+    def _run(
+        self, op: Op, timeout_s: float | None, async_op: bool, deadline: float | None = None
+    ) -> Any:
+        """Submit ``op`` (unless a fast lane started it already); wait for it (blocking,
+        until ``deadline`` if given, a ``time.monotonic()`` instant) or return its Work."""
         t = self._timeout(timeout_s)
-        self._engine.submit(op)
+        if not op.started:
+            self._engine.submit(op)
         if async_op:
             return Work(self._engine, op, t)
         try:
-            return self._engine.wait(op, t)
+            return self._engine.wait(op, t, deadline)
         except RingcommError as exc:
             if not isinstance(op, (SendOp, RecvOp)):
                 self._fail(exc)

@@ -11,8 +11,14 @@ on its operation's event and the thread completes it.
 Operations are small state machines (:class:`Op`): ``start()`` queues the first sends and
 posts receivers; receivers are fed pieces in arrival order by :meth:`Engine.dispatch`, so a
 piece is copied or reduced as soon as it arrives while later pieces are still on the wire.
-Everything below runs under the driver lock except :meth:`Engine.submit` and
-:meth:`Engine.wait`, which take it themselves.
+Everything below runs under the driver lock except :meth:`Engine.submit`,
+:meth:`Engine.wait` and :meth:`Engine.exchange`, which take it themselves.
+
+Fast lane (:meth:`Engine.exchange`): a blocking one-step exchange of one-piece messages
+(the small all_reduce) skips ops' bookkeeping while nothing else needs the engine: it sends,
+takes its peers' messages off the socket (dispatching everyone else's) and hands the call
+over to its regular op on anything unusual. Per call, the Python around two zmq calls is
+what a small message costs; measured: 8 B all_reduce W=4 ~360 -> ~210 us, W=2 ~85 -> ~55 us.
 """
 
 from __future__ import annotations
@@ -20,11 +26,18 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
 
 from .errors import CommTimeoutError, GroupClosedError, RingcommError
-from .transport.wire import INLINE_MAX_BYTES, Header, WireError, pack_header, unpack_header
+from .transport.wire import (
+    INLINE_MAX_BYTES,
+    Header,
+    HeaderTemplate,
+    WireError,
+    pack_header,
+    unpack_header,
+)
 from .transport.zmq_transport import ZERO_COPY_MIN_BYTES, Tracker, ZmqTransport, tracker_wait
 
 __all__ = ["POLL_SLICE_S", "Engine", "Op", "Receiver", "SerialQueue"]
@@ -107,7 +120,7 @@ class Op:
     def settle(self) -> None:
         """Everything is issued and received: finish once libzmq let go of our buffers."""
         self._settled = True
-        if self.pending_tracker() is None:
+        if not self._trackers or self.pending_tracker() is None:
             self.finish()
         else:
             self.engine.track(self)
@@ -164,20 +177,26 @@ class Engine:
                 self._ensure_thread()
                 self._cv.notify()
         self._live.add(op)
-        self._submitted.append(op)
         if self._lock.acquire(blocking=False):
             try:
-                while self._submitted:
+                while self._submitted:  # earlier submissions from other threads go first
                     self._admit(self._submitted.popleft())
+                self._admit(op)
             finally:
                 self._lock.release()
         else:
+            self._submitted.append(op)
             self.transport.wake()
         return op
 
-    def wait(self, op: Op, timeout_s: float | None) -> Any:
-        """Drive until ``op`` is done; raise its error, or CommTimeoutError at the deadline."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def wait(self, op: Op, timeout_s: float | None, deadline: float | None = None) -> Any:
+        """Drive until ``op`` is done; raise its error, or CommTimeoutError at the deadline.
+
+        ``deadline``: a ``time.monotonic()`` instant to stop at, when the call's clock
+        started earlier (``timeout_s`` then only names the limit in the error message).
+        """
+        if deadline is None and timeout_s is not None:
+            deadline = time.monotonic() + timeout_s
         while not op.done:
             if self._closed:
                 op.finish(GroupClosedError(f"rank {self.rank}: {op.desc}: the process group was closed"))
@@ -186,7 +205,7 @@ class Engine:
             if remaining <= 0:
                 self._expire(op, timeout_s)
                 break
-            tracker = op.pending_tracker()
+            tracker = op.pending_tracker() if op._settled else None
             if tracker is not None:
                 # Only libzmq's I/O thread can finish this: wait without holding the lock.
                 tracker_wait(tracker, min(remaining, POLL_SLICE_S))
@@ -208,6 +227,158 @@ class Engine:
             raise op.error
         return op.result
 
+    def exchange(
+        self,
+        op: Op,
+        header: bytes,
+        payload: Any,
+        nbytes: int,
+        peers: Sequence[int],
+        keys: Sequence[Key],
+        fp: Any,
+        deadline: float,
+    ) -> list[memoryview] | bool:
+        """The fast lane of a blocking one-step exchange (the small all_reduce, ``op``).
+
+        Sends the message ``header`` (packed), ``payload`` (``nbytes``; None: inline in
+        the header) to each of ``peers`` (global ranks, not this one) and collects one
+        message per ``keys`` entry, on this thread, holding the driver lock throughout.
+        Payloads are copied as they are queued (sizes the transport would send zero-copy
+        are not taken), so the caller may write its buffer once this returns. Returns
+
+        * the payloads, in ``keys`` order, once each has arrived whole (one piece of
+          ``nbytes``) with fingerprint ``fp``;
+        * ``False``, having done nothing, when the engine is not idle (another thread
+          drives, asynchronous work, queued submissions, loopback or tracked sends, a
+          collective of ``op``'s group running), or ``nbytes`` is too large: run ``op``
+          the regular way;
+        * ``True`` when it gave up after sending: a message on ``keys`` with another
+          fingerprint or layout (a mismatch, an abort), the engine needs more than
+          dispatching (a submission from another thread, loopback or tracked sends,
+          closing), or the messages took longer than one poll slice (``POLL_SLICE_S``, or
+          until ``deadline``, a ``time.monotonic()`` instant): a long wait goes the
+          regular way, whose rounds let other threads take the lock in between. The
+          messages it took are back at the front of the unexpected queue, in order, and
+          ``op`` is admitted (so it starts before anything submitted meanwhile): its
+          receivers take over as if everything had gone the regular way. ``op`` must not
+          send again. Wait for it (an error while sending fails it, as in ``_start``).
+
+        Messages for anyone else are dispatched as they arrive, as in a regular round.
+        So the fast lane keeps every guarantee of the regular path; it only skips its
+        bookkeeping (inboxes, queues, rounds) while nothing else needs the engine.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            serial = op.serial
+            if (
+                self._closed or self._submitted or self._loopback or self._tracking
+                or self._async_pending or (serial is not None and serial.active is not None)
+                or nbytes >= ZERO_COPY_MIN_BYTES
+            ):  # fmt: skip
+                return False
+            got: dict[Key, tuple[Header, memoryview]] = {}
+            try:
+                return self._exchange(
+                    op, header, payload, nbytes, peers, keys, fp, deadline, got
+                )
+            except Exception as exc:  # noqa: BLE001 (as in _start: fail the op, not the rank)
+                err = (
+                    exc
+                    if isinstance(exc, RingcommError)
+                    else RingcommError(f"rank {self.rank}: {op.desc} failed: {exc!r}")
+                )
+                if err is not exc:
+                    err.__cause__ = exc
+                return self._give_back(op, got, err)
+            except BaseException:  # KeyboardInterrupt: leave the queues as they were
+                self._requeue(got)
+                raise
+        finally:
+            self._lock.release()
+
+    def _exchange(
+        self,
+        op: Op,
+        header: bytes,
+        payload: Any,
+        nbytes: int,
+        peers: Sequence[int],
+        keys: Sequence[Key],
+        fp: Any,
+        deadline: float,
+        got: dict[Key, tuple[Header, memoryview]],
+    ) -> list[memoryview] | bool:
+        """The body of exchange (driver lock held, the engine idle)."""
+        transport = self.transport
+        for peer in peers:
+            if payload is None:
+                transport.send_one(peer, header, nbytes)
+            else:
+                transport.send(peer, header, payload, nbytes)  # copied: below zero-copy size
+        for key in keys:  # what arrived before we asked, as post would feed it
+            waiting = self._unexpected.get(key)
+            if waiting:
+                h, data = got[key] = waiting.popleft()
+                self.unexpected_count -= 1
+                if not waiting:
+                    del self._unexpected[key]
+                if h.fp != fp or h.npieces != 1 or len(data) != nbytes:
+                    return self._give_back(op, got)
+        give_up_at = min(deadline, time.monotonic() + POLL_SLICE_S)
+        while len(got) < len(keys):
+            if self._closed or self._submitted or self._loopback or self._tracking:
+                return self._give_back(op, got)
+            remaining = give_up_at - time.monotonic()
+            if remaining <= 0:
+                return self._give_back(op, got)
+            if not transport.poll(remaining):
+                continue
+            ready = True
+            while len(got) < len(keys):
+                message = self._recv(ready)
+                ready = False
+                if message is None:
+                    break
+                if message is False:
+                    continue
+                h, data = message
+                key = (h.src, h.group, h.kind, h.tag)
+                if key in got or key not in keys:
+                    self.dispatch(h, data)
+                    continue
+                got[key] = message
+                if h.fp != fp or h.npieces != 1 or len(data) != nbytes:
+                    return self._give_back(op, got)
+        return [got[key][1] for key in keys]
+
+    def _give_back(
+        self,
+        op: Op,
+        got: dict[Key, tuple[Header, memoryview]],
+        error: BaseException | None = None,
+    ) -> bool:
+        """``exchange`` gives up: requeue what it took (at the front); admit ``op``, or
+        fail it with ``error``."""
+        self._requeue(got)
+        if error is not None:
+            op.started = True
+            op.finish(error)
+            return True
+        self._live.add(op)
+        self._admit(op)
+        return True
+
+    def _requeue(self, got: dict[Key, tuple[Header, memoryview]]) -> None:
+        """Put messages ``exchange`` took back at the front of their unexpected queues."""
+        for key, message in got.items():
+            waiting = self._unexpected.get(key)
+            if waiting is None:
+                self._unexpected[key] = waiting = collections.deque()
+            waiting.appendleft(message)
+            self.unexpected_count += 1
+        got.clear()
+
     def test(self, op: Op) -> bool:
         """Non-blocking progress for ``Work.done()``."""
         if not op.done and self._lock.acquire(blocking=False):
@@ -227,6 +398,35 @@ class Engine:
             self.transport.send_one(peer, pack_header(header, bytes(payload)), nbytes)
             return None
         return self.transport.send(peer, pack_header(header), payload, nbytes)
+
+    def send_templated(
+        self, peer: int, template: HeaderTemplate, tag: int, payload: Any, nbytes: int
+    ) -> Tracker | None:
+        """:meth:`send` with the header given as a template and its tag (same message)."""
+        if peer == self.rank:
+            header, _ = unpack_header(template.pack(tag))
+            self._loopback.append((header, memoryview(bytes(payload))))
+            return None
+        if nbytes < INLINE_MAX_BYTES:
+            self.transport.send_one(peer, template.pack(tag, bytes(payload)), nbytes)
+            return None
+        return self.transport.send(peer, template.pack(tag), payload, nbytes)
+
+    def send_packed(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
+        """:meth:`send` with the header packed already (``HeaderTemplate.pack``).
+
+        ``payload`` None: ``header`` carries the payload inline (``nbytes`` below
+        ``INLINE_MAX_BYTES``); the message is that one frame.
+        """
+        if peer == self.rank:
+            h, inline = unpack_header(header)
+            data = bytes(payload) if payload is not None else inline or b""
+            self._loopback.append((h, memoryview(data)))
+            return None
+        if payload is None:
+            self.transport.send_one(peer, header, nbytes)
+            return None
+        return self.transport.send(peer, header, payload, nbytes)
 
     def post(self, key: Key, receiver: Receiver) -> None:
         """Post a receiver for messages with ``key``; queued pieces are fed to it first."""
@@ -259,7 +459,7 @@ class Engine:
         self._tracking.append(op)
 
     def dispatch(self, header: Header, payload: memoryview) -> None:
-        key = header.key
+        key = (header.src, header.group, header.kind, header.tag)  # header.key, inlined
         q = self._posted.get(key)
         if q:
             receiver = q[0]
@@ -301,46 +501,64 @@ class Engine:
                 timeout_s = min(timeout_s, 0.001)
         if self._submitted or self._loopback:
             timeout_s = 0.0
-        if self._drain(until) or timeout_s <= 0.0 or (until is not None and until.done):
-            return
-        if self.transport.poll(timeout_s):
+        if timeout_s <= 0.0 or (until is not None and until.done):
             self._drain(until)
+            return
+        # A poll returns at once if a message is already waiting, and finds out in C
+        # what a look from Python (recv_first) costs a microsecond to ask.
+        if self.transport.poll(timeout_s):
+            self._drain(until, ready=True)
 
-    def _drain(self, until: Op | None = None) -> int:
-        """Dispatch what has arrived (without blocking); return how many messages."""
-        transport = self.transport
+    def _drain(self, until: Op | None = None, ready: bool = False) -> int:
+        """Dispatch what has arrived (without blocking); return how many messages.
+
+        ``ready``: a poll just said a message is waiting.
+        """
         n = 0
         for n in range(1, MAX_DISPATCH_PER_ROUND + 1):
             if until is not None and until.done:
                 return n - 1
-            first = transport.recv_first()
-            if first is None:
+            message = self._recv(ready)
+            ready = False
+            if message is None:
                 return n - 1
-            raw_header, more = first
-            try:
-                header, inline = unpack_header(raw_header)
-            except WireError:
-                if more:
-                    transport.recv_payload(copy=True)
-                self.dropped_frames += 1
-                continue
-            if inline is not None:
-                if more:  # an inline payload and a payload frame: malformed
-                    transport.recv_payload(copy=True)
-                    self.dropped_frames += 1
-                    continue
-                payload: memoryview | bool = memoryview(inline)
-            elif more:
-                # Small payloads are copied out of libzmq (cheaper than a zero-copy frame).
-                payload = transport.recv_payload(copy=header.nbytes < ZERO_COPY_MIN_BYTES)
-                if payload is False:
-                    self.dropped_frames += 1
-                    continue
-            else:
-                self.dropped_frames += 1  # a header without its payload
-                continue
-            self.dispatch(header, payload)  # type: ignore[arg-type]
+            if message is not False:
+                self.dispatch(*message)
         return n
+
+    def _recv(self, ready: bool = False) -> tuple[Header, memoryview] | Literal[False] | None:
+        """The next message as ``(header, payload)`` without blocking; None if none is
+        waiting; False for a malformed one (dropped and counted).
+
+        ``ready``: a poll just said a message is waiting.
+        """
+        transport = self.transport
+        first = transport.recv_first(ready)
+        if first is None:
+            return None
+        raw_header, more = first
+        try:
+            header, inline = unpack_header(raw_header)
+        except WireError:
+            if more:
+                transport.recv_payload(copy=True)
+            self.dropped_frames += 1
+            return False
+        if inline is not None:
+            if more:  # an inline payload and a payload frame: malformed
+                transport.recv_payload(copy=True)
+                self.dropped_frames += 1
+                return False
+            return header, memoryview(inline)
+        if more:
+            # Small payloads are copied out of libzmq (cheaper than a zero-copy frame).
+            payload = transport.recv_payload(copy=header.nbytes < ZERO_COPY_MIN_BYTES)
+            if payload is False:
+                self.dropped_frames += 1
+                return False
+            return header, payload  # type: ignore[return-value]
+        self.dropped_frames += 1  # a header without its payload
+        return False
 
     def _admit(self, op: Op) -> None:
         serial = op.serial

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from ringcomm.ops import (
     SUPPORTED_DTYPES,
     ReduceOp,
+    _ufunc_name,
     check_op_dtype,
     finalize,
     parse_op,
+    reduce_in_order,
     reduce_into,
     reference_reduce,
 )
@@ -113,6 +115,32 @@ def test_reduce_then_finalize_matches_oracle(op, dtype):
     finalize(op, acc, len(inputs))
     assert acc.dtype == dtype
     np.testing.assert_array_equal(acc, reference_reduce(op, inputs))
+
+
+@pytest.mark.parametrize(("op", "dtype"), VALID_COMBOS, ids=lambda v: str(v))
+@pytest.mark.parametrize("out_is", [None, 0, 1])
+def test_reduce_in_order_matches_reduce_into_bitwise(op, dtype, out_is):
+    """The hot-path fold gives reduce_into's bits, also written over srcs[0] or srcs[1]."""
+    rng = np.random.default_rng(11)
+    inputs = [random_array(rng, dtype, 65) for _ in range(4)]
+    want = inputs[0].copy()
+    for x in inputs[1:]:
+        reduce_into(op, want, x)
+    srcs = [x.copy() for x in inputs]
+    out = np.empty_like(srcs[0]) if out_is is None else srcs[out_is]
+    ufunc = getattr(np, _ufunc_name(op, dtype))
+    reduce_in_order(ufunc, srcs, out, silence=dtype.kind == "f")
+    assert out.tobytes() == want.tobytes()
+
+
+def test_reduce_in_order_keeps_float_overflow_silent():
+    big = np.full(3, 6e4, np.float16)
+    out = np.empty_like(big)
+    reduce_in_order(np.add, [big, big, -big], out, silence=True)  # inf, then inf - 6e4
+    assert np.isinf(out).all()
+    inf = np.full(2, np.inf, np.float16)
+    reduce_in_order(np.add, [inf, -inf], out[:2], silence=True)
+    assert np.isnan(out[:2]).all()
 
 
 def test_reduce_into_is_in_place_on_a_strided_view():

@@ -27,6 +27,7 @@ from ringcomm.transport.wire import (
     SUPPORTED_DTYPES,
     WIRE_VERSION,
     Header,
+    HeaderTemplate,
     WireError,
     dtype_from_wire,
     dtype_to_wire,
@@ -76,6 +77,14 @@ def test_header_round_trip(h: Header) -> None:
 @given(headers(), st.binary(max_size=5000))
 def test_header_with_inline_payload_round_trip(h: Header, payload: bytes) -> None:
     assert unpack_header(pack_header(h, payload)) == (h, payload)
+
+
+@given(headers(), U64, st.none() | st.binary(max_size=70000))
+def test_header_template_packs_the_same_bytes(h: Header, tag: int, inline: bytes | None) -> None:
+    """A template packs what pack_header packs, for any tag (the one field it leaves out)."""
+    template = HeaderTemplate(h._replace(tag=0))
+    assert template.pack(tag, inline) == pack_header(h._replace(tag=tag), inline)
+    assert template.pack(tag) == pack_header(h._replace(tag=tag))
 
 
 def test_header_defaults_round_trip() -> None:

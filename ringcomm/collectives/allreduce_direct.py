@@ -10,82 +10,177 @@ round of process wake-ups, so for a few bytes one step of ``n - 1`` small messag
 ``n - 1`` buffers per rank, so it only pays below a small size (``ALL_REDUCE_DIRECT_MAX_BYTES``
 in the registry).
 
-Copies per byte: one private copy of ``x`` at start (sent to every peer; we overwrite ``x``
-at the end, possibly before libzmq is done reading, so we never send from ``x`` itself), the
-transport's copy per peer (inline in the header below 4 KiB), one frame per peer, and the
-rank-order reduction into a scratch buffer that is copied into ``x`` at the end (so a
-mismatch or a failure mid-way leaves ``x`` untouched).
+Copies per byte: one private copy of ``x`` at start (``x.tobytes()``, sent to every peer;
+we overwrite ``x`` at the end, possibly before libzmq is done reading, so we never send from
+``x`` itself; below 4 KiB that copy is the inline payload itself, packed once for all
+peers), the transport's copy per peer, one frame per peer, and the rank-order reduction
+straight into ``x`` once every piece has arrived and been checked (so a mismatch or a
+failure before that leaves ``x`` untouched; ranks above 1 reduce their own operand from a
+copy, since the first step overwrites ``x``).
+
+Per-call cost: everything that depends only on the call's shape (spans, element bounds, the
+ufunc, the header templates) is built by the first call of a shape and kept in the group's
+cache (``self.shape_cache.plan``). A blocking call whose messages are one piece takes the
+engine's fast lane (:meth:`run_now`, ``Engine.exchange``): the same messages and checks
+without inboxes or rounds, handed over to the regular path (``start``, minus the sends) on
+anything unusual, so ranks on either path interoperate. There the fast lane sends from
+``x`` itself above 4 KiB (the transport copies those as it queues them).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
-from ..ops import finalize, reduce_into
+from ..ops import ReduceOp, _ufunc_name, finalize, reduce_in_order
 from ..schedule.chunks import chunk_spans
-from ..transport.wire import Header
+from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL, Header
 from .base import CollectiveOp, byte_view
 
 __all__ = ["AllReduceDirect"]
+
+
+class _Plan(NamedTuple):
+    """What every call of one shape shares (see the module docstring)."""
+
+    spans: list[tuple[int, int]]  # byte (offset, length) of each piece
+    bounds: list[tuple[int, int]]  # element [a, b) of each piece
+    peers: list[int]  # whom we send to, in order: right, then around the ring
+    dtype: str  # on the wire
+    ufunc: Any
+    silence: bool  # float dtype: overflow/invalid stay silent
+    avg: bool
+
+
+def _make_plan(x: np.ndarray, op: ReduceOp, chunk_bytes: int, me: int, n: int) -> _Plan:
+    spans = chunk_spans(x.nbytes, chunk_bytes, x.itemsize)
+    itemsize = x.itemsize
+    bounds = [(off // itemsize, (off + length) // itemsize) for off, length in spans]
+    # Send right, then around the ring, so no rank is everyone's first destination.
+    peers = [(me + k) % n for k in range(1, n)]
+    ufunc = getattr(np, _ufunc_name(op, x.dtype))
+    return _Plan(spans, bounds, peers, x.dtype.str, ufunc, x.dtype.kind == "f", op is ReduceOp.AVG)
 
 
 class AllReduceDirect(CollectiveOp):
     name = "all_reduce"
     algo = "direct"
 
+    #: run_now sent our message already (then gave up and handed us to the engine).
+    _sent_early = False
+    plan: _Plan
+    pieces: list[memoryview | None]  # received, [peer * npieces + piece]
+
+    def _plan(self) -> _Plan:
+        plan = self.shape_cache.plan
+        if plan is None:
+            x, op = self.call.x, self.call.op
+            assert x is not None and op is not None
+            plan = _make_plan(x, op, self.comm.chunk_bytes, self.rank, self.n)
+            self.shape_cache.plan = plan
+        return plan  # type: ignore[no-any-return]
+
+    def run_now(self, deadline: float) -> bool:
+        """A blocking call whose messages are one piece: the engine's fast lane
+        (``Engine.exchange``: the same messages, checks and hand-over on anything unusual;
+        see the docstring there), then the same reduction as ``all_received``."""
+        x = self.call.x
+        assert x is not None
+        n = self.n
+        if n == 1:
+            return False
+        self.plan = plan = self._plan()
+        if len(plan.spans) != 1:
+            return False
+        ranks, group, seq = self.comm.ranks, self.group_id, self.seq
+        nbytes = x.nbytes
+        template = self._template(0, 0, 1, plan.dtype, nbytes, 0)
+        if nbytes < INLINE_MAX_BYTES:
+            header, payload = template.pack(seq, x.tobytes()), None
+        else:  # exchange copies it as it sends (it takes no zero-copy sizes)
+            header, payload = template.pack(seq), byte_view(x)
+        peers = [ranks[p] for p in plan.peers]
+        keys = [(g, group, KIND_COLL, seq) for g in peers]
+        self._sent_early = True  # before: a hand-over starts us inside exchange
+        got = self.engine.exchange(self, header, payload, nbytes, peers, keys, self.fp, deadline)
+        if got is False:
+            self._sent_early = False  # nothing was sent: the regular way, from the start
+            return False
+        if got is True:
+            return False  # handed over to the engine
+        pieces: list[memoryview | None] = [None] * n
+        self.pieces = pieces
+        for p, data in zip(plan.peers, got):
+            pieces[p] = data
+        self.all_received()
+        self.result = x
+        return True
+
     def start(self) -> None:
         x, op = self.call.x, self.call.op
         assert x is not None and op is not None
         self.result = x
-        n, me = self.n, self.rank
+        n = self.n
         if n == 1:
             finalize(op, x, 1)
             self.post_inboxes()
             return
-        self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
-        npieces = len(self.spans)
-        self.pieces: list[list[memoryview | None]] = [[None] * npieces for _ in range(n)]
-        private = memoryview(bytes(byte_view(x)))  # one copy for all peers, never written
-        dtype = x.dtype.str
-        # Send right, then around the ring, so no rank is everyone's first destination.
-        for k in range(1, n):
-            peer = (me + k) % n
-            self.will_send(peer, 1)
-            for j, (off, length) in enumerate(self.spans):
-                self.send_piece(
-                    peer, 0, j, npieces, x.nbytes, off, private[off : off + length], dtype,
-                    track=False,
-                )
+        self.plan = plan = self._plan()
+        spans = plan.spans
+        npieces = len(spans)
+        self.pieces = [None] * (n * npieces)
+        if not self._sent_early:
+            private = x.tobytes()  # one copy for all peers, never written
+            if npieces == 1:
+                self.send_to_each(plan.peers, 0, private, plan.dtype, track=False)
+            else:
+                view = memoryview(private)
+                for peer in plan.peers:
+                    self.will_send(peer, 1)
+                    for j, (off, length) in enumerate(spans):
+                        self.send_piece(
+                            peer, 0, j, npieces, len(private), off, view[off : off + length],
+                            plan.dtype, track=False,
+                        )  # fmt: skip
+        for peer in plan.peers:
             self.expect(peer, 1)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
-        j = header.piece
-        spans = self.spans
+        spans = self.plan.spans
+        if len(spans) == 1 and header.npieces == 1 and len(payload) == spans[0][1]:
+            self.pieces[peer] = payload  # the usual whole message (what piece_span checks)
+            return
         self.piece_span(peer, header, payload, spans)
-        self.pieces[peer][j] = payload
+        self.pieces[peer * len(spans) + header.piece] = payload
 
     def all_received(self) -> None:
         x, op = self.call.x, self.call.op
         assert x is not None and op is not None
-        if self.n == 1:
+        n = self.n
+        if n == 1:
             return
-        flat = x.reshape(-1)
-        acc = np.empty_like(flat)
-        itemsize = x.itemsize
-        for r in range(self.n):
-            for j, (off, length) in enumerate(self.spans):
-                a, b = off // itemsize, (off + length) // itemsize
-                if r == self.rank:
-                    src = flat[a:b]
-                else:
-                    piece = self.pieces[r][j]
-                    assert piece is not None
-                    src = np.frombuffer(piece, x.dtype)
-                if r == 0:
-                    acc[a:b] = src
-                else:
-                    reduce_into(op, acc[a:b], src)  # lower ranks' result on the left
-        finalize(op, acc, self.n)
+        plan = self.plan
+        me, pieces, dtype = self.rank, self.pieces, x.dtype
+        # Everything arrived and fits (on_data checked each piece), so nothing can fail
+        # from here: reduce straight into x. x is the left operand of the first step when
+        # we are rank 0 or 1; a higher rank's own operand is read after that step has
+        # overwritten x, so it reduces from a copy.
+        flat = x if x.ndim == 1 else x.reshape(-1)
+        mine = flat if me < 2 else flat.copy()
         self.touched = True
-        flat[...] = acc
+        frombuffer = np.frombuffer
+        if len(plan.bounds) == 1:
+            srcs = [mine if r == me else frombuffer(pieces[r], dtype) for r in range(n)]  # type: ignore[arg-type]
+            reduce_in_order(plan.ufunc, srcs, flat, silence=plan.silence)
+        else:
+            npieces = len(plan.bounds)
+            for j, (a, b) in enumerate(plan.bounds):
+                srcs = [
+                    mine[a:b] if r == me else frombuffer(pieces[r * npieces + j], dtype)  # type: ignore[arg-type]
+                    for r in range(n)
+                ]
+                reduce_in_order(plan.ufunc, srcs, flat[a:b], silence=plan.silence)
+        if plan.avg:
+            finalize(op, flat, n)

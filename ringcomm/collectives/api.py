@@ -12,6 +12,7 @@ all_reduce and broadcast, ``async_op`` on every call, ``out`` on gather (used on
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,10 +40,22 @@ __all__ = [
 
 # -- argument checks -------------------------------------------------------------------
 def _what(pg: ProcessGroup, name: str) -> str:
-    return f"rank {pg.rank}: {name}"
+    return f"rank {pg._rank}: {name}"
+
+
+# (op as passed, dtype) -> ReduceOp, for pairs that passed _check_op (ops passed as a
+# ReduceOp or a plain str): the check is pure, and the same few pairs come back call after
+# call. Bounded (emptied when full).
+_CHECKED_OPS: dict[tuple[Any, np.dtype[Any]], ReduceOp] = {}
+_CHECKED_OPS_MAX = 256
 
 
 def _check_op(op: Any, dtype: np.dtype[Any], what: str) -> ReduceOp:
+    cacheable = type(op) is ReduceOp or type(op) is str
+    if cacheable:
+        rop = _CHECKED_OPS.get((op, dtype))
+        if rop is not None:
+            return rop
     try:
         rop = parse_op(op)
     except ValueError as exc:
@@ -51,10 +64,16 @@ def _check_op(op: Any, dtype: np.dtype[Any], what: str) -> ReduceOp:
         check_op_dtype(rop, dtype)
     except TypeError as exc:
         raise TypeError(f"{what}: {exc}") from None
+    if cacheable:
+        if len(_CHECKED_OPS) >= _CHECKED_OPS_MAX:
+            _CHECKED_OPS.clear()
+        _CHECKED_OPS[op, dtype] = rop
     return rop
 
 
 def _check_flag(value: Any, what: str, name: str = "async_op") -> bool:
+    if value is False or value is True:
+        return value
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{what}: {name} must be a bool, got {type(value).__name__}")
     return bool(value)
@@ -96,31 +115,44 @@ def _check_chunk_bytes(pg: ProcessGroup, what: str) -> int:
 
 
 # -- running ---------------------------------------------------------------------------
-def _run(pg: ProcessGroup, call: Call, timeout_s: float | None, async_op: bool) -> Any:
-    what = _what(pg, call.name)
-    chunk = _check_chunk_bytes(pg, what)
+def _run(
+    pg: ProcessGroup, call: Call, timeout_s: float | None, async_op: bool, what: str | None = None
+) -> Any:
+    if what is None:
+        what = _what(pg, call.name)
+    chunk = pg.chunk_bytes
+    if type(chunk) is not int or chunk <= 0:
+        chunk = _check_chunk_bytes(pg, what)
     try:
         timeout = pg._timeout(timeout_s)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     pg._check_usable(call.name)
     cls = get_algorithm(call.name, call.algo)
+    start_s = time.monotonic()
     comm = Comm(
-        engine=pg._engine,
-        rank=pg.rank,
-        world_size=pg.world_size,
-        group_id=pg.group_id,
-        ranks=pg.ranks,
-        seq=pg.next_collective_seq(),  # last: only a call that will run takes a number
-        chunk_bytes=chunk,
-        timeout_s=timeout,
-        serial=pg._serial,
+        pg._engine,
+        pg._rank,
+        pg._world_size,
+        pg._group_id,
+        pg._ranks,
+        pg.next_collective_seq(),  # after every check: only a call that will run takes a number
+        chunk,
+        timeout,
+        pg._serial,
+        pg._plans,
     )
-    return pg._run(cls(comm, call, async_op=async_op), timeout_s, async_op)
+    op = cls(comm, call, async_op=async_op)
+    if async_op:
+        return pg._run(op, timeout, True)
+    deadline = start_s + timeout
+    if op.run_now(deadline):  # the algorithm's fast lane, if it has one
+        return op.result
+    return pg._run(op, timeout, False, deadline)
 
 
 def _env_algo(pg: ProcessGroup) -> str | None:
-    return pg.config.algo
+    return pg._shared.config.algo
 
 
 # -- the collectives -------------------------------------------------------------------
@@ -136,14 +168,16 @@ def all_reduce(
     """Reduce ``x`` over all ranks, in place on every rank; return ``x`` (or a Work)."""
     what = _what(pg, "all_reduce")
     x = check_array(x, what, writeable=True)
-    rop = _check_op(op, x.dtype, what)
-    async_op = _check_flag(async_op, what)
+    dtype = x.dtype
+    rop = _check_op(op, dtype, what)
+    if async_op is not False:
+        async_op = _check_flag(async_op, what)
     try:
-        chosen = choose_algorithm("all_reduce", algo, _env_algo(pg), x.nbytes, pg.world_size)
+        chosen = choose_algorithm("all_reduce", algo, _env_algo(pg), x.nbytes, pg._world_size)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
-    call = Call("all_reduce", chosen, x=x, op=rop, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(pg, call, timeout_s, async_op)
+    call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape)
+    return _run(pg, call, timeout_s, async_op, what)
 
 
 def reduce_scatter(

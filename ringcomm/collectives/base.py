@@ -38,7 +38,8 @@ Not detectable: calls that never send to each other, e.g. two ranks that both be
 are a broadcast's source (each only sends). Such a call completes on both; the deadline of
 whoever waits on them is the backstop.
 
-Zero-copy sends. Pieces go out with :meth:`Engine.send`; large ones are zero-copy, i.e.
+Zero-copy sends. Pieces go out through the engine (``send_piece``: their headers packed
+from templates kept per call shape, :class:`ShapeCache`); large ones are zero-copy, i.e.
 libzmq's I/O thread may read our memory until the piece's tracker is done. Algorithms
 either never write a region after sending it, or (a causal argument in their docstring)
 only after a message that could not exist before the peer had the whole piece, or they
@@ -49,21 +50,21 @@ completes only once libzmq has released every buffer it sent from.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CommTimeoutError, RingcommError
 from ..ops import ReduceOp, _float_errors_silenced, _ufunc_name
 from ..progress import Engine, Op, SerialQueue
-from ..transport.wire import KIND_COLL, Header
+from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL, Header, HeaderTemplate
 
 __all__ = [
     "ABORT",
     "Call",
     "CollectiveOp",
     "Comm",
+    "ShapeCache",
     "byte_view",
     "describe_fingerprint",
     "fingerprint",
@@ -76,9 +77,13 @@ ABORT = "!abort"
 _ABORT_TEXT_MAX = 2000
 
 
-@dataclass(frozen=True)
-class Comm:
-    """The group, as one collective call sees it."""
+# Comm and Call are immutable NamedTuples rather than frozen dataclasses: one of each is
+# built per call, and a frozen dataclass costs about a microsecond to build.
+class Comm(NamedTuple):
+    """The group, as one collective call sees it.
+
+    ``plans``: the group's cache of per-call-shape state (:class:`ShapeCache`); None: no cache.
+    """
 
     engine: Engine
     rank: int
@@ -89,10 +94,10 @@ class Comm:
     chunk_bytes: int
     timeout_s: float
     serial: SerialQueue | None = None
+    plans: dict[Any, ShapeCache] | None = None
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """A checked collective call. Fields a collective does not use are None.
 
     ``shape``/``dtype``: the shape and dtype of ``x`` (for ``scatter`` on a rank that
@@ -107,6 +112,32 @@ class Call:
     root: int | None = None
     dtype: np.dtype[Any] | None = None
     shape: tuple[int, ...] | None = None
+
+
+#: Most call shapes a group keeps state for (the cache is emptied when it is full).
+MAX_SHAPES = 256
+#: Most header templates kept per call shape (messages cut into more pieces than this
+#: pack the rest of their headers afresh: the payload dwarfs the header there).
+MAX_TEMPLATES = 64
+
+
+class ShapeCache:
+    """What every call of one shape in one group shares, built by its first call.
+
+    A call's shape is its algorithm, dtype, shape, op, root and ``chunk_bytes`` (the
+    group's rank, size and id are fixed); state that depends on nothing else is the same
+    for every such call: the fingerprint, the headers of its pieces (all but the sequence
+    number, :class:`HeaderTemplate`) and the algorithm's own ``plan`` (spans, peers, ...;
+    None until an algorithm sets it). Never modified once built, except that ``plan`` is
+    set and templates are added by the first calls. Ops read ``self.shape_cache``.
+    """
+
+    __slots__ = ("fp", "plan", "templates")
+
+    def __init__(self, fp: list[Any]) -> None:
+        self.fp = fp
+        self.plan: Any = None
+        self.templates: dict[tuple[int, int, int, str, int, int], HeaderTemplate] = {}
 
 
 # Which keyword names the root in messages about each collective.
@@ -215,8 +246,10 @@ class _Inbox:
         if header.piece + 1 == header.npieces:
             self.got += 1
             if self.got >= self.expected:
-                if self.op is not None:
-                    self.op.inbox_done()
+                op = self.op  # again: on_data may have failed the op (which detaches us)
+                if op is not None:
+                    op._open_inboxes -= 1  # CollectiveOp.inbox_done, inlined
+                    op._maybe_complete()
                 return True
         return False
 
@@ -237,11 +270,25 @@ class CollectiveOp(Op):
         self.rank = comm.rank
         self.n = comm.world_size
         self.seq = comm.seq
-        self.fp = fingerprint(call, self.fingerprint_chunk_bytes())
+        chunk = self.fingerprint_chunk_bytes()
+        plans = comm.plans
+        if plans is None:
+            self.shape_cache = ShapeCache(fingerprint(call, chunk))
+        else:
+            key = (type(self), call.name, call.algo, call.dtype, call.shape, call.op, call.root,
+                   comm.chunk_bytes, chunk)  # fmt: skip
+            cached = plans.get(key)
+            if cached is None:
+                if len(plans) >= MAX_SHAPES:
+                    plans.clear()
+                cached = plans[key] = ShapeCache(fingerprint(call, chunk))
+            self.shape_cache = cached
+        self.fp = self.shape_cache.fp
         self._me_global = comm.ranks[comm.rank]
         self._inboxes: dict[int, _Inbox] = {}
         self._open_inboxes = 0
         self._out_left: dict[int, int] = {}
+        self._unsent = 0  # messages declared with will_send and not fully queued yet
         self._posted = False
         self.touched = False  # set by algorithms when they first write a user buffer
 
@@ -277,14 +324,17 @@ class CollectiveOp(Op):
     def will_send(self, peer: int, messages: int) -> None:
         """Declare ``messages`` messages to ``peer`` (so a failure can abort that stream)."""
         self._out_left[peer] = self._out_left.get(peer, 0) + messages
+        self._unsent += messages
 
     def post_inboxes(self) -> None:
         """Post every inbox. Call after the first sends: queued pieces are fed right away
         and may trigger later steps' sends, which must follow the first ones on the wire."""
+        post = self.engine.post
         for inbox in list(self._inboxes.values()):
-            self.engine.post(inbox.key, inbox)
+            post(inbox.key, inbox)
         self._posted = True
-        self._maybe_complete()
+        if self._open_inboxes <= 0:  # else an inbox completes us later
+            self._maybe_complete()
 
     # -- sending -----------------------------------------------------------------------
     def send_piece(
@@ -305,26 +355,55 @@ class CollectiveOp(Op):
         ``track=False``: ``payload`` is a private copy nobody writes, so the op need not
         wait for libzmq to release it before it completes.
         """
-        header = Header(
-            KIND_COLL,
-            self._me_global,
-            self.group_id,
-            self.seq,
-            step,
-            piece,
-            npieces,
-            dtype,
-            msg_nbytes,
-            offset,
-            None,
-            self.fp,
+        template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
+        tracker = self.engine.send_templated(
+            self.comm.ranks[peer], template, self.seq, payload, len(payload)
         )
-        tracker = self.engine.send(self.comm.ranks[peer], header, payload, len(payload))
-        if track:
+        if track and tracker is not None:
             self.add_tracker(tracker)
         if piece + 1 == npieces:
             self._out_left[peer] -= 1
+            self._unsent -= 1
         return tracker
+
+    def send_to_each(
+        self, peers: list[int], step: int, payload: bytes, dtype: str, *, track: bool = True
+    ) -> None:
+        """Queue the same one-piece message (``payload``, step ``step``) to each of ``peers``.
+
+        The header is the same for every peer, so it is packed once (and the payload copied
+        into it once, below the inline size). Everything is queued here and now, so these
+        messages need no :meth:`will_send`. ``track``: as in :meth:`send_piece`.
+        """
+        nbytes = len(payload)
+        template = self._template(step, 0, 1, dtype, nbytes, 0)
+        send_packed, ranks = self.engine.send_packed, self.comm.ranks
+        if nbytes < INLINE_MAX_BYTES:
+            frame = template.pack(self.seq, payload)
+            for peer in peers:
+                send_packed(ranks[peer], frame, None, nbytes)
+            return
+        header = template.pack(self.seq)
+        for peer in peers:
+            tracker = send_packed(ranks[peer], header, payload, nbytes)
+            if track and tracker is not None:
+                self.add_tracker(tracker)
+
+    def _template(
+        self, step: int, piece: int, npieces: int, dtype: str, msg_nbytes: int, offset: int
+    ) -> HeaderTemplate:
+        """This call shape's header of a piece, but for the sequence number (cached)."""
+        key = (step, piece, npieces, dtype, msg_nbytes, offset)
+        templates = self.shape_cache.templates
+        template = templates.get(key)
+        if template is None:
+            template = HeaderTemplate(
+                Header(KIND_COLL, self._me_global, self.group_id, 0, step, piece, npieces, dtype,
+                       msg_nbytes, offset, None, self.fp)
+            )  # fmt: skip
+            if len(templates) < MAX_TEMPLATES:
+                templates[key] = template
+        return template
 
     def send_message(
         self,
@@ -402,8 +481,8 @@ class CollectiveOp(Op):
     def _maybe_complete(self) -> None:
         if self.done or not self._posted or self._open_inboxes > 0:
             return
-        unsent = {p: k for p, k in self._out_left.items() if k}
-        if unsent:  # every algorithm sends its last piece before its last receive
+        if self._unsent:  # every algorithm sends its last piece before its last receive
+            unsent = {p: k for p, k in self._out_left.items() if k}
             self.fail_from(
                 RingcommError(
                     f"rank {self.rank}: {self.desc}: internal error: everything received "
@@ -486,3 +565,13 @@ class CollectiveOp(Op):
 
     def start(self) -> None:
         raise NotImplementedError
+
+    def run_now(self, deadline: float) -> bool:
+        """Fast lane of a blocking call: carry it out at once on the calling thread.
+
+        True: done, ``result`` set (the op never entered the engine's queues). False: run
+        it the regular way: submit it unless it is ``started`` already (a fast lane that
+        gave up midway hands it over to the engine, started), then wait for it until
+        ``deadline`` (a ``time.monotonic()`` instant). The default has no fast lane.
+        """
+        return False

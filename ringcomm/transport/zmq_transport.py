@@ -93,9 +93,7 @@ class ZmqTransport:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
-        self._poller.register(self._rx, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poll_items: list[tuple[Any, int]] = [(self._rx, _POLLIN), (self._wake_r, _POLLIN)]
         self.sent_bytes = 0
         self.sent_messages = 0
 
@@ -152,22 +150,26 @@ class ZmqTransport:
     def poll(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for an incoming message (or a wake-up)."""
         # Round up: a positive timeout below 1 ms must not turn into a busy poll(0).
-        events = dict(self._poller.poll(max(0, math.ceil(timeout_s * 1000))))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
+        ready = False
+        for item, _ in zmq.zmq_poll(self._poll_items, max(0, math.ceil(timeout_s * 1000))):
+            if item is self._rx:
+                ready = True
+            else:  # the wake-up pipe
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
                     pass
-            except BlockingIOError:
-                pass
-        return self._rx in events
+        return ready
 
-    def recv_first(self) -> tuple[bytes, bool] | None:
+    def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
         """First frame of the next message and whether more frames follow; None if idle.
 
+        ``ready``: a poll just said a message is waiting (skips looking again).
         A message with more frames must be finished with :meth:`recv_payload`.
         """
         rx = self._rx
-        if not rx.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a zmq.Again exception
+        if not ready and not rx.getsockopt(_EVENTS) & _POLLIN:  # cheaper than zmq.Again
             return None
         try:
             first = rx.recv(_NOBLOCK, copy=True)
