@@ -47,6 +47,8 @@ __all__ = [
     "parse_op",
     "reduce_in_order",
     "reduce_into",
+    "reduce_out",
+    "reduce_ufunc",
     "reference_reduce",
 ]
 
@@ -131,6 +133,14 @@ def _ufunc_name(op: ReduceOp, dtype: np.dtype[Any]) -> str:
     return _BOOL_UFUNC[op]
 
 
+def reduce_ufunc(op: ReduceOp, dtype: np.dtype[Any], xp: Any = np) -> Any:
+    """The ``xp`` ufunc that reduces ``dtype`` arrays with ``op`` (bool: logical ops).
+
+    For hot paths that pick it once per call shape (see :func:`reduce_in_order`).
+    """
+    return getattr(xp, _ufunc_name(op, dtype))
+
+
 _NULL_CONTEXT = contextlib.nullcontext()  # reusable
 
 
@@ -167,7 +177,7 @@ def reduce_in_order(ufunc: Any, srcs: Sequence[Any], out: Any, *, silence: bool)
     """``out <- ((srcs[0] op srcs[1]) op srcs[2]) ...``: rank order, one NumPy ``ufunc``.
 
     For the hot path of small collectives: the caller picks the ufunc once per call shape
-    (``getattr(np, _ufunc_name(op, dtype))``, so bool maps onto logical ops) and nothing is
+    (:func:`reduce_ufunc`, so bool maps onto logical ops) and nothing is
     checked here. At least two sources of ``out``'s dtype and shape; ``out`` may be
     ``srcs[0]`` or ``srcs[1]`` but no later source (the first step overwrites it).
     ``silence``: the arrays are NumPy floats (overflow and invalid stay silent, as in
@@ -202,10 +212,24 @@ def reduce_into(
                 f"op {op}: incoming has {incoming.size} elements, buffer has {acc.size}"
             )
         incoming = incoming.reshape(acc.shape)
-    ufunc = getattr(xp, _ufunc_name(op, acc.dtype))
     left, right = (incoming, acc) if incoming_first else (acc, incoming)
-    with _float_errors_silenced(xp, acc.dtype):
-        ufunc(left, right, out=acc)
+    _reduce_out(xp, op, left, right, acc)
+
+
+def reduce_out(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
+    """``out <- a (op) b``: the out-of-place form of :func:`reduce_into`.
+
+    Same semantics (bool maps onto logical ops, float overflow silent); for callers whose
+    inputs must stay untouched (reduce_scatter, inner nodes of a reduce tree), so no copy
+    of an input is made first. ``b`` is viewed as ``a``'s shape; nothing else is checked
+    (this runs per piece). AVG is the SUM phase (call :func:`finalize` after).
+    """
+    _reduce_out(get_xp(out), op, a, b.reshape(a.shape), out)
+
+
+def _reduce_out(xp: Any, op: ReduceOp, a: Any, b: Any, out: Any) -> None:
+    with _float_errors_silenced(xp, out.dtype):
+        reduce_ufunc(op, out.dtype, xp)(a, b, out=out)
 
 
 def finalize(op: ReduceOp | str, acc: Any, world_size: int) -> None:

@@ -32,13 +32,14 @@ from typing import Any, Literal, Protocol
 from .errors import CommTimeoutError, GroupClosedError, RingcommError
 from .transport.wire import (
     INLINE_MAX_BYTES,
+    ZERO_COPY_MIN_BYTES,
     Header,
     HeaderTemplate,
     WireError,
     pack_header,
     unpack_header,
 )
-from .transport.zmq_transport import ZERO_COPY_MIN_BYTES, Tracker, ZmqTransport, tracker_wait
+from .transport.zmq_transport import Tracker, ZmqTransport, tracker_wait
 
 __all__ = ["POLL_SLICE_S", "Engine", "Op", "Receiver", "SerialQueue"]
 
@@ -390,33 +391,25 @@ class Engine:
 
     # -- used by ops (driver lock held) ------------------------------------------------
     def send(self, peer: int, header: Header, payload: Any, nbytes: int) -> Tracker | None:
-        if peer == self.rank:
-            # Loopback: copy now (the caller may reuse its buffer once the op completes).
-            self._loopback.append((header, memoryview(bytes(payload))))
-            return None
-        if nbytes < INLINE_MAX_BYTES:
-            self.transport.send_one(peer, pack_header(header, bytes(payload)), nbytes)
-            return None
-        return self.transport.send(peer, pack_header(header), payload, nbytes)
+        """Queue one message to global rank ``peer`` (see :meth:`send_packed`)."""
+        if nbytes < INLINE_MAX_BYTES and peer != self.rank:
+            return self.send_packed(peer, pack_header(header, bytes(payload)), None, nbytes)
+        return self.send_packed(peer, pack_header(header), payload, nbytes)
 
     def send_templated(
         self, peer: int, template: HeaderTemplate, tag: int, payload: Any, nbytes: int
     ) -> Tracker | None:
         """:meth:`send` with the header given as a template and its tag (same message)."""
-        if peer == self.rank:
-            header, _ = unpack_header(template.pack(tag))
-            self._loopback.append((header, memoryview(bytes(payload))))
-            return None
-        if nbytes < INLINE_MAX_BYTES:
-            self.transport.send_one(peer, template.pack(tag, bytes(payload)), nbytes)
-            return None
-        return self.transport.send(peer, template.pack(tag), payload, nbytes)
+        if nbytes < INLINE_MAX_BYTES and peer != self.rank:
+            return self.send_packed(peer, template.pack(tag, bytes(payload)), None, nbytes)
+        return self.send_packed(peer, template.pack(tag), payload, nbytes)
 
     def send_packed(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
-        """:meth:`send` with the header packed already (``HeaderTemplate.pack``).
+        """Queue one message whose header is packed already; a tracker if it went zero-copy.
 
         ``payload`` None: ``header`` carries the payload inline (``nbytes`` below
-        ``INLINE_MAX_BYTES``); the message is that one frame.
+        ``INLINE_MAX_BYTES``); the message is that one frame. To ourselves: copied now onto
+        the loopback queue (the caller may reuse its buffer once the op completes).
         """
         if peer == self.rank:
             h, inline = unpack_header(header)

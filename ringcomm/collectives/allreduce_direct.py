@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..ops import ReduceOp, _ufunc_name, finalize, reduce_in_order
+from ..ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
 from ..schedule.chunks import chunk_spans
 from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL, Header
 from .base import CollectiveOp, byte_view
@@ -59,7 +59,7 @@ def _make_plan(x: np.ndarray, op: ReduceOp, chunk_bytes: int, me: int, n: int) -
     bounds = [(off // itemsize, (off + length) // itemsize) for off, length in spans]
     # Send right, then around the ring, so no rank is everyone's first destination.
     peers = [(me + k) % n for k in range(1, n)]
-    ufunc = getattr(np, _ufunc_name(op, x.dtype))
+    ufunc = reduce_ufunc(op, x.dtype)
     return _Plan(spans, bounds, peers, x.dtype.str, ufunc, x.dtype.kind == "f", op is ReduceOp.AVG)
 
 

@@ -36,17 +36,16 @@ import numpy as np
 from ..ops import finalize, reduce_into
 from ..schedule.chunks import chunk_spans
 from ..schedule.rd import rd_allreduce_plan
-from ..transport.wire import Header
+from ..transport.wire import ZERO_COPY_MIN_BYTES, Header
 from .base import CollectiveOp, byte_view
 
 __all__ = ["AllReduceRd"]
 
-#: Exchange pieces at least this large are sent from a private copy (one memcpy) rather
-#: than zero-copy from ``x``: waiting for libzmq to release a zero-copy piece before we
-#: may reduce into it costs more (measured: 64 KiB W=2 went from ~130 us to ~330 us).
-#: The transport's zero-copy threshold (``ZERO_COPY_MIN_BYTES``, 64 KiB); below it the
-#: transport copies anyway. (Should they drift apart, wait_released keeps it correct.)
-PRIVATE_COPY_MIN_BYTES = 64 * 1024
+#: Exchange pieces that the transport would send zero-copy are sent from a private copy
+#: (one memcpy) instead: waiting for libzmq to release a zero-copy piece before we may
+#: reduce into it costs more (measured: 64 KiB W=2 went from ~130 us to ~330 us). Below
+#: it the transport copies anyway.
+PRIVATE_COPY_MIN_BYTES = ZERO_COPY_MIN_BYTES
 
 _RECEIVING = ("recv_reduce", "exchange", "recv_result")
 _REDUCING = ("recv_reduce", "exchange")

@@ -55,7 +55,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CommTimeoutError, RingcommError
-from ..ops import ReduceOp, _float_errors_silenced, _ufunc_name
+from ..ops import ReduceOp
 from ..progress import Engine, Op, SerialQueue
 from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL, Header, HeaderTemplate
 
@@ -68,7 +68,6 @@ __all__ = [
     "byte_view",
     "describe_fingerprint",
     "fingerprint",
-    "reduce_out",
 ]
 
 #: First field of an abort message's fingerprint.
@@ -189,18 +188,6 @@ def describe_fingerprint(fp: Any) -> str:
 def byte_view(a: np.ndarray) -> memoryview:
     """A flat byte memoryview of a contiguous array (what pieces are sliced from)."""
     return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def reduce_out(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """``out <- a (op) b``: out-of-place form of :func:`ringcomm.ops.reduce_into`.
-
-    Same semantics (bool maps onto logical ops, float overflow silent); used where the
-    input must stay untouched (reduce_scatter, inner nodes of a reduce tree), so that no
-    copy of the input is made first. AVG is the SUM phase (call ``finalize`` after).
-    """
-    ufunc = getattr(np, _ufunc_name(op, out.dtype))
-    with _float_errors_silenced(np, out.dtype):
-        ufunc(a, b.reshape(a.shape), out=out)
 
 
 class _Inbox:

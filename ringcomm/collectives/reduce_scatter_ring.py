@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from ..ops import finalize
+from ..ops import finalize, reduce_out
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import reduce_scatter_steps, ring_neighbors
 from ..transport.wire import Header
-from .base import CollectiveOp, byte_view, reduce_out
+from .base import CollectiveOp, byte_view
 
 __all__ = ["ReduceScatterRing"]
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import finalize, reduce_into
+from ..ops import finalize, reduce_into, reduce_out
 from ..schedule.chunks import chunk_spans
 from ..schedule.tree import binomial_children, binomial_parent
 from ..transport.wire import Header
-from .base import CollectiveOp, byte_view, reduce_out
+from .base import CollectiveOp, byte_view
 
 __all__ = ["ReduceTree"]
 

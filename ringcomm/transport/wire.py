@@ -42,6 +42,7 @@ __all__ = [
     "KIND_P2P",
     "SUPPORTED_DTYPES",
     "WIRE_VERSION",
+    "ZERO_COPY_MIN_BYTES",
     "Header",
     "HeaderTemplate",
     "WireError",
@@ -82,6 +83,10 @@ _NFIELDS = 15
 
 #: Payloads smaller than this ride inside the header frame (one frame per message).
 INLINE_MAX_BYTES = 4096
+#: Payloads at least this large go zero-copy: libzmq reads the sender's buffer until the
+#: send's tracker is done (smaller ones are cheaper to copy than to track: a zero-copy
+#: frame costs a free-callback round trip through pyzmq's gc thread).
+ZERO_COPY_MIN_BYTES = 64 * 1024
 _MAX_U64 = (1 << 64) - 1
 
 

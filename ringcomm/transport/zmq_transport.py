@@ -25,12 +25,10 @@ import zmq
 
 from ..errors import RingcommError
 from .endpoints import ipc_path
+from .wire import ZERO_COPY_MIN_BYTES
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "Tracker", "ZmqTransport", "tracker_wait"]
 
-#: Payloads at least this large go zero-copy (smaller ones are cheaper to copy than to
-#: track: zero-copy frames cost a free-callback round trip through pyzmq's gc thread).
-ZERO_COPY_MIN_BYTES = 64 * 1024
 
 Tracker = zmq.MessageTracker
 
