@@ -49,15 +49,15 @@ def netns_unavailable() -> str | None:
     if shutil.which("ip") is None or shutil.which("unshare") is None:
         return "needs iproute2 (ip) and util-linux (unshare)"
     probe = f"{_NS_PREFIX}{os.getpid()}n99"
-    res = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    res = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True)
     if res.returncode != 0:
         return f"'ip netns add' is not permitted here: {res.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
     return None
 
 
 def _run(*argv: str) -> None:
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    res = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=30)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed: {res.stderr.strip()}")
 
@@ -68,17 +68,17 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale_netns() -> None:
     """Remove namespaces and links of earlier runs whose process is gone."""
-    res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    res = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
     for line in res.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = _NS_NAME.match(name)
         if m and not _pid_alive(int(m.group(1))):
             for pid in subprocess.run(
-                ["ip", "netns", "pids", name], capture_output=True, text=True
+                ["ip", "netns", "pids", name], check=False, capture_output=True, text=True
             ).stdout.split():
                 _kill(int(pid))
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    res = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    res = subprocess.run(["ip", "-o", "link", "show"], check=False, capture_output=True, text=True)
     for line in res.stdout.splitlines():
         parts = line.split(":")
         if len(parts) < 2:
@@ -86,7 +86,7 @@ def remove_stale_netns() -> None:
         name = parts[1].strip().split("@")[0]
         m = _NS_NAME.match(name)
         if m and not _pid_alive(int(m.group(1))):
-            subprocess.run(["ip", "link", "del", name], capture_output=True)
+            subprocess.run(["ip", "link", "del", name], check=False, capture_output=True)
 
 
 def _kill(pid: int) -> None:
@@ -147,7 +147,9 @@ def _free_port(addr: str) -> int:
 
 def _free_subnet() -> str:
     """A 10.23x.y.0/24 prefix ("10.23x.y") that no interface here uses."""
-    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    used = subprocess.run(
+        ["ip", "-o", "-4", "addr"], check=False, capture_output=True, text=True
+    ).stdout
     for second in (233, 234, 235):
         for third in range((os.getpid() % 200) + 1, 255):
             prefix = f"10.{second}.{third}"
@@ -179,7 +181,7 @@ class SshdHosts:
         self._links: list[str] = []
 
     # -- setup ---------------------------------------------------------------------------
-    def __enter__(self) -> SshdHosts:
+    def __enter__(self) -> SshdHosts:  # noqa: PYI034  (a plain class, not subclassed)
         try:
             self._start()
         except BaseException:
@@ -194,7 +196,9 @@ class SshdHosts:
         self.root.mkdir(parents=True, exist_ok=True)
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation
         for key in (self.identity, self.root / "hostkey"):
-            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ringcomm-test", "-f", str(key))
+            _run(
+                "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ringcomm-test", "-f", str(key)
+            )
         shutil.copy(f"{self.identity}.pub", self.root / "authorized_keys")
         if self.mode == "netns":
             self._make_netns()
@@ -334,10 +338,10 @@ class SshdHosts:
                 host.popen.wait()
         for ns in self._namespaces:
             for pid in subprocess.run(
-                ["ip", "netns", "pids", ns], capture_output=True, text=True
+                ["ip", "netns", "pids", ns], check=False, capture_output=True, text=True
             ).stdout.split():
                 _kill(int(pid))
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
         for link in self._links:
-            subprocess.run(["ip", "link", "del", link], capture_output=True)
+            subprocess.run(["ip", "link", "del", link], check=False, capture_output=True)
         self._namespaces, self._links = [], []

@@ -81,6 +81,11 @@ def _split_host_colon(item: str, where: str) -> HostSlots:
     return HostSlots(_check_host(item, where), 1)
 
 
+def _has_colon_slots(item: str) -> bool:
+    """Whether ``item`` carries ``:N`` slots (``host:N`` or ``[v6]:N``)."""
+    return ("]:" in item) if item.startswith("[") else item.count(":") == 1
+
+
 def _merge(entries: Sequence[HostSlots]) -> list[HostSlots]:
     order: dict[str, int] = {}
     for e in entries:
@@ -110,7 +115,7 @@ def parse_hostfile(text: str, name: str = "hostfile") -> list[HostSlots]:
                 raise HostfileError(f"{where}: unknown setting {key!r} (known: slots, max_slots)")
         entry = _split_host_colon(first, where)
         if slots is not None:
-            if ":" in first and not entry.host.count(":"):
+            if _has_colon_slots(first):
                 raise HostfileError(f"{where}: slots given twice in {line!r}")
             entry = HostSlots(entry.host, slots)
         entries.append(entry)

@@ -372,14 +372,10 @@ class _LineCopier:
     never interleave mid-line; a last line without a newline gets one.
     """
 
-    def __init__(
-        self, source: IO[bytes], dest: IO[Any], lock: threading.Lock, label: int | str
-    ):
+    def __init__(self, source: IO[bytes], dest: IO[Any], lock: threading.Lock, label: int | str):
         self._source, self._dest, self._lock = source, dest, lock
         self._prefix = f"[{label}] ".encode()
-        self.thread = threading.Thread(
-            target=self._copy, name=f"ringcomm-out-{label}", daemon=True
-        )
+        self.thread = threading.Thread(target=self._copy, name=f"ringcomm-out-{label}", daemon=True)
         self.thread.start()
 
     def _copy(self) -> None:

@@ -45,8 +45,8 @@ import json
 import math
 import os
 import secrets
-import signal
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -94,10 +94,12 @@ _PROPAGATED_NAMES = frozenset({"PYTHONPATH"})
 _PROPAGATED_PREFIX = "RINGCOMM_"
 
 # Runs on every host under the rank's interpreter and environment: argv[1] "1" asks for a
-# free TCP port, argv[2] is the script to look for ("" in module mode).
-_PREFLIGHT_SCRIPT = """\
+# free TCP port, argv[2] is the script to look for ("" in module mode). It imports ringcomm
+# as the rank will: the script's directory first on sys.path (the working directory for -m).
+_PREFLIGHT_SCRIPT = f"""\
 import json, os, socket, sys
-out = {"hostname": socket.gethostname(), "python": sys.executable}
+out = dict(hostname=socket.gethostname(), python=sys.executable)
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[2])) if sys.argv[2] else os.getcwd()
 try:
     import ringcomm
     out["version"] = ringcomm.__version__
@@ -108,8 +110,8 @@ if sys.argv[1] == "1":
         s.bind(("", 0))
         out["port"] = s.getsockname()[1]
 out["script_found"] = not sys.argv[2] or os.path.isfile(sys.argv[2])
-print(%r + json.dumps(out), flush=True)
-""" % _PREFLIGHT_MARK
+print({_PREFLIGHT_MARK!r} + json.dumps(out), flush=True)
+"""
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def read_env_file(path: str) -> dict[str, str]:
 
 def propagated_env(
     environ: Mapping[str, str],
-    env_file: Mapping[str, str] = {},  # noqa: B006  (read only)
+    env_file: Mapping[str, str] = {},
     env_options: Sequence[tuple[str, str]] = (),
 ) -> dict[str, str]:
     """The variables every host gets besides the rank variables (precedence: see module)."""
@@ -214,9 +216,7 @@ def config_from_args(
         raise local.UsageError(f"--ssh-port must be in 1..65535, got {args.ssh_port}")
     if not args.grace_s >= 0:
         raise local.UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
-    start_timeout_s = (
-        DEFAULT_START_TIMEOUT_S if args.start_timeout is None else args.start_timeout
-    )
+    start_timeout_s = DEFAULT_START_TIMEOUT_S if args.start_timeout is None else args.start_timeout
     if not start_timeout_s > 0:
         raise local.UsageError(f"--start-timeout must be > 0, got {args.start_timeout}")
     for flag, path in (("--ssh-config", args.ssh_config), ("--ssh-identity", args.ssh_identity)):
@@ -358,10 +358,14 @@ def format_dry_run(config: SshRunConfig, master_addr: str) -> str:
     """What ``--dry-run`` prints: per rank, the exact ssh argv (shell-quoted). No secret."""
     port: int | str = config.master_port or _PORT_PLACEHOLDER
     lines = [
-        f"# {config.world_size} rank(s) on {len(config.hosts)} host(s); rank 0 serves the "
-        f"store on {master_addr}:{port}",
-        f"# each rank reads {local.TOKEN_VAR} (a fresh secret; not shown) from the first "
-        "line of its ssh's stdin",
+        (
+            f"# {config.world_size} rank(s) on {len(config.hosts)} host(s); rank 0 serves "
+            f"the store on {master_addr}:{port}"
+        ),
+        (
+            f"# each rank reads {local.TOKEN_VAR} (a fresh secret; not shown) from the "
+            "first line of its ssh's stdin"
+        ),
     ]
     for p in config.placements:
         lines.append(
@@ -383,7 +387,12 @@ def resolve_hostname(config: SshRunConfig, host: str, timeout_s: float = 10.0) -
     argv = [argv[0], "-G", *argv[1:-1]]  # -G prints the configuration and exits
     try:
         res = subprocess.run(
-            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s
+            argv,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
     except (OSError, subprocess.TimeoutExpired):
         res = None
@@ -413,6 +422,7 @@ def _preflight_one(config: SshRunConfig, host: str, want_port: bool) -> Prefligh
     try:
         res = subprocess.run(
             argv,
+            check=False,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -536,9 +546,7 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
     for r in failed:
         local._note(f"preflight: host {r.host}: {r.error}")
     if failed:
-        local._note(
-            f"preflight failed on {len(failed)} of {len(results)} host(s); no rank started"
-        )
+        local._note(f"preflight failed on {len(failed)} of {len(results)} host(s); no rank started")
         return 1
     port = config.master_port or results[0].port
     if not port:
