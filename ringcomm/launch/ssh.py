@@ -404,6 +404,10 @@ def resolve_hostname(config: SshRunConfig, host: str, timeout_s: float = 10.0) -
     return host.rsplit("@", 1)[-1]
 
 
+def _is_loopback(addr: str) -> bool:
+    return addr == "localhost" or addr.startswith("127.") or addr == "::1"
+
+
 @dataclass(frozen=True)
 class PreflightResult:
     host: str
@@ -541,6 +545,13 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
     Call it from a thread that lives until it returns (see ``PR_SET_PDEATHSIG``).
     """
     master_addr = config.master_addr or resolve_hostname(config, config.placements[0].host)
+    if config.master_addr is None and _is_loopback(master_addr):
+        remote = [h for h in config.hosts[1:] if not _is_loopback(resolve_hostname(config, h))]
+        if remote:
+            local._note(
+                f"warning: MASTER_ADDR {master_addr} (host {config.hosts[0]}) is a loopback "
+                f"address that {', '.join(remote)} cannot reach; pass --master-addr"
+            )
     results = preflight(config)
     failed = [r for r in results if r.error is not None]
     for r in failed:
