@@ -26,7 +26,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 import leakcheck
-from sshd_hosts import SshdHosts, netns_unavailable, processes_with_cmdline, sshd_unavailable
+from sshd_hosts import (
+    SshdHosts,
+    descendants,
+    netns_unavailable,
+    processes_with_cmdline,
+    sshd_unavailable,
+)
 
 from ringcomm._version import __version__
 
@@ -433,3 +439,73 @@ def test_usage_errors_exit_2(loopback: SshdHosts, tag: str, args: list[str], mes
     res = ringcomm_run(loopback, *args, str(SCRIPTS / "print_env.py"), tag=tag)
     assert res.returncode == 2
     assert re.search(message, res.stderr), res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_loopback_master_with_remote_hosts_warns(loopback: SshdHosts, tag: str, tmp_path) -> None:
+    config = tmp_path / "ssh_config"
+    # node1 resolves to 127.0.0.2; "far" to 0.0.0.0, not loopback (and closed: refused).
+    config.write_text(
+        loopback.ssh_config.read_text()
+        .replace("Host unreachable", "Host unreachable far")
+        .replace("HostName 127.0.0.1", "HostName 0.0.0.0")
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            "--ssh-config",
+            str(config),
+            "-H",
+            "node1,far",
+            str(SCRIPTS / "print_env.py"),
+        ],
+        env=cli_env(tag),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert res.returncode == 1
+    assert (
+        "warning: MASTER_ADDR 127.0.0.2 (host node1) is a loopback address that far cannot "
+        "reach; pass --master-addr"
+    ) in res.stderr
+    assert "preflight: host far: unreachable over ssh" in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_lost_connection_stops_the_job_with_255(loopback: SshdHosts, tag: str) -> None:
+    proc = start_run(loopback, "-H", "node1,node2,node3", str(SCRIPTS / "sleep_ready.py"), tag=tag)
+    try:
+        wait_lines(proc, r"\[(\d)\] ready", 3)
+        node2 = loopback.hosts[1]
+        assert node2.popen is not None
+        sessions = [  # node2's sshd session processes (not the rank below them)
+            pid for pid in descendants(node2.popen.pid) if _comm(pid).startswith("sshd")
+        ]
+        assert sessions
+        for pid in sessions:
+            os.kill(pid, signal.SIGKILL)  # as if node2's network or sshd went away
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 255, err
+    assert "rank 1: ssh to node2 failed or lost the connection (exit 255)" in err
+    # rank 1 saw its stdin close with the session; the others were stopped by the launcher
+    assert sorted(re.findall(r"^\[(\d)\] got SIGTERM$", out, re.MULTILINE)) in (
+        ["0", "2"],
+        ["0", "1", "2"],
+    )
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
