@@ -166,8 +166,8 @@ def read_env_file(path: str) -> dict[str, str]:
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
-        if stripped.startswith("export "):
-            line = stripped[len("export ") :]
+        line = line.lstrip()
+        line = line.removeprefix("export ")
         name, sep, value = line.partition("=")
         name = name.strip()
         if not sep or not local._VAR_NAME.fullmatch(name):
@@ -534,7 +534,11 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(format_dry_run(config, master_addr))
         sys.stdout.flush()
         return 0
-    return run(config)
+    try:
+        return run(config)
+    except KeyboardInterrupt:  # during preflight, before any rank started
+        local._note("interrupted")
+        return 130
 
 
 def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
@@ -553,9 +557,9 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
                 f"address that {', '.join(remote)} cannot reach; pass --master-addr"
             )
     results = preflight(config)
-    failed = [r for r in results if r.error is not None]
-    for r in failed:
-        local._note(f"preflight: host {r.host}: {r.error}")
+    failed = [res for res in results if res.error is not None]
+    for res in failed:
+        local._note(f"preflight: host {res.host}: {res.error}")
     if failed:
         local._note(f"preflight failed on {len(failed)} of {len(results)} host(s); no rank started")
         return 1
@@ -570,10 +574,10 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
             ranks = _start_ranks(config, master_addr, int(port), token)
             return local._supervise(ranks, signals, config.grace_s + STOP_SLACK_S, poll_s)
     finally:
-        for r in ranks:  # never leave one behind, whatever happened above
-            if r.popen.poll() is None:
-                r.kill()
-                r.popen.wait()
+        for rank in ranks:  # never leave one behind, whatever happened above
+            if rank.popen.poll() is None:
+                rank.kill()
+                rank.popen.wait()
         local._join_copiers(ranks, timeout_s=5.0)
 
 
