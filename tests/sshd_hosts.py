@@ -17,6 +17,8 @@ Teardown stops every sshd, kills whatever its sessions left, and removes what wa
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
 import shutil
@@ -24,6 +26,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +142,15 @@ def processes_with_cmdline(needle: str, *, exclude: tuple[int, ...] = ()) -> lis
     return found
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """sshd gets SIGKILL if the test process dies (Linux), so a killed run leaves none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    return lambda: libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
@@ -216,7 +228,12 @@ class SshdHosts:
                 script = f"hostname {host.hostname} && exec {' '.join(argv)}"
                 argv = ["ip", "netns", "exec", ns, "unshare", "--uts", "--", "sh", "-c", script]
             host.popen = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),  # noqa: PLW1509  (prctl only)
             )
             log.close()
         for i, host in enumerate(self.hosts, 1):

@@ -182,7 +182,6 @@ def test_rank_world_local_rank_and_hostname(cluster: SshdHosts, tag: str, tmp_pa
         assert info["stdin_is_devnull"] is True  # the watchdog owns the ssh's stdin
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_all_reduce_across_3_hosts_x_2_slots(cluster: SshdHosts, tag: str) -> None:
     # RINGCOMM_* variables travel: a tiny chunk size forces many pipelined ring pieces.
