@@ -146,11 +146,18 @@ def test_config_errors(argv: list[str], message: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("hosts", [["--hostfile", "hosts.txt"], ["-H", "a:2,b:2"]])
-def test_multi_host_is_refused_with_exit_2(tag: str, hosts: list[str]) -> None:
-    res = ringcomm("run", "-n", "4", *hosts, str(SCRIPTS / "print_env.py"), tag=tag)
+@pytest.mark.parametrize(
+    "hosts, message",
+    [
+        (["--hostfile", "no/such/hosts.txt"], "cannot read hostfile"),
+        (["-H", "a:2,b:2"], r"-n 5 ranks do not fit in 4 slot"),
+    ],
+)
+def test_multi_host_goes_to_the_ssh_launcher(tag: str, hosts: list[str], message: str) -> None:
+    # (the ssh launcher itself is tested against real sshd hosts in test_launch_ssh.py)
+    res = ringcomm("run", "-n", "5", *hosts, str(SCRIPTS / "print_env.py"), tag=tag)
     assert res.returncode == 2
-    assert "multi-host launch is not implemented yet" in res.stderr
+    assert re.search(message, res.stderr), res.stderr
     assert res.stdout == ""
 
 
@@ -366,3 +373,16 @@ def test_ranks_form_a_group_and_pass_a_ring(tag: str) -> None:
     res = ringcomm("run", "-n", "3", str(SCRIPTS / "group_ring.py"), tag=tag, timeout_s=100)
     assert res.returncode == 0, res.stderr
     assert by_rank(res.stdout, "ring") == {0: "0/3 103", 1: "1/3 101", 2: "2/3 103"}
+
+
+@pytest.mark.timeout(60)
+def test_verbose_prefixes_the_host(tag: str) -> None:
+    import socket
+
+    res = ringcomm("run", "-n", "2", "-v", str(SCRIPTS / "print_env.py"), "RANK", tag=tag)
+    assert res.returncode == 0, res.stderr
+    host = socket.gethostname()
+    assert sorted(res.stdout.splitlines()) == [
+        f'[0 {host}] {{"RANK": "0"}}',
+        f'[1 {host}] {{"RANK": "1"}}',
+    ]

@@ -18,7 +18,8 @@ What :func:`run` does (local mode):
    groups, a grace period, SIGKILL) and exit with its code (128+N for a death by signal N).
    SIGINT/SIGTERM to the launcher are forwarded to the ranks, then it exits 130/143.
 
-Multi-host launch (``--hostfile``, ``-H``, ``--ssh-*``) is parsed but not implemented yet.
+Multi-host launch (``--hostfile``, ``-H``) is dispatched to :mod:`ringcomm.launch.ssh`,
+which reuses the output copying and supervision below.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 import secrets
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -100,6 +102,7 @@ class RunConfig:
     dry_run: bool = False
     grace_s: float = DEFAULT_GRACE_S
     python: str = sys.executable
+    verbose: bool = False  # prefix output lines with the host name too
 
 
 # --------------------------------------------------------------------------------------
@@ -112,18 +115,59 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "run",
         help="launch N ranks of a Python script",
-        description="Launch N ranks of a Python script on this host (multi-host over ssh: "
-        "not implemented yet). Each rank's output lines are prefixed with '[rank] '.",
+        description="Launch N ranks of a Python script on this host, or over ssh on the "
+        "hosts of --hostfile / -H. Each rank's output lines are prefixed with '[rank] '.",
     )
-    p.add_argument("-n", "--nproc", type=int, default=1, metavar="N", help="number of ranks")
+    p.add_argument(
+        "-n",
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of ranks (default: 1; multi-host: every slot)",
+    )
     hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("--hostfile", metavar="FILE", help="multi-host: one 'host[:slots]' a line")
+    hosts.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="multi-host: one host a line, 'host slots=N' or 'host:N'",
+    )
     hosts.add_argument("-H", "--hosts", metavar="h1:2,h2:2", help="multi-host: hosts and slots")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="K",
+        help="multi-host: K ranks on every host (overrides the slots)",
+    )
     p.add_argument("--master-addr", default=None, metavar="A", help="store address")
     p.add_argument("--master-port", type=int, default=None, metavar="P", help="store port")
     p.add_argument("--ssh-config", default=None, metavar="F", help="multi-host: ssh config")
     p.add_argument("--ssh-port", type=int, default=None, metavar="P", help="multi-host: ssh port")
     p.add_argument("--ssh-identity", default=None, metavar="F", help="multi-host: ssh key")
+    p.add_argument(
+        "--ssh-option",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="multi-host: an ssh -o option, e.g. 'ConnectTimeout=5'; repeatable",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="multi-host: seconds for the preflight of every host (default 30)",
+    )
+    p.add_argument(
+        "--python",
+        default=None,
+        metavar="PATH",
+        help="interpreter the ranks run (default: this one; an absolute path on every host)",
+    )
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="prefix output lines with the host too"
+    )
     p.add_argument(
         "--env",
         action="append",
@@ -155,18 +199,22 @@ def config_from_args(
     environ = os.environ if environ is None else environ
     if args.hostfile is not None or args.hosts is not None:
         raise UsageError(
-            "multi-host launch is not implemented yet (--hostfile / -H); "
-            "run without them to launch on this host"
+            "--hostfile / -H: multi-host launch is configured by "
+            "ringcomm.launch.ssh.config_from_args"
         )
     for flag, value in (
         ("--ssh-config", args.ssh_config),
         ("--ssh-port", args.ssh_port),
         ("--ssh-identity", args.ssh_identity),
+        ("--ssh-option", args.ssh_option or None),
+        ("--nproc-per-node", args.nproc_per_node),
+        ("--start-timeout", args.start_timeout),
     ):
         if value is not None:
             raise UsageError(f"{flag} applies to multi-host launch only (--hostfile / -H)")
-    if args.nproc < 1:
-        raise UsageError(f"-n must be >= 1, got {args.nproc}")
+    nproc = 1 if args.nproc is None else args.nproc
+    if nproc < 1:
+        raise UsageError(f"-n must be >= 1, got {nproc}")
     port = 0 if args.master_port is None else args.master_port
     if not 0 <= port <= 65535:
         raise UsageError(f"--master-port must be in 0..65535, got {port}")
@@ -178,7 +226,7 @@ def config_from_args(
     if not args.module and not os.path.isfile(args.target):
         raise UsageError(f"script not found: {args.target}")
     return RunConfig(
-        nproc=args.nproc,
+        nproc=nproc,
         target=args.target,
         target_args=tuple(target_args),
         module=args.module,
@@ -187,6 +235,8 @@ def config_from_args(
         env=parse_env_options(args.env, environ),
         dry_run=args.dry_run,
         grace_s=args.grace_s,
+        python=args.python or sys.executable,
+        verbose=args.verbose,
     )
 
 
@@ -211,6 +261,10 @@ def parse_env_options(
 
 def main(args: argparse.Namespace) -> int:
     """``ringcomm run``: exit status of the job (see :func:`run`); 2 for a usage error."""
+    if args.hostfile is not None or args.hosts is not None:
+        from ringcomm.launch import ssh  # multi-host mode
+
+        return ssh.main(args)
     try:
         config = config_from_args(args)
     except UsageError as exc:
@@ -311,16 +365,17 @@ def _pdeathsig_preexec() -> Callable[[], None] | None:
 
 
 class _LineCopier:
-    """Copy a rank's output stream to ours, line by line, each line prefixed ``[rank] ``.
+    """Copy a rank's output stream to ours, line by line, each line prefixed ``[label] ``
+    (the label is the rank, or ``rank host`` in verbose mode).
 
     Whole lines are written under one lock per destination, so lines of different ranks
     never interleave mid-line; a last line without a newline gets one.
     """
 
-    def __init__(self, source: IO[bytes], dest: IO[Any], lock: threading.Lock, rank: int):
+    def __init__(self, source: IO[bytes], dest: IO[Any], lock: threading.Lock, label: int | str):
         self._source, self._dest, self._lock = source, dest, lock
-        self._prefix = f"[{rank}] ".encode()
-        self.thread = threading.Thread(target=self._copy, name=f"ringcomm-out-{rank}", daemon=True)
+        self._prefix = f"[{label}] ".encode()
+        self.thread = threading.Thread(target=self._copy, name=f"ringcomm-out-{label}", daemon=True)
         self.thread.start()
 
     def _copy(self) -> None:
@@ -355,6 +410,21 @@ class _RankProcess:
             os.killpg(self.popen.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    # What supervision needs; the ssh launcher's ranks override them.
+    def stop(self, sig: int) -> None:
+        """Ask the rank to stop (here: ``sig`` to its process group)."""
+        self.signal_group(sig)
+
+    def kill(self) -> None:
+        """Stop the rank now (and sweep what it left in its process group)."""
+        self.signal_group(signal.SIGKILL)
+
+    def describe_exit(self, code: int) -> str:
+        """``rank R exited with code C`` / ``rank R was killed by SIGNAME``."""
+        if code < 0:
+            return f"rank {self.rank} was killed by {_signal_name(-code)}"
+        return f"rank {self.rank} exited with code {code}"
 
 
 class _Signals:
@@ -412,7 +482,7 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
     finally:
         for r in ranks:  # never leave one behind, whatever happened above
             if r.popen.poll() is None:
-                r.signal_group(signal.SIGKILL)
+                r.kill()
                 r.popen.wait()
         _join_copiers(ranks, timeout_s=5.0)
         store.close()
@@ -421,6 +491,7 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
 def _start_ranks(config: RunConfig, port: int, token: str) -> list[_RankProcess]:
     command = rank_command(config)
     preexec = _pdeathsig_preexec()
+    host = socket.gethostname()
     ranks: list[_RankProcess] = []
     try:
         for rank in range(config.nproc):
@@ -436,9 +507,10 @@ def _start_ranks(config: RunConfig, port: int, token: str) -> list[_RankProcess]
                 preexec_fn=preexec,  # noqa: PLW1509  (only prctl + getppid: fork-safe)
             )
             assert popen.stdout is not None and popen.stderr is not None
+            label = f"{rank} {host}" if config.verbose else rank
             copiers = (
-                _LineCopier(popen.stdout, sys.stdout, _STDOUT_LOCK, rank),
-                _LineCopier(popen.stderr, sys.stderr, _STDERR_LOCK, rank),
+                _LineCopier(popen.stdout, sys.stdout, _STDOUT_LOCK, label),
+                _LineCopier(popen.stderr, sys.stderr, _STDERR_LOCK, label),
             )
             ranks.append(_RankProcess(rank, popen, copiers))
     except BaseException:
@@ -464,15 +536,11 @@ def _supervise(ranks: list[_RankProcess], signals: _Signals, grace_s: float, pol
                 continue
             del running[rank]
             if code != 0:
-                how = (
-                    f"was killed by {_signal_name(-code)}"
-                    if code < 0
-                    else f"exited with code {code}"
-                )
+                how = r.describe_exit(code)
                 if running:
-                    _note(f"rank {rank} {how}; stopping the other ranks")
+                    _note(f"{how}; stopping the other ranks")
                 else:
-                    _note(f"rank {rank} {how}")
+                    _note(how)
                 _stop(ranks, signal.SIGTERM, grace_s, signals)
                 return _exit_status(code)
         if running:
@@ -493,14 +561,14 @@ def _stop(ranks: list[_RankProcess], sig: int, grace_s: float, signals: _Signals
     seen = len(signals.received)
     for r in ranks:
         if r.popen.poll() is None:
-            r.signal_group(sig)
+            r.stop(sig)
     deadline = time.monotonic() + grace_s
     while any(r.popen.poll() is None for r in ranks):
         if time.monotonic() >= deadline or len(signals.received) > seen:  # impatient user
             break
         time.sleep(0.02)
     for r in ranks:  # also sweeps what exited ranks left in their sessions
-        r.signal_group(signal.SIGKILL)
+        r.kill()
     for r in ranks:
         r.popen.wait()
 
