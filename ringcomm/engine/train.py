@@ -70,7 +70,7 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             times.append(dt)
             if loss is not None:
                 losses.append(loss)
-                if cfg.verbose:
+                if cfg.verbose and rank == strat.loss_rank:
                     print(
                         f"[rank {rank}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  "
                         f"{dt * 1e3:.1f} ms",
