@@ -20,7 +20,7 @@ from ringcomm.schedule.partition import FlatLayout
 
 from .nn import Layer, Params
 
-__all__ = ["export_params", "init_layer", "layer_views", "param_shapes", "to_host"]
+__all__ = ["BufferPool", "export_params", "init_layer", "layer_views", "param_shapes", "to_host"]
 
 
 def param_shapes(layers: Sequence[Layer]) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -57,3 +57,42 @@ def export_params(
         for name, v in layer_views(layout, buf, i).items():
             out[f"{i}.{name}"] = to_host(v)
     return out
+
+
+class BufferPool:
+    """Reusable flat work buffers (ZeRO-2 gradient buckets, ZeRO-3 gathered layers).
+
+    ``acquire(n)`` hands out the first ``n`` elements of a free slot (slots are made on
+    demand, each ``slot_size`` elements); ``release(view)`` returns it. Why not allocate and
+    drop: an array passed to a ringcomm collective is only freed by Python's cyclic garbage
+    collector once the operation is done (the completed operation sits in a reference
+    cycle), so dropped buffers would pile up until the next full collection. Reusing a few
+    slots bounds the memory regardless; the strategy's in-flight limits bound the slots.
+    """
+
+    def __init__(self, xp: Any, slot_size: int, dtype: Any) -> None:
+        self.xp, self.slot_size, self.dtype = xp, int(slot_size), dtype
+        self.free: list[Any] = []
+        self.slots = 0
+        self._busy: dict[int, Any] = {}
+
+    def acquire(self, n: int, zero: bool = False) -> Any:
+        if n > self.slot_size:
+            raise ValueError(f"buffer of {n} elements asked from a pool of {self.slot_size}")
+        if self.free:
+            slot = self.free.pop()
+        else:
+            slot = self.xp.empty(self.slot_size, self.dtype)
+            self.slots += 1
+        view = slot[:n]
+        if zero:
+            view[...] = 0
+        self._busy[id(view)] = slot
+        return view
+
+    def release(self, view: Any) -> None:
+        self.free.append(self._busy.pop(id(view)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_size * self.dtype.itemsize

@@ -37,7 +37,7 @@ from ringcomm.schedule.partition import bucket_groups, flat_layout, shard_pieces
 from .dp import layer_nbytes
 from .nn import backward_layers, forward_layers
 from .optim import make_optimizer
-from .params import export_params, init_layer, layer_views, param_shapes
+from .params import BufferPool, export_params, init_layer, layer_views, param_shapes
 from .strategy import Strategy, TrainConfig
 
 __all__ = ["Zero1", "Zero2", "Zero3"]
@@ -88,11 +88,17 @@ class _BucketedZero(Strategy):
             self.layers, idx, caches, dy, self.pviews.__getitem__, grads_of, done=ready
         )
         while self.works:
-            self.works.popleft()[0].wait()
+            self._retire()
         return loss
+
+    def _retire(self) -> None:
+        self.works.popleft()[0].wait()
 
     def export_params(self) -> dict[str, np.ndarray]:
         return export_params(self.layers, self.layout, self.params)
+
+    def extra(self) -> dict[str, Any]:
+        return {"buckets": len(self.layout.segments)}
 
 
 class Zero1(_BucketedZero):
@@ -136,13 +142,14 @@ class Zero2(_BucketedZero):
         super().__init__(pg, cfg)
         self.gshard = self.xp.zeros(self.layout.shard_size, self.dtype)
         self.live: dict[int, Any] = {}  # segment -> its gradient buffer, during backward
+        biggest = max((size for _, size in self.layout.segments), default=0)
+        self.pool = BufferPool(self.xp, biggest, self.dtype)
 
     def _grads_of(self, i: int) -> dict[str, Any]:
         k = self.segment_of[i]
         buf = self.live.get(k)
         if buf is None:
-            off, size = self.layout.segments[k]
-            buf = self.live[k] = self.xp.zeros(size, self.dtype)
+            buf = self.live[k] = self.pool.acquire(self.layout.segments[k][1], zero=True)
         return layer_views(self.layout, buf, i, base=self.layout.segments[k][0])
 
     def _bucket_ready(self, i: int) -> None:
@@ -150,14 +157,22 @@ class Zero2(_BucketedZero):
         if k is None:
             return
         buf = self.live.pop(k, None)
-        if buf is None or not buf.size:
+        if buf is None:
+            return
+        if not buf.size:
+            self.pool.release(buf)
             return
         while len(self.works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
-            self.works.popleft()[0].wait()  # its buffer is dropped with the entry
+            self._retire()
         q = self.pieces[k]
         out = self.gshard[q.shard_offset : q.shard_offset + q.size]
         work = self.pg.reduce_scatter(buf.reshape(self.n, -1), out=out, async_op=True)
         self.works.append((work, buf))
+
+    def _retire(self) -> None:
+        work, buf = self.works.popleft()
+        work.wait()
+        self.pool.release(buf)
 
     def step(self, step: int) -> float:
         loss = self._run(step, self._grads_of, self._bucket_ready)
@@ -175,6 +190,9 @@ class Zero2(_BucketedZero):
             "grad_bytes": int(self.gshard.nbytes),
             "optim_bytes": self.opt.state_nbytes(),
         }
+
+    def extra(self) -> dict[str, Any]:
+        return {"buckets": len(self.layout.segments), "work_bytes": self.pool.nbytes}
 
 
 class Zero3(Strategy):
@@ -196,6 +214,9 @@ class Zero3(Strategy):
             self._own(self.pshard, i)[...] = full.reshape(self.n, -1)[self.rank]
             del full
         self.opt = make_optimizer(cfg.optimizer, xp, self.layout.shard_size, self.dtype, cfg.lr)
+        biggest = max((size for _, size in self.layout.segments), default=0)
+        self.param_pool = BufferPool(xp, biggest, self.dtype)  # gathered layers
+        self.grad_pool = BufferPool(xp, biggest, self.dtype)  # layer gradients in flight
         self.gathered: dict[int, tuple[Any, Any]] = {}  # layer -> (work, full buffer)
         self.grad_works: deque[tuple[Any, Any]] = deque()
         self.peak_gathered = 0
@@ -207,7 +228,7 @@ class Zero3(Strategy):
     def _gather(self, i: int) -> None:
         if i in self.gathered:
             return
-        buf = self.xp.empty(self.layout.segments[i][1], self.dtype)
+        buf = self.param_pool.acquire(self.layout.segments[i][1])
         work = self.pg.all_gather(self._own(self.pshard, i), out=buf.reshape(self.n, -1), async_op=True)
         self.gathered[i] = (work, buf)
         self.peak_gathered = max(self.peak_gathered, len(self.gathered))
@@ -225,13 +246,16 @@ class Zero3(Strategy):
         return layer_views(self.layout, buf, i, base=self.layout.segments[i][0])
 
     def _drop(self, i: int) -> None:
-        self.gathered.pop(i, None)
+        entry = self.gathered.pop(i, None)
+        if entry is not None:
+            entry[0].wait()  # (done already, unless it was prefetched and never used)
+            self.param_pool.release(entry[1])
 
     def _grads_of(self, i: int) -> dict[str, Any]:
         if i not in self.with_params:
             return {}
         off, size = self.layout.segments[i]
-        self.gbuf = self.xp.zeros(size, self.dtype)
+        self.gbuf = self.grad_pool.acquire(size, zero=True)
         return layer_views(self.layout, self.gbuf, i, base=off)
 
     def _backward_done(self, i: int) -> None:
@@ -240,11 +264,16 @@ class Zero3(Strategy):
             return
         buf, self.gbuf = self.gbuf, None
         while len(self.grad_works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
-            self.grad_works.popleft()[0].wait()
+            self._retire_grad()
         work = self.pg.reduce_scatter(
             buf.reshape(self.n, -1), out=self._own(self.gshard, i), async_op=True
         )
         self.grad_works.append((work, buf))
+
+    def _retire_grad(self) -> None:
+        work, buf = self.grad_works.popleft()
+        work.wait()
+        self.grad_pool.release(buf)
 
     def step(self, step: int) -> float:
         x, labels = self.local_batch(step)
@@ -263,7 +292,7 @@ class Zero3(Strategy):
             done=self._backward_done,
         )
         while self.grad_works:
-            self.grad_works.popleft()[0].wait()
+            self._retire_grad()
         assert not self.gathered, f"rank {self.rank}: zero3 left gathered layers {list(self.gathered)}"
         self.opt.step([(self.pshard, self.gshard, 0)])
         return self.global_loss(loss)
@@ -284,4 +313,7 @@ class Zero3(Strategy):
         return export_params(self.layers, self.layout, full)
 
     def extra(self) -> dict[str, Any]:
-        return {"max_gathered_layers": self.peak_gathered}
+        return {
+            "max_gathered_layers": self.peak_gathered,
+            "work_bytes": self.param_pool.nbytes + self.grad_pool.nbytes,
+        }
