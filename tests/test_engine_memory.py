@@ -25,18 +25,18 @@ from ringcomm.engine.train import train_rank
 
 N = 4
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
-CFG = dict(
-    world_size=N,
-    steps=2,
-    dtype="float32",
-    optimizer="adam",
-    in_features=256,
-    hidden=1024,
-    depth=3,
-    classes=10,
-    batch_size=32,
-    timeout_s=120.0,
-)
+CFG = {
+    "world_size": N,
+    "steps": 2,
+    "dtype": "float32",
+    "optimizer": "adam",
+    "in_features": 256,
+    "hidden": 1024,
+    "depth": 3,
+    "classes": 10,
+    "batch_size": 32,
+    "timeout_s": 120.0,
+}
 # Per-parameter bytes of model state, in fp32 terms (ZeRO paper, K = 8 for Adam's m, v).
 EXPECTED = {
     "dp": 4 + 4 + 8,

@@ -53,13 +53,13 @@ def _check_layer(layer, x: np.ndarray, seed: int = 0) -> None:
     _, cache = layer.forward(p, x)
     dx = layer.backward(p, g, cache, w)
     np.testing.assert_allclose(dx, _numeric_grad(f, x), rtol=1e-6, atol=1e-8)
-    for n in p:
-        np.testing.assert_allclose(g[n], _numeric_grad(f, p[n]), rtol=1e-6, atol=1e-8)
+    for n, value in p.items():
+        np.testing.assert_allclose(g[n], _numeric_grad(f, value), rtol=1e-6, atol=1e-8)
     # backward accumulates into the gradient views
     g2 = {n: v.copy() for n, v in g.items()}
     layer.backward(p, g2, layer.forward(p, x)[1], w)
-    for n in g:
-        np.testing.assert_allclose(g2[n], 2 * g[n], rtol=1e-12)
+    for n, value in g.items():
+        np.testing.assert_allclose(g2[n], 2 * value, rtol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -160,11 +160,15 @@ def test_synthetic_data_is_seeded_and_sliceable() -> None:
     assert np.array_equal(xs, x[10:20]) and np.array_equal(ys, y[10:20])
     assert not np.array_equal(d.batch(4)[0], x)
     assert len(set(y.tolist())) > 1  # not a constant label
-    assert SyntheticClassification(8, 4, 30, seed=7, dtype=np.float32).batch(0)[0].dtype == np.float32
+    assert (
+        SyntheticClassification(8, 4, 30, seed=7, dtype=np.float32).batch(0)[0].dtype == np.float32
+    )
 
 
 def test_single_learns_the_task() -> None:
-    cfg = TrainConfig(steps=40, batch_size=64, hidden=64, depth=2, in_features=16, classes=4, lr=3e-3)
+    cfg = TrainConfig(
+        steps=40, batch_size=64, hidden=64, depth=2, in_features=16, classes=4, lr=3e-3
+    )
     losses = run_training(cfg)[0]["losses"]
     assert len(losses) == 40
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])

@@ -24,18 +24,18 @@ import ringcomm as rc
 from ringcomm.engine.strategy import TrainConfig
 from ringcomm.engine.train import run_training, train_rank
 
-BASE = dict(
-    steps=5,
-    dtype="float64",
-    in_features=16,
-    hidden=24,
-    depth=2,
-    classes=5,
-    batch_size=26,  # uneven over 3 and 4 ranks and over 4 micro-batches
-    bucket_bytes=2000,  # several buckets (each Linear its own), to exercise bucketing
-    export=True,
-    timeout_s=60.0,
-)
+BASE = {
+    "steps": 5,
+    "dtype": "float64",
+    "in_features": 16,
+    "hidden": 24,
+    "depth": 2,
+    "classes": 5,
+    "batch_size": 26,  # uneven over 3 and 4 ranks and over 4 micro-batches
+    "bucket_bytes": 2000,  # several buckets (each Linear its own), to exercise bucketing
+    "export": True,
+    "timeout_s": 60.0,
+}
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
 
@@ -45,16 +45,30 @@ def _cases(n: int) -> list[TrainConfig]:
         cases.append(TrainConfig(strategy=strategy, world_size=n, **BASE))
     if n in (2, 3):
         for strategy in ("dp", "zero3"):
-            cases.append(TrainConfig(strategy=strategy, world_size=n, **{**BASE, "optimizer": "sgd", "lr": 0.05}))
-            cases.append(TrainConfig(strategy=strategy, world_size=n, **{**BASE, "dtype": "float32"}))
-        cases.append(TrainConfig(strategy="zero2", world_size=n, **{**BASE, "bucket_bytes": 1 << 20}))
+            cases.append(
+                TrainConfig(
+                    strategy=strategy, world_size=n, **{**BASE, "optimizer": "sgd", "lr": 0.05}
+                )
+            )
+            cases.append(
+                TrainConfig(strategy=strategy, world_size=n, **{**BASE, "dtype": "float32"})
+            )
+        cases.append(
+            TrainConfig(strategy="zero2", world_size=n, **{**BASE, "bucket_bytes": 1 << 20})
+        )
     for m in (1, 4):
         for schedule in ("gpipe", "1f1b"):
             cases.append(
-                TrainConfig(strategy="pipeline", world_size=n, micro_batches=m, schedule=schedule, **BASE)
+                TrainConfig(
+                    strategy="pipeline", world_size=n, micro_batches=m, schedule=schedule, **BASE
+                )
             )
     if n == 2:
-        cases.append(TrainConfig(strategy="pipeline", world_size=n, micro_batches=4, **{**BASE, "dtype": "float32"}))
+        cases.append(
+            TrainConfig(
+                strategy="pipeline", world_size=n, micro_batches=4, **{**BASE, "dtype": "float32"}
+            )
+        )
     return cases
 
 
@@ -77,8 +91,11 @@ _SINGLE: dict[tuple, dict[str, Any]] = {}
 def _single(cfg: TrainConfig) -> dict[str, Any]:
     key = (cfg.dtype, cfg.optimizer, cfg.lr)
     if key not in _SINGLE:
-        ref = TrainConfig(strategy="single", world_size=1, **{**BASE, "dtype": cfg.dtype,
-                                                               "optimizer": cfg.optimizer, "lr": cfg.lr})
+        ref = TrainConfig(
+            strategy="single",
+            world_size=1,
+            **{**BASE, "dtype": cfg.dtype, "optimizer": cfg.optimizer, "lr": cfg.lr},
+        )
         _SINGLE[key] = run_training(ref)[0]
     return _SINGLE[key]
 

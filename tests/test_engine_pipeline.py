@@ -25,21 +25,19 @@ from ringcomm.engine.train import pipeline_bubble, train_rank
 from ringcomm.schedule.pipeline import gpipe_bubble
 
 P = 2
-BIG = dict(
-    strategy="pipeline",
-    world_size=P,
-    dtype="float32",
-    in_features=1024,
-    hidden=1024,
-    depth=4,
-    classes=10,
-    batch_size=512,
-    timeout_s=120.0,
-)
+BIG = {
+    "strategy": "pipeline",
+    "world_size": P,
+    "dtype": "float32",
+    "in_features": 1024,
+    "hidden": 1024,
+    "depth": 4,
+    "classes": 10,
+    "batch_size": 512,
+    "timeout_s": 120.0,
+}
 BUBBLE = TrainConfig(micro_batches=4, schedule="gpipe", steps=6, **BIG)
-MEMORY = [
-    TrainConfig(micro_batches=8, schedule=s, steps=2, **BIG) for s in ("gpipe", "1f1b")
-]
+MEMORY = [TrainConfig(micro_batches=8, schedule=s, steps=2, **BIG) for s in ("gpipe", "1f1b")]
 
 
 def pipeline_job(pg: Any, cases: list[TrainConfig]) -> list[dict[str, Any]]:
@@ -60,7 +58,9 @@ def _threads_one(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_gpipe_bubble_matches_theory(no_child_processes: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpipe_bubble_matches_theory(
+    no_child_processes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _threads_one(monkeypatch)
     want = gpipe_bubble(P, BUBBLE.micro_batches)
     seen = []

@@ -32,7 +32,7 @@ def test_split_rows_covers_in_order_near_equal(n: int, parts: int) -> None:
     spans = split_rows(n, parts)
     assert len(spans) == parts
     assert spans[0][0] == 0 and spans[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     sizes = [b - a for a, b in spans]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
@@ -59,7 +59,7 @@ def test_bucket_groups_fill_from_the_last_layer() -> None:
 def test_bucket_groups_cover_layers_backwards(sizes: list[int], bucket: int) -> None:
     groups = bucket_groups(sizes, bucket)
     assert groups[0][1] == len(sizes) and groups[-1][0] == 0
-    assert all(a[0] == b[1] for a, b in zip(groups, groups[1:]))  # contiguous, descending
+    assert all(a[0] == b[1] for a, b in itertools.pairwise(groups))  # contiguous, descending
     for a, b in groups:
         total = sum(sizes[a:b])
         assert total <= bucket or b - a == 1 or sum(1 for s in sizes[a:b] if s) == 1
@@ -124,7 +124,7 @@ def _brute_force(costs: list[int], p: int) -> int:
     best = None
     for cuts in itertools.combinations(range(1, len(costs)), p - 1):
         bounds = [0, *cuts, len(costs)]
-        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -137,7 +137,7 @@ def test_balance_stages_is_optimal_and_contiguous(costs: list[int], p: int) -> N
         return
     spans = balance_stages(costs, p)
     assert len(spans) == p and spans[0][0] == 0 and spans[-1][1] == len(costs)
-    assert all(a < b for a, b in spans) and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    assert all(a < b for a, b in spans) and all(x[1] == y[0] for x, y in itertools.pairwise(spans))
     assert max(sum(costs[a:b]) for a, b in spans) == _brute_force(costs, p)
 
 

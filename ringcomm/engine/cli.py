@@ -146,9 +146,11 @@ def _mib(nbytes: float) -> str:
 
 def format_summary(result: dict[str, Any]) -> str:
     lines = [
-        f"strategy {result['strategy']}, {result['world_size']} rank(s), "
-        f"{result['model']['params']:,} parameters; step time {result['step_time_s'] * 1e3:.1f} ms "
-        f"(median); final loss {result['losses'][-1]:.6f}",
+        (
+            f"strategy {result['strategy']}, {result['world_size']} rank(s), "
+            f"{result['model']['params']:,} parameters; step time {result['step_time_s'] * 1e3:.1f} ms "
+            f"(median); final loss {result['losses'][-1]:.6f}"
+        ),
         " rank  param MiB   grad MiB  optim MiB   peak MiB  sent MiB/step",
     ]
     for r in result["per_rank"]:

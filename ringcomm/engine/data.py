@@ -31,7 +31,9 @@ class SyntheticClassification:
         self.t1 = rng.standard_normal((in_features, width)) / np.sqrt(in_features)
         self.t2 = rng.standard_normal((width, classes))
 
-    def batch(self, step: int, rows: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def batch(
+        self, step: int, rows: tuple[int, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Host arrays ``(x, labels)`` of step ``step``'s global batch, rows ``[a, b)``."""
         rng = np.random.default_rng([self.seed, 1, step])
         x = rng.standard_normal((self.batch_size, self.in_features))

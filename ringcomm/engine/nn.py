@@ -23,8 +23,8 @@ from ringcomm.xp import get_xp
 
 __all__ = [
     "GELU",
-    "LayerNorm",
     "Layer",
+    "LayerNorm",
     "Linear",
     "ReLU",
     "SoftmaxCrossEntropy",

@@ -103,5 +103,7 @@ def make_optimizer(name: str, xp: Any, size: int, dtype: Any, lr: float) -> Opti
     try:
         cls = OPTIMIZERS[name]
     except KeyError:
-        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}") from None
+        raise ValueError(
+            f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"
+        ) from None
     return cls(xp, size, dtype, lr)

@@ -99,7 +99,9 @@ class Pipeline(Strategy):
                     x = xp.empty((r1 - r0, self.in_dim), self.dtype)
                     pg.recv(x, src=s - 1, tag=2 * i)
                 t0 = time.perf_counter()
-                y, layer_caches = forward_layers(self.layers, self.my_layers, x, self.pviews.__getitem__)
+                y, layer_caches = forward_layers(
+                    self.layers, self.my_layers, x, self.pviews.__getitem__
+                )
                 loss_cache = None
                 if self.last:
                     loss, loss_cache = self.loss.forward(y, labels_all[r0:r1])
@@ -152,7 +154,9 @@ class Pipeline(Strategy):
     def export_params(self) -> dict[str, np.ndarray]:
         """This stage's layers only (keys carry global layer indices)."""
         a = self.my_layers[0]
-        local = export_params(self.layers[a:], self.layout, self.params, only=range(len(self.my_layers)))
+        local = export_params(
+            self.layers[a:], self.layout, self.params, only=range(len(self.my_layers))
+        )
         out = {}
         for key, v in local.items():
             j, name = key.split(".", 1)

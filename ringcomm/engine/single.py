@@ -42,7 +42,9 @@ class Single(Strategy):
         logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
         loss, cache = self.loss.forward(logits, labels)
         dy = self.loss.backward(cache)
-        backward_layers(self.layers, idx, caches, dy, self.pviews.__getitem__, self.gviews.__getitem__)
+        backward_layers(
+            self.layers, idx, caches, dy, self.pviews.__getitem__, self.gviews.__getitem__
+        )
         self.opt.step([(self.params, self.grads, 0)])
         return float(loss)
 

@@ -110,7 +110,7 @@ def array_module(device: str) -> ModuleType:
                 raise StrategyUnavailable("--device cuda: no CUDA device found")
         except StrategyUnavailable:
             raise
-        except Exception as exc:  # CUDA driver/runtime missing
+        except Exception as exc:  # noqa: BLE001  (CUDA driver/runtime missing: any error)
             raise StrategyUnavailable(f"--device cuda: CUDA is not usable here ({exc})") from None
         return cp
     raise StrategyUnavailable(f"unknown device {device!r}; expected cpu or cuda")
@@ -122,7 +122,9 @@ def strategy_class(name: str) -> type[Strategy]:
             raise StrategyUnavailable(
                 "--strategy ps: the parameter-server strategy is not available in this build"
             )
-        raise StrategyUnavailable(f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)}")
+        raise StrategyUnavailable(
+            f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)}"
+        )
     module, _, cls = STRATEGIES[name].partition(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
@@ -146,9 +148,13 @@ class Strategy:
             cfg.in_features, cfg.classes, cfg.batch_size, cfg.seed, self.dtype
         )
         self.loss = SoftmaxCrossEntropy(scale=cfg.batch_size)
-        self.rows = split_rows(cfg.batch_size, self.n)[self.rank] if self.splits_batch else (
-            0,
-            cfg.batch_size,
+        self.rows = (
+            split_rows(cfg.batch_size, self.n)[self.rank]
+            if self.splits_batch
+            else (
+                0,
+                cfg.batch_size,
+            )
         )
         #: The rank whose ``step`` returns the loss.
         self.loss_rank = 0

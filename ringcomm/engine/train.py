@@ -158,7 +158,11 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
                 "optim_bytes": r["optim_bytes"],
                 "peak_bytes": r["peak_bytes"],
                 "sent_bytes_per_step": r["sent_bytes_per_step"],
-                **{k: v for k, v in r["extra"].items() if not isinstance(v, list) or k == "stage_layers"},
+                **{
+                    k: v
+                    for k, v in r["extra"].items()
+                    if not isinstance(v, list) or k == "stage_layers"
+                },
             }
             for r in per_rank
         ],

@@ -84,9 +84,7 @@ class _BucketedZero(Strategy):
         logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
         loss, cache = self.loss.forward(logits, labels)
         dy = self.loss.backward(cache)
-        backward_layers(
-            self.layers, idx, caches, dy, self.pviews.__getitem__, grads_of, done=ready
-        )
+        backward_layers(self.layers, idx, caches, dy, self.pviews.__getitem__, grads_of, done=ready)
         while self.works:
             self._retire()
         return loss
@@ -121,8 +119,14 @@ class Zero1(_BucketedZero):
         loss = self._run(step, self.gviews.__getitem__, self._bucket_ready)
         p, g = self.params, self.grads
         self.opt.step(
-            [(p[q.flat_offset : q.flat_offset + q.size], g[q.flat_offset : q.flat_offset + q.size],
-              q.shard_offset) for q in self.pieces]
+            [
+                (
+                    p[q.flat_offset : q.flat_offset + q.size],
+                    g[q.flat_offset : q.flat_offset + q.size],
+                    q.shard_offset,
+                )
+                for q in self.pieces
+            ]
         )
         self._all_gather_params()
         return self.global_loss(loss)
@@ -178,8 +182,14 @@ class Zero2(_BucketedZero):
         loss = self._run(step, self._grads_of, self._bucket_ready)
         p, g = self.params, self.gshard
         self.opt.step(
-            [(p[q.flat_offset : q.flat_offset + q.size], g[q.shard_offset : q.shard_offset + q.size],
-              q.shard_offset) for q in self.pieces]
+            [
+                (
+                    p[q.flat_offset : q.flat_offset + q.size],
+                    g[q.shard_offset : q.shard_offset + q.size],
+                    q.shard_offset,
+                )
+                for q in self.pieces
+            ]
         )
         self._all_gather_params()
         return self.global_loss(loss)
@@ -229,7 +239,9 @@ class Zero3(Strategy):
         if i in self.gathered:
             return
         buf = self.param_pool.acquire(self.layout.segments[i][1])
-        work = self.pg.all_gather(self._own(self.pshard, i), out=buf.reshape(self.n, -1), async_op=True)
+        work = self.pg.all_gather(
+            self._own(self.pshard, i), out=buf.reshape(self.n, -1), async_op=True
+        )
         self.gathered[i] = (work, buf)
         self.peak_gathered = max(self.peak_gathered, len(self.gathered))
 
@@ -293,7 +305,9 @@ class Zero3(Strategy):
         )
         while self.grad_works:
             self._retire_grad()
-        assert not self.gathered, f"rank {self.rank}: zero3 left gathered layers {list(self.gathered)}"
+        assert not self.gathered, (
+            f"rank {self.rank}: zero3 left gathered layers {list(self.gathered)}"
+        )
         self.opt.step([(self.pshard, self.gshard, 0)])
         return self.global_loss(loss)
 
@@ -309,7 +323,9 @@ class Zero3(Strategy):
         full = self.xp.zeros(self.layout.total, self.dtype)
         for i in self.with_params:
             off, size = self.layout.segments[i]
-            self.pg.all_gather(self._own(self.pshard, i), out=full[off : off + size].reshape(self.n, -1))
+            self.pg.all_gather(
+                self._own(self.pshard, i), out=full[off : off + size].reshape(self.n, -1)
+            )
         return export_params(self.layers, self.layout, full)
 
     def extra(self) -> dict[str, Any]:

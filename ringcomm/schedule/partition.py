@@ -119,10 +119,14 @@ def flat_layout(
     expect = 0
     for a, b in groups:
         if a != expect or b < a:
-            raise ValueError(f"segments must cover layers 0..{len(param_shapes)} contiguously: {groups}")
+            raise ValueError(
+                f"segments must cover layers 0..{len(param_shapes)} contiguously: {groups}"
+            )
         expect = b
     if expect != len(param_shapes):
-        raise ValueError(f"segments must cover layers 0..{len(param_shapes)} contiguously: {groups}")
+        raise ValueError(
+            f"segments must cover layers 0..{len(param_shapes)} contiguously: {groups}"
+        )
     slots: list[ParamSlot] = []
     segments: list[tuple[int, int]] = []
     offset = numel = 0
