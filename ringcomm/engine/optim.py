@@ -96,12 +96,12 @@ class Adam(Optimizer):
         p -= (self.lr / c1) * m / (xp.sqrt(v / c2) + self.eps)
 
 
-OPTIMIZERS = {"sgd": SGD, "adam": Adam}
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam}
 
 
 def make_optimizer(name: str, xp: Any, size: int, dtype: Any, lr: float) -> Optimizer:
     try:
-        cls = OPTIMIZERS[name]
+        cls: type[Optimizer] = OPTIMIZERS[name]
     except KeyError:
         raise ValueError(
             f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"

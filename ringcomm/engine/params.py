@@ -95,4 +95,4 @@ class BufferPool:
 
     @property
     def nbytes(self) -> int:
-        return self.slots * self.slot_size * self.dtype.itemsize
+        return int(self.slots * self.slot_size * self.dtype.itemsize)

@@ -148,14 +148,10 @@ class Strategy:
             cfg.in_features, cfg.classes, cfg.batch_size, cfg.seed, self.dtype
         )
         self.loss = SoftmaxCrossEntropy(scale=cfg.batch_size)
-        self.rows = (
-            split_rows(cfg.batch_size, self.n)[self.rank]
-            if self.splits_batch
-            else (
-                0,
-                cfg.batch_size,
-            )
-        )
+        if self.splits_batch:
+            self.rows = split_rows(cfg.batch_size, self.n)[self.rank]
+        else:
+            self.rows = (0, cfg.batch_size)
         #: The rank whose ``step`` returns the loss.
         self.loss_rank = 0
 

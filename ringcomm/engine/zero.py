@@ -92,6 +92,16 @@ class _BucketedZero(Strategy):
     def _retire(self) -> None:
         self.works.popleft()[0].wait()
 
+    def _update(self, grads: Any, sharded: bool) -> None:
+        """Optimizer step on the owned rows: parameters from the full buffer, gradients from
+        the full buffer (zero1) or the gradient shard (zero2)."""
+        pieces = []
+        for q in self.pieces:
+            g = q.shard_offset if sharded else q.flat_offset
+            param = self.params[q.flat_offset : q.flat_offset + q.size]
+            pieces.append((param, grads[g : g + q.size], q.shard_offset))
+        self.opt.step(pieces)
+
     def export_params(self) -> dict[str, np.ndarray]:
         return export_params(self.layers, self.layout, self.params)
 
@@ -117,17 +127,7 @@ class Zero1(_BucketedZero):
     def step(self, step: int) -> float:
         self.grads[...] = 0
         loss = self._run(step, self.gviews.__getitem__, self._bucket_ready)
-        p, g = self.params, self.grads
-        self.opt.step(
-            [
-                (
-                    p[q.flat_offset : q.flat_offset + q.size],
-                    g[q.flat_offset : q.flat_offset + q.size],
-                    q.shard_offset,
-                )
-                for q in self.pieces
-            ]
-        )
+        self._update(self.grads, sharded=False)
         self._all_gather_params()
         return self.global_loss(loss)
 
@@ -180,17 +180,7 @@ class Zero2(_BucketedZero):
 
     def step(self, step: int) -> float:
         loss = self._run(step, self._grads_of, self._bucket_ready)
-        p, g = self.params, self.gshard
-        self.opt.step(
-            [
-                (
-                    p[q.flat_offset : q.flat_offset + q.size],
-                    g[q.shard_offset : q.shard_offset + q.size],
-                    q.shard_offset,
-                )
-                for q in self.pieces
-            ]
-        )
+        self._update(self.gshard, sharded=True)
         self._all_gather_params()
         return self.global_loss(loss)
 
@@ -214,6 +204,7 @@ class Zero3(Strategy):
         self.layout = flat_layout(param_shapes(self.layers), [(i, i + 1) for i in range(L)], self.n)
         self.pieces = shard_pieces(self.layout, self.rank)  # segment k is layer k
         self.with_params = [i for i in range(L) if self.layout.segments[i][1]]
+        self.position = {layer: pos for pos, layer in enumerate(self.with_params)}
         xp = self.xp
         self.pshard = xp.zeros(self.layout.shard_size, self.dtype)
         self.gshard = xp.zeros(self.layout.shard_size, self.dtype)
@@ -246,13 +237,13 @@ class Zero3(Strategy):
         self.peak_gathered = max(self.peak_gathered, len(self.gathered))
 
     def _params(self, i: int, direction: int) -> dict[str, Any]:
-        if i not in self.with_params and i not in self.gathered:
+        if i not in self.position:
             return {}
         self._gather(i)
         work, buf = self.gathered[i]
         work.wait()
         # Prefetch the next layer with parameters in this direction.
-        pos = self.with_params.index(i) + direction
+        pos = self.position[i] + direction
         if 0 <= pos < len(self.with_params):
             self._gather(self.with_params[pos])
         return layer_views(self.layout, buf, i, base=self.layout.segments[i][0])
@@ -264,7 +255,7 @@ class Zero3(Strategy):
             self.param_pool.release(entry[1])
 
     def _grads_of(self, i: int) -> dict[str, Any]:
-        if i not in self.with_params:
+        if i not in self.position:
             return {}
         off, size = self.layout.segments[i]
         self.gbuf = self.grad_pool.acquire(size, zero=True)
@@ -272,7 +263,7 @@ class Zero3(Strategy):
 
     def _backward_done(self, i: int) -> None:
         self._drop(i)
-        if i not in self.with_params:
+        if i not in self.position:
             return
         buf, self.gbuf = self.gbuf, None
         while len(self.grad_works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
