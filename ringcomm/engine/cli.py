@@ -63,7 +63,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
     g.add_argument("--in-features", type=int, default=64)
     g.add_argument("--hidden", type=int, default=256)
-    g.add_argument("--layers", type=int, default=4, dest="depth", help="hidden blocks")
+    g.add_argument("--layers", type=int, default=4, dest="depth", metavar="L", help="hidden blocks")
     g.add_argument("--classes", type=int, default=10)
     g.add_argument("--act", choices=("gelu", "relu"), default="gelu")
     b = p.add_argument_group("gradient buckets (dp, zero1, zero2)")
