@@ -44,7 +44,9 @@ def _row(res: dict[str, Any], numel: int, n: int) -> str:
         "zero3": 16 / n,
     }.get(res["strategy"])
     ring = 2 * 4 * numel * (n - 1) / n
-    name = res["strategy"] + (f" {res['schedule']} m={res['micro_batches']}" if "schedule" in res else "")
+    name = res["strategy"] + (
+        f" {res['schedule']} m={res['micro_batches']}" if "schedule" in res else ""
+    )
     extra = ""
     if "bubble_fraction" in res:
         act = max(x["activation_peak_bytes"] for x in ranks)
@@ -73,21 +75,25 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--md")
     a = ap.parse_args()
-    base = dict(
-        steps=a.steps,
-        dtype="float32",
-        optimizer="adam",
-        in_features=a.in_features,
-        hidden=a.hidden,
-        depth=a.layers,
-        classes=10,
-        batch_size=a.batch_size,
-        timeout_s=600.0,
-    )
+    base: dict[str, Any] = {
+        "steps": a.steps,
+        "dtype": "float32",
+        "optimizer": "adam",
+        "in_features": a.in_features,
+        "hidden": a.hidden,
+        "depth": a.layers,
+        "classes": 10,
+        "batch_size": a.batch_size,
+        "timeout_s": 600.0,
+    }
     runs = [TrainConfig(strategy="single", world_size=1, **base)]
-    runs += [TrainConfig(strategy=s, world_size=a.n, **base) for s in ("dp", "zero1", "zero2", "zero3")]
     runs += [
-        TrainConfig(strategy="pipeline", world_size=a.n, micro_batches=a.micro_batches, schedule=s, **base)
+        TrainConfig(strategy=s, world_size=a.n, **base) for s in ("dp", "zero1", "zero2", "zero3")
+    ]
+    runs += [
+        TrainConfig(
+            strategy="pipeline", world_size=a.n, micro_batches=a.micro_batches, schedule=s, **base
+        )
         for s in ("gpipe", "1f1b")
     ]
     results = []
@@ -98,12 +104,16 @@ def main() -> int:
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)  # fmt: skip
     numel = results[0]["model"]["params"]
     lines = [
-        f"Model: MLP {a.in_features}-{a.hidden}x{a.layers}-10, {numel:,} parameters (Ψ), float32, "
-        f"Adam; global batch {a.batch_size}; {a.steps} steps; N = {a.n}; "
-        f"host {platform.node() or '?'} ({os.cpu_count()} CPUs), Python {platform.python_version()}.",
+        (
+            f"Model: MLP {a.in_features}-{a.hidden}x{a.layers}-10, {numel:,} parameters (Ψ), "
+            f"float32, Adam; global batch {a.batch_size}; {a.steps} steps; N = {a.n}; host "
+            f"{platform.node() or '?'} ({os.cpu_count()} CPUs), Python {platform.python_version()}."
+        ),
         "",
-        "| strategy | param MiB | grad MiB | optim MiB | state / dp (16Ψ) | ZeRO paper | peak MiB | "
-        "sent MiB/step (/ 2Ψ(N-1)/N) | step ms | final loss | pipeline |",
+        (
+            "| strategy | param MiB | grad MiB | optim MiB | state / dp (16Ψ) | ZeRO paper | "
+            "peak MiB | sent MiB/step (/ 2Ψ(N-1)/N) | step ms | final loss | pipeline |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     lines += [_row(r, numel, a.n) for r in results]

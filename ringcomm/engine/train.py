@@ -191,6 +191,7 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
             schedule=cfg.schedule,
             micro_batches=cfg.micro_batches,
             bubble_fraction=statistics.median(measured) if measured else 0.0,
+            bubble_fraction_best=min(measured) if measured else 0.0,
             bubble_fraction_per_step=bubbles,
             bubble_fraction_theory=gpipe_bubble(len(per_rank), cfg.micro_batches),
         )
