@@ -1,0 +1,14 @@
+"""The NumPy/CuPy training engine: layers, flat buffers, optimizers, strategies.
+
+Layers (:mod:`.nn`) define forward and backward side by side over ``xp``; a model's
+parameters and gradients live in flat contiguous buffers (:mod:`.params`), so buckets and
+shards are views; optimizers (:mod:`.optim`) are elementwise over flat pieces; the data is
+a seeded synthetic classification task (:mod:`.data`). Strategies (``single``, ``dp``,
+``zero1``/``zero2``/``zero3``, ``pipeline``) share one interface and registry
+(:mod:`.strategy`) and talk only to a ``ProcessGroup``. ``ringcomm train`` is :mod:`.cli`.
+"""
+
+from .strategy import STRATEGIES, Strategy, TrainConfig
+from .train import run_training, summarize, train_rank
+
+__all__ = ["STRATEGIES", "Strategy", "TrainConfig", "run_training", "summarize", "train_rank"]

@@ -1,0 +1,187 @@
+"""``ringcomm train --strategy S -n N``: train the synthetic MLP with one strategy.
+
+Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
+:class:`~ringcomm.engine.strategy.TrainConfig`; ``UsageError`` for what cannot run) ->
+:func:`~ringcomm.engine.train.run_training` (``rc.spawn`` for N ranks; ``single`` in this
+process) -> a summary on stdout and the ``--json`` object (DESIGN.md §2). Exit status: 0;
+1 if a rank failed; 2 for a usage error, ``--strategy ps`` (not available in this build) or
+``--device cuda`` without CuPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ringcomm.config import parse_size
+from ringcomm.errors import RingcommError
+from ringcomm.schedule.pipeline import SCHEDULES
+
+from .optim import OPTIMIZERS
+from .strategy import STRATEGIES, STRATEGY_NAMES, StrategyUnavailable, TrainConfig, array_module
+from .train import run_training, summarize
+
+__all__ = ["UsageError", "add_parser", "config_from_args", "main"]
+
+_PROG = "ringcomm train"
+
+
+class UsageError(Exception):
+    """A command line that cannot run; ``main`` prints it and exits 2."""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``train`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "train",
+        help="train a small MLP with a parallel strategy (dp, zero1/2/3, pipeline)",
+        description="Train an MLP on a seeded synthetic classification task with one "
+        "strategy over N local ranks. Every strategy computes the same losses as "
+        "--strategy single for the same seed and global batch.",
+    )
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, required=True)
+    p.add_argument("-n", "--nproc", type=int, default=1, metavar="N", help="number of ranks")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--micro-batches", type=int, default=4, metavar="M", help="pipeline only")
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe", help="pipeline only")
+    p.add_argument("--json", metavar="FILE", help="write the result object to FILE")
+    g = p.add_argument_group("model and optimizer")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
+    g.add_argument("--in-features", type=int, default=64)
+    g.add_argument("--hidden", type=int, default=256)
+    g.add_argument("--layers", type=int, default=4, dest="depth", metavar="L", help="hidden blocks")
+    g.add_argument("--classes", type=int, default=10)
+    g.add_argument("--act", choices=("gelu", "relu"), default="gelu")
+    b = p.add_argument_group("gradient buckets (dp, zero1, zero2)")
+    bx = b.add_mutually_exclusive_group()
+    bx.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (25)")
+    bx.add_argument("--bucket-bytes", type=_size, default=None, help="bucket size, e.g. 1M")
+    s = p.add_argument_group("parameter server (--strategy ps)")
+    s.add_argument("--ps-servers", type=int, default=1, metavar="S")
+    s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default="bsp")
+    s.add_argument("--staleness", type=int, default=0, metavar="K")
+    s.add_argument("--ps-update", choices=("server", "worker"), default="server")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="bound on the whole job")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
+    p.set_defaults(main=main)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    n = args.nproc
+    if n < 1:
+        raise UsageError(f"-n must be >= 1, got {n}")
+    if args.strategy == "single" and n != 1:
+        raise UsageError("--strategy single runs one process: use -n 1")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    for name in ("batch_size", "in_features", "hidden", "depth"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.classes < 2:
+        raise UsageError("--classes must be >= 2")
+    if args.strategy == "pipeline":
+        if not 1 <= args.micro_batches <= args.batch_size:
+            raise UsageError(f"--micro-batches must be in [1, --batch-size {args.batch_size}]")
+        if 3 * args.depth + 1 < n:
+            raise UsageError(f"pipeline: {3 * args.depth + 1} layers cannot fill {n} stages")
+    elif args.batch_size < n:
+        raise UsageError(f"--batch-size {args.batch_size} leaves ranks without rows at -n {n}")
+    if args.bucket_bytes is not None:
+        bucket = args.bucket_bytes
+    else:
+        bucket = int((25.0 if args.bucket_mb is None else args.bucket_mb) * 2**20)
+    if bucket < 1:
+        raise UsageError("bucket size must be > 0")
+    if args.strategy not in STRATEGIES:
+        raise StrategyUnavailable(
+            f"--strategy {args.strategy} is not available in this build "
+            f"(available: {', '.join(STRATEGIES)})"
+        )
+    array_module(args.device)  # StrategyUnavailable without CuPy / a GPU
+    return TrainConfig(
+        strategy=args.strategy,
+        world_size=n,
+        steps=args.steps,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        in_features=args.in_features,
+        hidden=args.hidden,
+        depth=args.depth,
+        classes=args.classes,
+        act=args.act,
+        bucket_bytes=bucket,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+        timeout_s=args.timeout_s,
+        verbose=not args.quiet,
+        ps_servers=args.ps_servers,
+        consistency=args.consistency,
+        staleness=args.staleness,
+        ps_update=args.ps_update,
+    )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:9.2f}"
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    lines = [
+        (
+            f"strategy {result['strategy']}, {result['world_size']} rank(s), "
+            f"{result['model']['params']:,} parameters; step time {result['step_time_s'] * 1e3:.1f} ms "
+            f"(median); final loss {result['losses'][-1]:.6f}"
+        ),
+        " rank  param MiB   grad MiB  optim MiB   peak MiB  sent MiB/step",
+    ]
+    for r in result["per_rank"]:
+        lines.append(
+            f"{r['rank']:5d} {_mib(r['param_bytes'])} {_mib(r['grad_bytes'])} "
+            f"{_mib(r['optim_bytes'])} {_mib(r['peak_bytes'])} {_mib(r['sent_bytes_per_step'])}"
+        )
+    if "bubble_fraction" in result:
+        lines.append(
+            f"pipeline {result['schedule']}, {result['micro_batches']} micro-batches: bubble "
+            f"{result['bubble_fraction']:.3f} measured, {result['bubble_fraction_theory']:.3f} "
+            "= (p-1)/(m+p-1)"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except (UsageError, StrategyUnavailable) as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        per_rank = run_training(cfg)
+    except RingcommError as exc:
+        print(f"{_PROG}: {exc}", file=sys.stderr)
+        return 1
+    result = summarize(cfg, per_rank)
+    print(format_summary(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    return 0

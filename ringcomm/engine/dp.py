@@ -1,0 +1,92 @@
+"""``dp``: data parallel with bucketed gradient all-reduce overlapped with backward.
+
+Each rank runs the whole model on its rows of the global batch. Gradients live in one flat
+buffer cut into buckets of about ``bucket_bytes`` (:func:`bucket_groups`, last layers
+first); as soon as backward has passed a bucket's first layer, the bucket's gradients are
+complete and its all-reduce (sum) starts with ``async_op=True`` while backward goes on with
+the layers below. The loss is divided by the *global* batch size on every rank, so the sum
+of the ranks' gradients is the full-batch gradient. Every rank then takes the same
+optimizer step on the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm.schedule.partition import bucket_groups, flat_layout
+
+from .nn import backward_layers, forward_layers
+from .optim import make_optimizer
+from .params import export_params, init_layer, layer_views, param_shapes
+from .strategy import Strategy, TrainConfig
+
+__all__ = ["DataParallel", "layer_nbytes"]
+
+
+def layer_nbytes(layers: Any, itemsize: int) -> list[int]:
+    return [sum(int(np.prod(s)) for _, s in layer.param_shapes()) * itemsize for layer in layers]
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        L = len(self.layers)
+        buckets = bucket_groups(layer_nbytes(self.layers, self.dtype.itemsize), cfg.bucket_bytes)
+        self.layout = flat_layout(param_shapes(self.layers), buckets, 1)
+        # The bucket whose gradients are complete once backward has passed layer i.
+        self.launch_at = {a: k for k, (a, _) in enumerate(self.layout.segment_layers)}
+        xp = self.xp
+        self.params = xp.zeros(self.layout.total, self.dtype)
+        self.grads = xp.zeros(self.layout.total, self.dtype)
+        self.pviews = [layer_views(self.layout, self.params, i) for i in range(L)]
+        self.gviews = [layer_views(self.layout, self.grads, i) for i in range(L)]
+        for i in range(L):
+            init_layer(self.layers, i, self.pviews[i], cfg.seed)
+        self.opt = make_optimizer(cfg.optimizer, xp, self.layout.total, self.dtype, cfg.lr)
+        self.works: list[Any] = []
+
+    def _bucket_ready(self, i: int) -> None:
+        k = self.launch_at.get(i)
+        if k is None:
+            return
+        off, size = self.layout.segments[k]
+        if size and self.n > 1:
+            self.works.append(self.pg.all_reduce(self.grads[off : off + size], async_op=True))
+
+    def step(self, step: int) -> float:
+        x, labels = self.local_batch(step)
+        self.grads[...] = 0
+        idx = range(len(self.layers))
+        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
+        loss, cache = self.loss.forward(logits, labels)
+        backward_layers(
+            self.layers,
+            idx,
+            caches,
+            self.loss.backward(cache),
+            self.pviews.__getitem__,
+            self.gviews.__getitem__,
+            done=self._bucket_ready,
+        )
+        for w in self.works:
+            w.wait()
+        self.works.clear()
+        self.opt.step([(self.params, self.grads, 0)])
+        return self.global_loss(loss)
+
+    def state_nbytes(self) -> dict[str, int]:
+        return {
+            "param_bytes": int(self.params.nbytes),
+            "grad_bytes": int(self.grads.nbytes),
+            "optim_bytes": self.opt.state_nbytes(),
+        }
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        return export_params(self.layers, self.layout, self.params)
+
+    def extra(self) -> dict[str, Any]:
+        return {"buckets": len(self.layout.segments)}

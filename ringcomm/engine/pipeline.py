@@ -1,0 +1,175 @@
+"""``pipeline``: layers split into ``world_size`` stages, the batch into micro-batches.
+
+Rank ``s`` is stage ``s`` and holds layers ``balance_stages(costs, N)[s]`` (contiguous,
+balanced by per-layer cost) with their own flat parameter and gradient buffers and
+optimizer. Each step runs the stage's action list from
+:func:`~ringcomm.schedule.pipeline.stage_orders` (``gpipe`` or ``1f1b``):
+
+* forward of micro-batch ``i``: stage 0 reads its rows of the global batch, others receive
+  the activation from ``s-1`` (tag ``2i``); the output goes to ``s+1`` with ``isend``; the
+  last stage computes the loss (summed, divided by the global batch size);
+* backward of ``i``: the last stage starts from the loss, others receive the activation
+  gradient from ``s+1`` (tag ``2i+1``); gradients accumulate over micro-batches in the
+  flat buffer; the input gradient goes to ``s-1``; the micro-batch's activations are freed.
+
+Sends are ``isend`` (so two stages sending to each other never wait on each other), waited
+at the end of the step. Measured per step: the time each stage spends computing (busy) and
+the step's span from a barrier to the stage's last action, from which the CLI computes the
+bubble fraction ``1 - sum(busy) / (N * max(span))``; the most micro-batches alive at once;
+and the peak of tracemalloc (when tracing) above the step's starting level, i.e. the
+activation memory.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from typing import Any
+
+import numpy as np
+
+from ringcomm.schedule.partition import balance_stages, flat_layout, split_rows
+from ringcomm.schedule.pipeline import BACKWARD, FORWARD, stage_orders
+
+from .nn import backward_layers, forward_layers
+from .optim import make_optimizer
+from .params import export_params, init_layer, layer_views, param_shapes
+from .strategy import Strategy, TrainConfig
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+    splits_batch = False  # every stage sees the whole global batch, in micro-batches
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        p, s = self.n, self.rank
+        if cfg.micro_batches < 1 or cfg.micro_batches > cfg.batch_size:
+            raise ValueError(
+                f"--micro-batches must be in [1, batch size {cfg.batch_size}], got {cfg.micro_batches}"
+            )
+        self.stages = balance_stages([layer.cost() for layer in self.layers], p)
+        a, b = self.stages[s]
+        self.my_layers = list(range(a, b))
+        self.first, self.last = s == 0, s == p - 1
+        self.loss_rank = p - 1
+        shapes = param_shapes(self.layers)
+        self.layout = flat_layout(shapes[a:b], [(0, b - a)], 1)  # local layer j is global a+j
+        xp = self.xp
+        self.params = xp.zeros(self.layout.total, self.dtype)
+        self.grads = xp.zeros(self.layout.total, self.dtype)
+        self.pviews = {a + j: layer_views(self.layout, self.params, j) for j in range(b - a)}
+        self.gviews = {a + j: layer_views(self.layout, self.grads, j) for j in range(b - a)}
+        for i in self.my_layers:
+            init_layer(self.layers, i, self.pviews[i], cfg.seed)
+        self.opt = make_optimizer(cfg.optimizer, xp, self.layout.total, self.dtype, cfg.lr)
+        self.order = stage_orders(p, cfg.micro_batches, cfg.schedule)[s]
+        self.micro = split_rows(cfg.batch_size, cfg.micro_batches)
+        self.in_dim = self.layers[a].in_features
+        self.out_dim = self.layers[b - 1].out_features
+        self.busy_s: list[float] = []
+        self.span_s: list[float] = []
+        self.max_live = 0
+        self.act_peak_bytes: list[int] = []
+
+    def step(self, step: int) -> float | None:
+        xp, pg, s = self.xp, self.pg, self.rank
+        x_all, labels_all = self.local_batch(step)
+        self.grads[...] = 0
+        caches: dict[int, Any] = {}
+        sends: list[Any] = []
+        total_loss = 0.0
+        busy = 0.0
+        tracing = tracemalloc.is_tracing()
+        if tracing:
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+        if pg is not None and self.n > 1:
+            pg.barrier()
+        t_start = time.perf_counter()
+        for act in self.order:
+            i = act.micro
+            r0, r1 = self.micro[i]
+            if act.kind == FORWARD:
+                if self.first:
+                    x = x_all[r0:r1]
+                else:
+                    x = xp.empty((r1 - r0, self.in_dim), self.dtype)
+                    pg.recv(x, src=s - 1, tag=2 * i)
+                t0 = time.perf_counter()
+                y, layer_caches = forward_layers(
+                    self.layers, self.my_layers, x, self.pviews.__getitem__
+                )
+                loss_cache = None
+                if self.last:
+                    loss, loss_cache = self.loss.forward(y, labels_all[r0:r1])
+                    total_loss += float(loss)
+                busy += time.perf_counter() - t0
+                if not self.last:
+                    sends.append(pg.isend(y, dst=s + 1, tag=2 * i))
+                caches[i] = (layer_caches, loss_cache)
+                self.max_live = max(self.max_live, len(caches))
+            else:
+                assert act.kind == BACKWARD
+                layer_caches, loss_cache = caches.pop(i)
+                if self.last:
+                    t0 = time.perf_counter()
+                    dy = self.loss.backward(loss_cache)
+                else:
+                    dy = xp.empty((r1 - r0, self.out_dim), self.dtype)
+                    pg.recv(dy, src=s + 1, tag=2 * i + 1)
+                    t0 = time.perf_counter()
+                dx = backward_layers(
+                    self.layers,
+                    self.my_layers,
+                    layer_caches,
+                    dy,
+                    self.pviews.__getitem__,
+                    self.gviews.__getitem__,
+                )
+                busy += time.perf_counter() - t0
+                del layer_caches, loss_cache, dy
+                if not self.first:
+                    sends.append(pg.isend(dx, dst=s - 1, tag=2 * i + 1))
+                del dx
+            sends = [w for w in sends if not w.done()]
+        for w in sends:
+            w.wait()
+        self.span_s.append(time.perf_counter() - t_start)
+        self.busy_s.append(busy)
+        if tracing:
+            self.act_peak_bytes.append(tracemalloc.get_traced_memory()[1] - base)
+        self.opt.step([(self.params, self.grads, 0)])
+        return total_loss if self.last else None
+
+    def state_nbytes(self) -> dict[str, int]:
+        return {
+            "param_bytes": int(self.params.nbytes),
+            "grad_bytes": int(self.grads.nbytes),
+            "optim_bytes": self.opt.state_nbytes(),
+        }
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        """This stage's layers only (keys carry global layer indices)."""
+        a = self.my_layers[0]
+        local = export_params(
+            self.layers[a:], self.layout, self.params, only=range(len(self.my_layers))
+        )
+        out = {}
+        for key, v in local.items():
+            j, name = key.split(".", 1)
+            out[f"{int(j) + a}.{name}"] = v
+        return out
+
+    def extra(self) -> dict[str, Any]:
+        return {
+            "stage_layers": list(self.stages[self.rank]),
+            "schedule": self.cfg.schedule,
+            "micro_batches": self.cfg.micro_batches,
+            "busy_s": self.busy_s,
+            "span_s": self.span_s,
+            "max_live_micro_batches": self.max_live,
+            "activation_peak_bytes": self.act_peak_bytes,
+        }

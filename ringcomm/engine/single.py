@@ -1,0 +1,59 @@
+"""``single``: one process, the whole batch, the whole model: the oracle every parallel
+strategy is checked against. Deliberately plain: no buckets, no shards, no communication."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcomm.schedule.partition import flat_layout
+
+from .nn import backward_layers, forward_layers
+from .optim import make_optimizer
+from .params import export_params, init_layer, layer_views, param_shapes
+from .strategy import Strategy, TrainConfig
+
+__all__ = ["Single"]
+
+
+class Single(Strategy):
+    name = "single"
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        if self.n != 1:
+            raise ValueError(f"strategy single runs on one rank, not {self.n}")
+        L = len(self.layers)
+        self.layout = flat_layout(param_shapes(self.layers), [(0, L)], 1)
+        xp = self.xp
+        self.params = xp.zeros(self.layout.total, self.dtype)
+        self.grads = xp.zeros(self.layout.total, self.dtype)
+        self.pviews = [layer_views(self.layout, self.params, i) for i in range(L)]
+        self.gviews = [layer_views(self.layout, self.grads, i) for i in range(L)]
+        for i in range(L):
+            init_layer(self.layers, i, self.pviews[i], cfg.seed)
+        self.opt = make_optimizer(cfg.optimizer, xp, self.layout.total, self.dtype, cfg.lr)
+
+    def step(self, step: int) -> float:
+        x, labels = self.local_batch(step)
+        self.grads[...] = 0
+        idx = range(len(self.layers))
+        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
+        loss, cache = self.loss.forward(logits, labels)
+        dy = self.loss.backward(cache)
+        backward_layers(
+            self.layers, idx, caches, dy, self.pviews.__getitem__, self.gviews.__getitem__
+        )
+        self.opt.step([(self.params, self.grads, 0)])
+        return float(loss)
+
+    def state_nbytes(self) -> dict[str, int]:
+        return {
+            "param_bytes": int(self.params.nbytes),
+            "grad_bytes": int(self.grads.nbytes),
+            "optim_bytes": self.opt.state_nbytes(),
+        }
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        return export_params(self.layers, self.layout, self.params)

@@ -1,0 +1,190 @@
+"""The strategy interface, the training configuration, and the strategy registry.
+
+A *strategy* owns how one rank holds and updates the model: which parameters, gradients
+and optimizer states it keeps, and which collectives move them. Every strategy has the same
+interface, so the training loop (:mod:`ringcomm.engine.train`) and the CLI never name one::
+
+    class MyStrategy(Strategy):
+        name = "mine"
+        def __init__(self, pg, cfg): ...         # pg: the world ProcessGroup (None: single)
+        def step(self, step) -> float | None:    # one optimizer step on global batch `step`;
+                                                 # the global mean loss on rank `loss_rank`
+        def state_nbytes(self) -> dict[str, int] # param_bytes, grad_bytes, optim_bytes held
+        def export_params(self) -> dict          # {"<layer>.<name>": host array}; collective
+        def extra(self) -> dict                  # strategy-specific measurements (JSON)
+
+and is registered by name in :data:`STRATEGIES` (``name -> "module:Class"``, imported on
+use). A strategy talks only to its ``ProcessGroup``; it may split it (``pg.new_group``),
+e.g. a parameter-server strategy would make server and worker sub-groups from
+``cfg.ps_servers`` and read ``cfg.consistency``, ``cfg.staleness`` and ``cfg.ps_update``
+(already parsed by ``ringcomm train``; ``ps`` itself is not implemented in this package:
+the CLI reports it as not available). Every strategy must reproduce ``single``: the same
+global batch per step (:class:`~ringcomm.engine.data.SyntheticClassification`), the same
+seeded initialisation (:func:`~ringcomm.engine.params.init_layer`), the loss summed over
+the global batch and divided by its size.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ringcomm.schedule.partition import split_rows
+from ringcomm.xp import cupy_or_none
+
+from .data import SyntheticClassification
+from .nn import Layer, SoftmaxCrossEntropy, mlp
+
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "StrategyUnavailable",
+    "TrainConfig",
+    "array_module",
+    "strategy_class",
+]
+
+#: name -> "module:Class". ``ps`` belongs to the parameter-server package (not here yet).
+STRATEGIES: dict[str, str] = {
+    "single": "ringcomm.engine.single:Single",
+    "dp": "ringcomm.engine.dp:DataParallel",
+    "zero1": "ringcomm.engine.zero:Zero1",
+    "zero2": "ringcomm.engine.zero:Zero2",
+    "zero3": "ringcomm.engine.zero:Zero3",
+    "pipeline": "ringcomm.engine.pipeline:Pipeline",
+}
+#: Every name ``--strategy`` accepts (DESIGN.md §2), registered or not.
+STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline")
+
+
+class StrategyUnavailable(Exception):
+    """A strategy or device that cannot run here (the CLI exits 2)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    strategy: str = "single"
+    world_size: int = 1
+    steps: int = 10
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    batch_size: int = 64
+    in_features: int = 64
+    hidden: int = 256
+    depth: int = 4
+    classes: int = 10
+    act: str = "gelu"
+    bucket_bytes: int = 25 * 1024 * 1024
+    micro_batches: int = 4
+    schedule: str = "gpipe"
+    timeout_s: float = 300.0
+    verbose: bool = False
+    export: bool = False  # return the final parameters (tests)
+    # Parameter-server options (parsed, for a `ps` strategy to use).
+    ps_servers: int = 1
+    consistency: str = "bsp"
+    staleness: int = 0
+    ps_update: str = "server"
+
+    def build_model(self) -> list[Layer]:
+        return mlp(self.in_features, self.hidden, self.depth, self.classes, self.act)
+
+
+def array_module(device: str) -> ModuleType:
+    """numpy for ``cpu``; cupy for ``cuda`` (StrategyUnavailable without CuPy or a GPU)."""
+    if device == "cpu":
+        return np
+    if device == "cuda":
+        cp = cupy_or_none()
+        if cp is None:
+            raise StrategyUnavailable("--device cuda needs CuPy (pip install 'ringcomm[gpu]')")
+        try:
+            if cp.cuda.runtime.getDeviceCount() < 1:
+                raise StrategyUnavailable("--device cuda: no CUDA device found")
+        except StrategyUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001  (CUDA driver/runtime missing: any error)
+            raise StrategyUnavailable(f"--device cuda: CUDA is not usable here ({exc})") from None
+        return cp
+    raise StrategyUnavailable(f"unknown device {device!r}; expected cpu or cuda")
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        if name == "ps":
+            raise StrategyUnavailable(
+                "--strategy ps: the parameter-server strategy is not available in this build"
+            )
+        raise StrategyUnavailable(
+            f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)}"
+        )
+    module, _, cls = STRATEGIES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+
+
+class Strategy:
+    """Base: the model, the data, this rank's batch rows and the loss head."""
+
+    name: ClassVar[str] = ""
+    #: Whether the global batch is split across ranks by rows (data parallel family).
+    splits_batch: ClassVar[bool] = True
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        self.pg = pg
+        self.cfg = cfg
+        self.rank = pg.rank if pg is not None else 0
+        self.n = pg.world_size if pg is not None else 1
+        self.xp = array_module(cfg.device)
+        self.dtype = np.dtype(cfg.dtype)
+        self.layers = cfg.build_model()
+        self.data = SyntheticClassification(
+            cfg.in_features, cfg.classes, cfg.batch_size, cfg.seed, self.dtype
+        )
+        self.loss = SoftmaxCrossEntropy(scale=cfg.batch_size)
+        if self.splits_batch:
+            self.rows = split_rows(cfg.batch_size, self.n)[self.rank]
+        else:
+            self.rows = (0, cfg.batch_size)
+        #: The rank whose ``step`` returns the loss.
+        self.loss_rank = 0
+
+    @property
+    def numel(self) -> int:
+        """Parameters of the whole model."""
+        total = 0
+        for layer in self.layers:
+            for _, shape in layer.param_shapes():
+                total += int(np.prod(shape))
+        return total
+
+    def local_batch(self, step: int, rows: tuple[int, int] | None = None) -> tuple[Any, Any]:
+        x, y = self.data.batch(step, self.rows if rows is None else rows)
+        return self.xp.asarray(x), self.xp.asarray(y)
+
+    def global_loss(self, local: Any) -> float:
+        """Sum of the ranks' partial losses (each already divided by the global batch)."""
+        if self.pg is None or self.n == 1:
+            return float(local)
+        buf = np.array([float(local)], dtype=np.float64)
+        self.pg.all_reduce(buf)
+        return float(buf[0])
+
+    # -- the interface --------------------------------------------------------------
+    def step(self, step: int) -> float | None:
+        raise NotImplementedError
+
+    def state_nbytes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def extra(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,201 @@
+"""The training loop of one rank, the local launch of all ranks, and the JSON result.
+
+:func:`train_rank` (``rc.spawn``'s target) builds the strategy, runs ``cfg.steps`` steps,
+prints the loss as it goes (on the strategy's ``loss_rank``, when ``cfg.verbose``) and
+returns this rank's measurements: losses, step times, model-state bytes held at the end of
+the last step, ``peak_bytes`` (tracemalloc's peak over the steps on CPU, the CuPy pool's
+total on GPU), bytes sent per step (the group's counter), the strategy's extras.
+:func:`run_training` launches the ranks (in this process for ``single``) and
+:func:`summarize` turns the per-rank results into the DESIGN.md §2 JSON object.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+import tracemalloc
+from collections.abc import Sequence
+from typing import Any
+
+from ringcomm.schedule.pipeline import gpipe_bubble
+
+from .strategy import TrainConfig, strategy_class
+
+__all__ = ["describe_model", "run_training", "summarize", "train_rank"]
+
+#: BLAS threads per rank when several ranks share a host (set unless already set).
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def describe_model(cfg: TrainConfig, numel: int) -> str:
+    itemsize = 8 if cfg.dtype == "float64" else 4
+    return (
+        f"MLP {cfg.in_features}-{cfg.hidden}x{cfg.depth}-{cfg.classes} ({cfg.act}, layernorm): "
+        f"{numel:,} parameters, {numel * itemsize / 2**20:.1f} MiB in {cfg.dtype}"
+    )
+
+
+def _pool_bytes(xp: Any) -> int:
+    return int(xp.get_default_memory_pool().total_bytes())
+
+
+def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
+    """Train on this rank (``pg`` None: single process); return its measurements."""
+    cpu = cfg.device == "cpu"
+    started = cpu and not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        strat = strategy_class(cfg.strategy)(pg, cfg)
+        rank = strat.rank
+        if cfg.verbose and rank == 0:
+            print(
+                f"ringcomm train: strategy {cfg.strategy}, {strat.n} rank(s), device "
+                f"{cfg.device}, {describe_model(cfg, strat.numel)}; {cfg.optimizer} lr {cfg.lr}, "
+                f"global batch {cfg.batch_size}, {cfg.steps} steps, seed {cfg.seed}",
+                flush=True,
+            )
+        peak = 0
+        sent0 = pg.stats()["sent_bytes"] if pg is not None else 0
+        losses, times = [], []
+        for step in range(cfg.steps):
+            if cpu:  # (a strategy may reset the peak inside its step too: keep the max here)
+                tracemalloc.reset_peak()
+            t0 = time.perf_counter()
+            loss = strat.step(step)
+            dt = time.perf_counter() - t0
+            if cpu:
+                peak = max(peak, tracemalloc.get_traced_memory()[1])
+            # Buffers handed to ringcomm collectives are freed only by the cyclic garbage
+            # collector (a completed operation sits in a reference cycle): collect between
+            # steps, outside the timing, so one step's garbage does not weigh on the next.
+            gc.collect()
+            times.append(dt)
+            if loss is not None:
+                losses.append(loss)
+                if cfg.verbose and rank == strat.loss_rank:
+                    print(
+                        f"[rank {rank}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  "
+                        f"{dt * 1e3:.1f} ms",
+                        flush=True,
+                    )
+        sent = (pg.stats()["sent_bytes"] - sent0) if pg is not None else 0
+        if cpu:
+            held = tracemalloc.get_traced_memory()[0]
+        else:
+            held = peak = _pool_bytes(strat.xp)
+        result: dict[str, Any] = {
+            "rank": rank,
+            "loss_rank": strat.loss_rank,
+            "numel": strat.numel,
+            "losses": losses,
+            "step_times_s": times,
+            **strat.state_nbytes(),
+            "peak_bytes": int(peak),
+            "traced_bytes_end": int(held),
+            "sent_bytes_per_step": sent / max(cfg.steps, 1),
+            "extra": strat.extra(),
+        }
+        if cfg.export:
+            result["params"] = strat.export_params()
+        return result
+    finally:
+        if started:
+            tracemalloc.stop()
+
+
+def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Run every rank (``single``: in this process) and return their results in rank order."""
+    if cfg.strategy == "single":
+        if cfg.world_size != 1:
+            raise ValueError(f"strategy single runs on one process; got -n {cfg.world_size}")
+        return [train_rank(None, cfg)]
+    from ringcomm.launch import spawn
+
+    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
+    for k in _THREAD_VARS:
+        os.environ.setdefault(k, "1")
+    try:
+        return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def pipeline_bubble(per_rank: Sequence[dict[str, Any]]) -> list[float]:
+    """Per step: ``1 - sum over stages of busy / (stages * longest span)``."""
+    busy = [r["extra"]["busy_s"] for r in per_rank]
+    span = [r["extra"]["span_s"] for r in per_rank]
+    p = len(per_rank)
+    out = []
+    for k in range(len(busy[0])):
+        makespan = max(sp[k] for sp in span)
+        out.append(1.0 - sum(b[k] for b in busy) / (p * makespan) if makespan > 0 else 0.0)
+    return out
+
+
+def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``train --json`` object (DESIGN.md §2) plus extra keys."""
+    loss_rank = per_rank[0]["loss_rank"]
+    step_max = [max(r["step_times_s"][k] for r in per_rank) for k in range(cfg.steps)]
+    timed = step_max[1:] if len(step_max) > 1 else step_max  # step 1 warms up
+    out: dict[str, Any] = {
+        "strategy": cfg.strategy,
+        "world_size": len(per_rank),
+        "steps": cfg.steps,
+        "losses": per_rank[loss_rank]["losses"],
+        "step_time_s": statistics.median(timed) if timed else 0.0,
+        "per_rank": [
+            {
+                "rank": r["rank"],
+                "param_bytes": r["param_bytes"],
+                "grad_bytes": r["grad_bytes"],
+                "optim_bytes": r["optim_bytes"],
+                "peak_bytes": r["peak_bytes"],
+                "sent_bytes_per_step": r["sent_bytes_per_step"],
+                **{
+                    k: v
+                    for k, v in r["extra"].items()
+                    if not isinstance(v, list) or k == "stage_layers"
+                },
+            }
+            for r in per_rank
+        ],
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "optimizer": cfg.optimizer,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "model": {
+            "in_features": cfg.in_features,
+            "hidden": cfg.hidden,
+            "depth": cfg.depth,
+            "classes": cfg.classes,
+            "act": cfg.act,
+            "params": per_rank[0]["numel"],
+        },
+        "step_times_s": step_max,
+    }
+    if cfg.strategy in ("dp", "zero1", "zero2"):
+        out["bucket_bytes"] = cfg.bucket_bytes
+    if cfg.strategy == "pipeline":
+        bubbles = pipeline_bubble(per_rank)
+        measured = bubbles[1:] if len(bubbles) > 1 else bubbles
+        out.update(
+            schedule=cfg.schedule,
+            micro_batches=cfg.micro_batches,
+            bubble_fraction=statistics.median(measured) if measured else 0.0,
+            bubble_fraction_best=min(measured) if measured else 0.0,
+            bubble_fraction_per_step=bubbles,
+            bubble_fraction_theory=gpipe_bubble(len(per_rank), cfg.micro_batches),
+        )
+        for row, r in zip(out["per_rank"], per_rank):
+            peaks = r["extra"]["activation_peak_bytes"]
+            row["activation_peak_bytes"] = max(peaks) if peaks else None
+    return out

@@ -1,0 +1,326 @@
+"""ZeRO stages 1, 2 and 3 (Rajbhandari et al., 2020) over a ProcessGroup.
+
+All three are data parallel (each rank its rows of the global batch, the loss divided by
+the global batch size) and partition the flat parameter space the same way
+(:func:`~ringcomm.schedule.partition.flat_layout`): the buffer is cut into *segments*, each
+padded to a multiple of ``N`` elements and viewed as ``(N, piece)`` rows; rank ``r`` owns
+row ``r`` of every segment, and its shard buffers (optimizer state, and for stages 2 and 3
+gradients and parameters) are those rows laid end to end
+(:func:`~ringcomm.schedule.partition.shard_pieces`). The optimizer is elementwise, so
+updating the owned rows gives exactly the single-process update of those elements.
+
+* ``zero1`` (P_os): full parameters and gradients; segments are gradient buckets. When
+  backward completes a bucket, an async reduce-scatter (in place: rank r's row of the
+  bucket receives the sum) starts; each rank updates its rows with its optimizer-state
+  shard; then each bucket's parameters are all-gathered (in place).
+* ``zero2`` (P_os+g): as zero1, but there is no full gradient buffer: a bucket's gradient
+  buffer is allocated when backward reaches it, reduce-scattered into the rank's gradient
+  shard and dropped once the reduce-scatter is done (at most two in flight).
+* ``zero3`` (P_os+g+p): segments are layers and only the parameter shard is kept. Before a
+  layer's forward its parameters are all-gathered (the next layer's gather is started
+  first, so it overlaps this layer's compute) and dropped right after; the same before its
+  backward; its gradients then go into a layer-sized buffer, are reduce-scattered into the
+  gradient shard and the buffer dropped. The update touches only the owned shard.
+  Per step a rank sends 3(N-1)/N of the model (two all-gathers and a reduce-scatter)
+  against 2(N-1)/N for dp/zero1/zero2.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ringcomm.schedule.partition import bucket_groups, flat_layout, shard_pieces
+
+from .dp import layer_nbytes
+from .nn import backward_layers, forward_layers
+from .optim import make_optimizer
+from .params import BufferPool, export_params, init_layer, layer_views, param_shapes
+from .strategy import Strategy, TrainConfig
+
+__all__ = ["Zero1", "Zero2", "Zero3"]
+
+#: Reduce-scatters of dropped gradient buffers allowed in flight (zero2, zero3).
+MAX_GRAD_BUFFERS_IN_FLIGHT = 2
+
+
+class _BucketedZero(Strategy):
+    """Shared by zero1 and zero2: full parameters, bucket segments, sharded optimizer."""
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        L = len(self.layers)
+        buckets = bucket_groups(layer_nbytes(self.layers, self.dtype.itemsize), cfg.bucket_bytes)
+        self.layout = flat_layout(param_shapes(self.layers), buckets, self.n)
+        self.pieces = shard_pieces(self.layout, self.rank)
+        self.launch_at = {a: k for k, (a, _) in enumerate(self.layout.segment_layers)}
+        self.segment_of = [self.layout.segment_of(i) for i in range(L)]
+        xp = self.xp
+        self.params = xp.zeros(self.layout.total, self.dtype)
+        self.pviews = [layer_views(self.layout, self.params, i) for i in range(L)]
+        for i in range(L):
+            init_layer(self.layers, i, self.pviews[i], cfg.seed)
+        self.opt = make_optimizer(cfg.optimizer, xp, self.layout.shard_size, self.dtype, cfg.lr)
+        self.works: deque[tuple[Any, Any]] = deque()
+
+    def _rows(self, buf: Any, k: int) -> Any:
+        off, size = self.layout.segments[k]
+        return buf[off : off + size].reshape(self.n, -1)
+
+    def _all_gather_params(self) -> None:
+        works = []
+        for k, (_, size) in enumerate(self.layout.segments):
+            if size:
+                rows = self._rows(self.params, k)
+                works.append(self.pg.all_gather(rows[self.rank], out=rows, async_op=True))
+        for w in works:
+            w.wait()
+
+    def _run(self, step: int, grads_of: Any, ready: Any) -> Any:
+        x, labels = self.local_batch(step)
+        idx = range(len(self.layers))
+        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
+        loss, cache = self.loss.forward(logits, labels)
+        dy = self.loss.backward(cache)
+        backward_layers(self.layers, idx, caches, dy, self.pviews.__getitem__, grads_of, done=ready)
+        while self.works:
+            self._retire()
+        return loss
+
+    def _retire(self) -> None:
+        self.works.popleft()[0].wait()
+
+    def _update(self, grads: Any, sharded: bool) -> None:
+        """Optimizer step on the owned rows: parameters from the full buffer, gradients from
+        the full buffer (zero1) or the gradient shard (zero2)."""
+        pieces = []
+        for q in self.pieces:
+            g = q.shard_offset if sharded else q.flat_offset
+            param = self.params[q.flat_offset : q.flat_offset + q.size]
+            pieces.append((param, grads[g : g + q.size], q.shard_offset))
+        self.opt.step(pieces)
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        return export_params(self.layers, self.layout, self.params)
+
+    def extra(self) -> dict[str, Any]:
+        return {"buckets": len(self.layout.segments)}
+
+
+class Zero1(_BucketedZero):
+    name = "zero1"
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        self.grads = self.xp.zeros(self.layout.total, self.dtype)
+        self.gviews = [layer_views(self.layout, self.grads, i) for i in range(len(self.layers))]
+
+    def _bucket_ready(self, i: int) -> None:
+        k = self.launch_at.get(i)
+        if k is None or not self.layout.segments[k][1]:
+            return
+        rows = self._rows(self.grads, k)
+        self.works.append((self.pg.reduce_scatter(rows, out=rows[self.rank], async_op=True), None))
+
+    def step(self, step: int) -> float:
+        self.grads[...] = 0
+        loss = self._run(step, self.gviews.__getitem__, self._bucket_ready)
+        self._update(self.grads, sharded=False)
+        self._all_gather_params()
+        return self.global_loss(loss)
+
+    def state_nbytes(self) -> dict[str, int]:
+        return {
+            "param_bytes": int(self.params.nbytes),
+            "grad_bytes": int(self.grads.nbytes),
+            "optim_bytes": self.opt.state_nbytes(),
+        }
+
+
+class Zero2(_BucketedZero):
+    name = "zero2"
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        self.gshard = self.xp.zeros(self.layout.shard_size, self.dtype)
+        self.live: dict[int, Any] = {}  # segment -> its gradient buffer, during backward
+        biggest = max((size for _, size in self.layout.segments), default=0)
+        self.pool = BufferPool(self.xp, biggest, self.dtype)
+
+    def _grads_of(self, i: int) -> dict[str, Any]:
+        k = self.segment_of[i]
+        buf = self.live.get(k)
+        if buf is None:
+            buf = self.live[k] = self.pool.acquire(self.layout.segments[k][1], zero=True)
+        return layer_views(self.layout, buf, i, base=self.layout.segments[k][0])
+
+    def _bucket_ready(self, i: int) -> None:
+        k = self.launch_at.get(i)
+        if k is None:
+            return
+        buf = self.live.pop(k, None)
+        if buf is None:
+            return
+        if not buf.size:
+            self.pool.release(buf)
+            return
+        while len(self.works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
+            self._retire()
+        q = self.pieces[k]
+        out = self.gshard[q.shard_offset : q.shard_offset + q.size]
+        work = self.pg.reduce_scatter(buf.reshape(self.n, -1), out=out, async_op=True)
+        self.works.append((work, buf))
+
+    def _retire(self) -> None:
+        work, buf = self.works.popleft()
+        work.wait()
+        self.pool.release(buf)
+
+    def step(self, step: int) -> float:
+        loss = self._run(step, self._grads_of, self._bucket_ready)
+        self._update(self.gshard, sharded=True)
+        self._all_gather_params()
+        return self.global_loss(loss)
+
+    def state_nbytes(self) -> dict[str, int]:
+        return {
+            "param_bytes": int(self.params.nbytes),
+            "grad_bytes": int(self.gshard.nbytes),
+            "optim_bytes": self.opt.state_nbytes(),
+        }
+
+    def extra(self) -> dict[str, Any]:
+        return {"buckets": len(self.layout.segments), "work_bytes": self.pool.nbytes}
+
+
+class Zero3(Strategy):
+    name = "zero3"
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        L = len(self.layers)
+        self.layout = flat_layout(param_shapes(self.layers), [(i, i + 1) for i in range(L)], self.n)
+        self.pieces = shard_pieces(self.layout, self.rank)  # segment k is layer k
+        self.with_params = [i for i in range(L) if self.layout.segments[i][1]]
+        self.position = {layer: pos for pos, layer in enumerate(self.with_params)}
+        xp = self.xp
+        self.pshard = xp.zeros(self.layout.shard_size, self.dtype)
+        self.gshard = xp.zeros(self.layout.shard_size, self.dtype)
+        for i in self.with_params:  # each layer built whole, then only the own row kept
+            off, size = self.layout.segments[i]
+            full = xp.zeros(size, self.dtype)
+            init_layer(self.layers, i, layer_views(self.layout, full, i, base=off), cfg.seed)
+            self._own(self.pshard, i)[...] = full.reshape(self.n, -1)[self.rank]
+            del full
+        self.opt = make_optimizer(cfg.optimizer, xp, self.layout.shard_size, self.dtype, cfg.lr)
+        biggest = max((size for _, size in self.layout.segments), default=0)
+        self.param_pool = BufferPool(xp, biggest, self.dtype)  # gathered layers
+        self.grad_pool = BufferPool(xp, biggest, self.dtype)  # layer gradients in flight
+        self.gathered: dict[int, tuple[Any, Any]] = {}  # layer -> (work, full buffer)
+        self.grad_works: deque[tuple[Any, Any]] = deque()
+        self.peak_gathered = 0
+
+    def _own(self, shard: Any, i: int) -> Any:
+        q = self.pieces[i]
+        return shard[q.shard_offset : q.shard_offset + q.size]
+
+    def _gather(self, i: int) -> None:
+        if i in self.gathered:
+            return
+        buf = self.param_pool.acquire(self.layout.segments[i][1])
+        work = self.pg.all_gather(
+            self._own(self.pshard, i), out=buf.reshape(self.n, -1), async_op=True
+        )
+        self.gathered[i] = (work, buf)
+        self.peak_gathered = max(self.peak_gathered, len(self.gathered))
+
+    def _params(self, i: int, direction: int) -> dict[str, Any]:
+        if i not in self.position:
+            return {}
+        self._gather(i)
+        work, buf = self.gathered[i]
+        work.wait()
+        # Prefetch the next layer with parameters in this direction.
+        pos = self.position[i] + direction
+        if 0 <= pos < len(self.with_params):
+            self._gather(self.with_params[pos])
+        return layer_views(self.layout, buf, i, base=self.layout.segments[i][0])
+
+    def _drop(self, i: int) -> None:
+        entry = self.gathered.pop(i, None)
+        if entry is not None:
+            entry[0].wait()  # (done already, unless it was prefetched and never used)
+            self.param_pool.release(entry[1])
+
+    def _grads_of(self, i: int) -> dict[str, Any]:
+        if i not in self.position:
+            return {}
+        off, size = self.layout.segments[i]
+        self.gbuf = self.grad_pool.acquire(size, zero=True)
+        return layer_views(self.layout, self.gbuf, i, base=off)
+
+    def _backward_done(self, i: int) -> None:
+        self._drop(i)
+        if i not in self.position:
+            return
+        buf, self.gbuf = self.gbuf, None
+        while len(self.grad_works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
+            self._retire_grad()
+        work = self.pg.reduce_scatter(
+            buf.reshape(self.n, -1), out=self._own(self.gshard, i), async_op=True
+        )
+        self.grad_works.append((work, buf))
+
+    def _retire_grad(self) -> None:
+        work, buf = self.grad_works.popleft()
+        work.wait()
+        self.grad_pool.release(buf)
+
+    def step(self, step: int) -> float:
+        x, labels = self.local_batch(step)
+        idx = range(len(self.layers))
+        logits, caches = forward_layers(
+            self.layers, idx, x, lambda i: self._params(i, +1), done=self._drop
+        )
+        loss, cache = self.loss.forward(logits, labels)
+        backward_layers(
+            self.layers,
+            idx,
+            caches,
+            self.loss.backward(cache),
+            lambda i: self._params(i, -1),
+            self._grads_of,
+            done=self._backward_done,
+        )
+        while self.grad_works:
+            self._retire_grad()
+        assert not self.gathered, (
+            f"rank {self.rank}: zero3 left gathered layers {list(self.gathered)}"
+        )
+        self.opt.step([(self.pshard, self.gshard, 0)])
+        return self.global_loss(loss)
+
+    def state_nbytes(self) -> dict[str, int]:
+        return {
+            "param_bytes": int(self.pshard.nbytes),
+            "grad_bytes": int(self.gshard.nbytes),
+            "optim_bytes": self.opt.state_nbytes(),
+        }
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        """All-gathers every layer (collective: every rank must call it)."""
+        full = self.xp.zeros(self.layout.total, self.dtype)
+        for i in self.with_params:
+            off, size = self.layout.segments[i]
+            self.pg.all_gather(
+                self._own(self.pshard, i), out=full[off : off + size].reshape(self.n, -1)
+            )
+        return export_params(self.layers, self.layout, full)
+
+    def extra(self) -> dict[str, Any]:
+        return {
+            "max_gathered_layers": self.peak_gathered,
+            "work_bytes": self.param_pool.nbytes + self.grad_pool.nbytes,
+        }
