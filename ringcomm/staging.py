@@ -483,7 +483,7 @@ class StagingPool:
             time.sleep(_POLL_S)
 
     def release(self, slot: Slot, *waits: Any) -> None:
-        pending = tuple(w for w in waits if w is not None and not w.done)
+        pending = tuple(w for w in waits if w is not None)  # looked at again in acquire
         with self._lock:
             if pending:
                 slot.waits = pending

@@ -76,7 +76,9 @@ class StandinArray:
 
     def __getitem__(self, index: Any) -> StandinArray:
         view = self._host[index]
-        if not isinstance(view, np.ndarray) or not np.may_share_memory(view, self._host):
+        if not isinstance(view, np.ndarray) or (
+            view.size and not np.may_share_memory(view, self._host)
+        ):
             raise TypeError("StandinArray supports basic indexing (views) only")
         return StandinArray(view)
 
