@@ -339,14 +339,20 @@ class CupyBackend(DeviceBackend):
             return self.cp.empty(nbytes, self.cp.uint8)
 
     def d2h(self, stream: Any, host: np.ndarray, dev: Any) -> None:
+        if host.nbytes == 0:
+            return
         with self.device:
             dev.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), host.nbytes, stream)
 
     def h2d(self, stream: Any, dev: Any, host: np.ndarray) -> None:
+        if host.nbytes == 0:
+            return
         with self.device:
             dev.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), host.nbytes, stream)
 
     def d2d(self, stream: Any, dst: Any, src: Any) -> None:
+        if src.nbytes == 0:
+            return
         with self.device:
             dst.data.copy_from_device_async(src.data, src.nbytes, stream)
 
