@@ -451,42 +451,47 @@ class StagingPool:
                 still.append(slot)
         self._retiring = still
 
-    def acquire(self, nbytes: int, deadline: float, what: str = "staging") -> Slot:
+    def try_acquire(self, nbytes: int) -> Slot | None:
+        """A buffer of at least ``nbytes`` if one is free or may be allocated, else None."""
         cap = size_class(nbytes)
-        waited = False
+        with self._lock:
+            if self._retiring:
+                self._reclaim()
+            free = self._free.get(cap)
+            if free:
+                self.acquires += 1
+                return free.pop()
+            if self.allocated_bytes + cap > self.max_bytes and self.allocated_bytes:
+                # Trade free buffers of other sizes in rather than exceed the bound.
+                for other, slots in self._free.items():
+                    while slots and self.allocated_bytes + cap > self.max_bytes:
+                        slots.pop()
+                        self.allocated_bytes -= other
+                if self.allocated_bytes + cap > self.max_bytes and self.allocated_bytes:
+                    return None
+            self.allocated_bytes += cap
+            self.allocations += 1
+            self.acquires += 1
+            return Slot(self._alloc(cap))
+
+    def acquire(self, nbytes: int, deadline: float, what: str = "staging") -> Slot:
+        """A buffer of at least ``nbytes``, waiting (until ``deadline``, a
+        ``time.monotonic()`` instant) for one to come back if the pool is at its bound."""
+        slot = self.try_acquire(nbytes)
+        if slot is not None:
+            return slot
+        self.waited += 1
         while True:
-            with self._lock:
-                if self._retiring:
-                    self._reclaim()
-                free = self._free.get(cap)
-                if free:
-                    self.acquires += 1
-                    self.waited += waited
-                    return free.pop()
-                if self.allocated_bytes + cap <= self.max_bytes or self.allocated_bytes == 0:
-                    self.allocated_bytes += cap
-                    self.allocations += 1
-                    self.acquires += 1
-                    self.waited += waited
-                    slot = Slot(self._alloc(cap))
-                    return slot
-                if not self._retiring and not any(self._free.values()):
-                    raise CommTimeoutError(
-                        f"{what}: no staging buffer of {cap} bytes: "
-                        f"{self.allocated_bytes} of {self.max_bytes} bytes allocated and held"
-                    )
-                if not self._retiring:  # free buffers of other sizes only: trade one in
-                    other = next(c for c, s in self._free.items() if s)
-                    self._free[other].pop()
-                    self.allocated_bytes -= other
-                    continue
-            waited = True
             if time.monotonic() > deadline:
                 raise CommTimeoutError(
-                    f"{what}: no staging buffer came back in time "
-                    f"({len(self._retiring)} busy, {self.allocated_bytes} bytes allocated)"
+                    f"{what}: no staging buffer of {size_class(nbytes)} bytes came back in "
+                    f"time ({len(self._retiring)} busy, {self.allocated_bytes} of "
+                    f"{self.max_bytes} bytes allocated)"
                 )
             time.sleep(_POLL_S)
+            slot = self.try_acquire(nbytes)
+            if slot is not None:
+                return slot
 
     def release(self, slot: Slot, *waits: Any) -> None:
         pending = tuple(w for w in waits if w is not None)  # looked at again in acquire
@@ -573,7 +578,10 @@ class DeviceStager:
 
     def send(self, view: Any, send: Send) -> None:
         nbytes = view.nbytes
-        slot = self._acquire(nbytes)
+        slot = self.pool.try_acquire(nbytes)
+        if slot is None:  # the pool is at its bound: send what is queued, then wait
+            self.pump(0)
+            slot = self._acquire(nbytes)
         host = slot.buf[:nbytes]
         self.backend.d2h(self.stream, host, _u8(view))
         self._queue.append((slot, self.backend.record(self.stream), host, send))

@@ -75,8 +75,9 @@ def test_pool_bound_waits_then_times_out() -> None:
     pool.release(a, flag)
     with pytest.raises(rc.CommTimeoutError, match="staging buffer"):
         pool.acquire(10, deadline=0.0)  # at the bound, and the only buffer stays busy
+    assert pool.try_acquire(10) is None and pool.waited == 1
     flag.done = True
-    assert pool.acquire(10, deadline=0.0) is a and pool.waited == 0
+    assert pool.acquire(10, deadline=0.0) is a and pool.waited == 1
     # A free buffer of another size class is traded in rather than exceeding the bound.
     pool.release(a)
     big = pool.acquire(MIN_SLOT_BYTES * 2, deadline=0.0)
@@ -295,9 +296,10 @@ def job_pipeline(pg: rc.ProcessGroup) -> list[str]:
     check(f"pool grew by {grew} buffers after the first round", grew <= 2)
     check("all_reduce result", np.array_equal(x.get(), np.full(50_000, n, np.float32)))
 
-    # A tiny pool: buffers must be recycled while libzmq still holds the earlier ones.
+    # A tiny pool (two 256 KiB buffers for messages of 12 MB): buffers must be recycled
+    # while libzmq still holds the earlier ones.
     saved = be.pool.max_bytes
-    be.pool.max_bytes = be.pool.allocated_bytes  # no new buffers from here on
+    be.pool.max_bytes = 2 * size_class(256 * 1024)
     try:
         pg.chunk_bytes = 256 * 1024
         big = 3_000_001
@@ -305,6 +307,7 @@ def job_pipeline(pg: rc.ProcessGroup) -> list[str]:
         pg.all_reduce(d, algo="ring")
         exp = (np.arange(big, dtype=np.float32) % 97) * (n * (n + 1) // 2)
         check("bounded pool all_reduce", np.array_equal(d.get(), exp))
+        check(f"bounded pool: {be.pool.allocated_bytes} bytes", be.pool.allocated_bytes <= 2 * size_class(256 * 1024))
     finally:
         be.pool.max_bytes = saved
 
