@@ -15,9 +15,7 @@ SUPPORTED_DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
 _SUPPORTED = set(SUPPORTED_DTYPES)
 
 
-def check_array(
-    x: Any, what: str, *, writeable: bool = False, device: bool = False
-) -> np.ndarray:
+def check_array(x: Any, what: str, *, writeable: bool = False, device: bool = False) -> np.ndarray:
     """Return ``x`` if it is a contiguous array of a supported dtype, else raise.
 
     TypeError for a non-array or unsupported dtype, ValueError for non-contiguous,

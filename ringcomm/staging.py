@@ -561,7 +561,9 @@ class DeviceStager:
 
     staged = True
 
-    def __init__(self, backend: DeviceBackend, ready_event: Any, deadline: float, what: str) -> None:
+    def __init__(
+        self, backend: DeviceBackend, ready_event: Any, deadline: float, what: str
+    ) -> None:
         self.backend = backend
         self.pool = backend.pool
         self.stream = backend.stream()

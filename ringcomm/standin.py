@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["StandinArray", "StandinModule", "standin_array", "STANDIN"]
+__all__ = ["STANDIN", "StandinArray", "StandinModule", "standin_array"]
 
 
 class StandinArray:
     """Stand-in device array: a view of a NumPy array that only staging code reads."""
 
-    __slots__ = ("_host", "__weakref__")
+    __slots__ = ("__weakref__", "_host")
 
     def __init__(self, host: np.ndarray) -> None:
         if not isinstance(host, np.ndarray):

@@ -140,7 +140,9 @@ def test_cupy_streams_and_p2p(world_size: int) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_bench_cuda_vs_host_checks_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_cuda_vs_host_checks_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from ringcomm.cli import main
 
     code = main(["bench", "all_reduce", "-n", "2", "-b", "8", "-e", "4M", "-f", "16",

@@ -271,6 +271,7 @@ def job_pipeline(pg: rc.ProcessGroup) -> list[str]:
     pg.chunk_bytes = 4096
     count = 100_003
     for op in ("sum", "avg", "max", "min", "prod"):
+
         def inp(k: int, op: str = op) -> np.ndarray:
             return np.random.default_rng([7, k]).integers(-3, 4, count).astype(np.float64)
 
@@ -307,7 +308,10 @@ def job_pipeline(pg: rc.ProcessGroup) -> list[str]:
         pg.all_reduce(d, algo="ring")
         exp = (np.arange(big, dtype=np.float32) % 97) * (n * (n + 1) // 2)
         check("bounded pool all_reduce", np.array_equal(d.get(), exp))
-        check(f"bounded pool: {be.pool.allocated_bytes} bytes", be.pool.allocated_bytes <= 2 * size_class(256 * 1024))
+        check(
+            f"bounded pool: {be.pool.allocated_bytes} bytes",
+            be.pool.allocated_bytes <= 2 * size_class(256 * 1024),
+        )
     finally:
         be.pool.max_bytes = saved
 

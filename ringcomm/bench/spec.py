@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "DEVICES",
     "GLOO_DTYPES",
     "IMPLS",
     "OPS",
     "REDUCING_OPS",
     "ROOTED_OPS",
     "SPLIT_OPS",
-    "DEVICES",
     "BenchConfig",
     "SizeSpec",
     "busbw_factor",

@@ -71,15 +71,19 @@ class ReduceScatterRing(CollectiveOp):
         self.recv_row = [rs for _, rs in steps]
         out_flat = out.reshape(-1)
         self.out_flat = out_flat
+
         # Partial results of step k < n-2 go to partial[(n-2-k) % 2]: parity 0 is `out`
         # (its last write is the final one) unless `out` is x[r], which the last step
         # still reads; parity 1 is a scratch row.
+        def scratch_row() -> Any:
+            if st.staged:
+                return st.backend.empty(out_flat.nbytes).view(out.dtype)
+            return np.empty_like(out_flat)
+
         if st.staged:
             shares = n >= 4 and st.backend.may_share_memory(out, x)
-            scratch_row: Any = lambda: st.backend.empty(out_flat.nbytes).view(out.dtype)  # noqa: E731
         else:
-            shares = n >= 4 and np.may_share_memory(out, x)
-            scratch_row = lambda: np.empty_like(out_flat)  # noqa: E731
+            shares = n >= 4 and bool(np.may_share_memory(out, x))
         even = scratch_row() if shares else out_flat
         odd = scratch_row() if n >= 3 else out_flat
         self.partial = [even, odd]
