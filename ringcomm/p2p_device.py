@@ -61,7 +61,7 @@ class StagedSendOp(SendOp):
                 KIND_P2P, self.src_global, self.group_id, self.tag, 0, i, n, dtype,
                 x.nbytes, off, tuple(x.shape) if i == 0 else None,
             )  # fmt: skip
-            st.send(data[off : off + length], self._sender(header, length))
+            st.send(data[off : off + length], self._send_piece, header, length)
         try:
             st.pump(0)
         except BaseException:
@@ -69,14 +69,11 @@ class StagedSendOp(SendOp):
             raise
         self.settle()
 
-    def _sender(self, header: Header, length: int) -> Any:
-        def send(payload: Any) -> Any:
-            tracker = self.engine.send(self.dst_global, header, payload, length)
-            self.add_tracker(tracker)
-            self.sent_pieces += 1
-            return tracker
-
-        return send
+    def _send_piece(self, header: Header, length: int, payload: Any) -> Any:
+        tracker = self.engine.send(self.dst_global, header, payload, length)
+        self.add_tracker(tracker)
+        self.sent_pieces += 1
+        return tracker
 
 
 class StagedRecvOp(RecvOp):

@@ -74,7 +74,7 @@ DEFAULT_MAX_STAGING_BYTES = 1 << 30
 #: How long a pool waits between looks at busy buffers.
 _POLL_S = 0.00005
 
-Send = Callable[[Any], Any]  # payload -> tracker or None
+Send = Callable[..., Any]  # (*args, payload) -> tracker or None
 
 
 def size_class(nbytes: int) -> int:
@@ -511,13 +511,18 @@ class HostStager:
 
     staged = False
 
-    def send(self, view: np.ndarray, send: Send) -> Any:
-        """Send ``view``'s bytes now; return the tracker."""
-        return send(memoryview(view.view(np.uint8)))  # type: ignore[arg-type]
+    @staticmethod
+    def bytes_of(a: np.ndarray) -> memoryview:
+        """The flat bytes of ``a`` that :meth:`send` takes slices of (a memoryview)."""
+        return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
-    def forward(self, view: np.ndarray, payload: Any, send: Send) -> Any:
-        """Send on a piece just copied into ``view`` (from the array, zero-copy)."""
-        return send(memoryview(view.view(np.uint8)))  # type: ignore[arg-type]
+    def send(self, src: memoryview, send: Send, *args: Any) -> Any:
+        """``send(*args, src)`` now (``src``: a slice of :meth:`bytes_of`); its tracker."""
+        return send(*args, src)
+
+    def forward(self, src: memoryview, payload: Any, send: Send, *args: Any) -> Any:
+        """Send on a piece just copied into ``src`` (from the array, zero-copy)."""
+        return send(*args, src)
 
     def pump(self, keep: int = 0) -> None:
         """(Nothing is ever queued.)"""
@@ -569,7 +574,9 @@ class DeviceStager:
         self.stream = backend.stream()
         self.deadline = deadline
         self.what = what
-        self._queue: collections.deque[tuple[Slot | None, Any, Any, Send]] = collections.deque()
+        self._queue: collections.deque[tuple[Slot | None, Any, Any, Send, tuple[Any, ...]]] = (
+            collections.deque()
+        )
         self._scratch: Any = None
         # Nothing we enqueue may read the caller's arrays before their producer finished.
         backend.wait_event(self.stream, ready_event)
@@ -578,27 +585,34 @@ class DeviceStager:
     def _acquire(self, nbytes: int) -> Slot:
         return self.pool.acquire(nbytes, self.deadline, self.what)
 
-    def send(self, view: Any, send: Send) -> None:
-        nbytes = view.nbytes
+    @staticmethod
+    def bytes_of(a: Any) -> Any:
+        """The flat bytes of device array ``a`` (a uint8 device view) :meth:`send` slices."""
+        return _u8(a)
+
+    def send(self, src: Any, send: Send, *args: Any) -> None:
+        """Queue ``send(*args, staged copy of src)``; ``src`` a slice of :meth:`bytes_of`."""
+        nbytes = src.nbytes
         slot = self.pool.try_acquire(nbytes)
         if slot is None:  # the pool is at its bound: send what is queued, then wait
             self.pump(0)
             slot = self._acquire(nbytes)
         host = slot.buf[:nbytes]
-        self.backend.d2h(self.stream, host, _u8(view))
-        self._queue.append((slot, self.backend.record(self.stream), host, send))
+        self.backend.d2h(self.stream, host, _u8(src))
+        self._queue.append((slot, self.backend.record(self.stream), host, send, args))
 
-    def forward(self, view: Any, payload: Any, send: Send) -> None:
-        self._queue.append((None, None, payload, send))
+    def forward(self, src: Any, payload: Any, send: Send, *args: Any) -> None:
+        """Queue ``send(*args, payload)``: the received bytes themselves, no device copy."""
+        self._queue.append((None, None, payload, send, args))
 
     def pump(self, keep: int = 0) -> None:
         queue, pool = self._queue, self.pool
         while len(queue) > keep:
-            slot, event, payload, send = queue.popleft()
+            slot, event, payload, send, args = queue.popleft()
             if event is not None:
                 event.synchronize()  # the copy into the staging buffer is finished
             try:
-                tracker = send(memoryview(payload))
+                tracker = send(*args, memoryview(payload))
             except BaseException:
                 if slot is not None:
                     pool.release(slot)
@@ -670,6 +684,6 @@ class DeviceStager:
     def abandon(self) -> None:
         """The call failed: give queued staging buffers back (once their copies finish)."""
         while self._queue:
-            slot, event, _, _ = self._queue.popleft()
+            slot, event, _, _, _ = self._queue.popleft()
             if slot is not None:
                 self.pool.release(slot, event)

@@ -31,7 +31,7 @@ from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, ring_neighbors
 from ..transport.wire import Header
 from .base import CollectiveOp
-from .staged import make_stager, piece_sender
+from .staged import emit, make_stager
 
 __all__ = ["AllGatherRing"]
 
@@ -70,6 +70,7 @@ class AllGatherRing(CollectiveOp):
                 src = src.copy()
         self.src = src
         self.out_u8 = out_rows.view(np.uint8)  # (n, row_nbytes)
+        self.data = st.bytes_of(out)
         self.row_nbytes = x.nbytes
         self.dtype_str = x.dtype.str
         self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
@@ -79,13 +80,11 @@ class AllGatherRing(CollectiveOp):
         self.expect(self.left, n - 1)
         # Step 0 goes out from x itself; out[r] is filled once the left neighbour's first
         # piece proved its call matches ours (out stays untouched on a mismatch).
-        src_u8 = src.view(np.uint8)
+        src_bytes = st.bytes_of(src)
+        npieces = len(self.spans)
         for j, (off, length) in enumerate(self.spans):
-            st.send(
-                src_u8[off : off + length],
-                piece_sender(self, self.right, 0, j, len(self.spans), x.nbytes, off,
-                             self.dtype_str),
-            )  # fmt: skip
+            st.send(src_bytes[off : off + length], emit, self, self.right, 0, j, npieces,
+                    x.nbytes, off, self.dtype_str)  # fmt: skip
         st.pump(0)
         self.post_inboxes()
 
@@ -104,12 +103,10 @@ class AllGatherRing(CollectiveOp):
         target = self.out_u8[row, off : off + length]
         st.copy_in(target, payload)
         if k < self.n - 2:
-            st.forward(
-                target,
-                payload,
-                piece_sender(self, self.right, k + 1, j, len(spans), self.row_nbytes, off,
-                             self.dtype_str),
-            )  # fmt: skip
+            base = row * self.row_nbytes
+            st.forward(self.data[base + off : base + off + length], payload, emit, self,
+                       self.right, k + 1, j, len(spans), self.row_nbytes, off,
+                       self.dtype_str)  # fmt: skip
         st.pump(0 if j + 1 == len(spans) else 1)
 
     def all_received(self) -> None:

@@ -46,7 +46,7 @@ from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, reduce_scatter_steps, ring_neighbors, segment_bounds
 from ..transport.wire import Header
 from .base import CollectiveOp
-from .staged import make_stager, piece_sender
+from .staged import emit, make_stager
 
 __all__ = ["AllReduceRing"]
 
@@ -67,6 +67,7 @@ class AllReduceRing(CollectiveOp):
             self.post_inboxes()
             return
         self.flat = x.reshape(-1)
+        self.data = st.bytes_of(self.flat)
         self.dtype = x.dtype
         self.dtype_str = x.dtype.str
         itemsize = x.itemsize
@@ -89,13 +90,10 @@ class AllReduceRing(CollectiveOp):
         # every piece's copy is enqueued first, then each is sent once its copy is done).
         seg = reduce_scatter_steps(r, n)[0][0]
         spans = self.seg_spans[seg]
-        first, total = self.seg_first[seg], self.seg_nbytes[seg]
+        base, total = self.seg_first[seg] * itemsize, self.seg_nbytes[seg]
         for j, (off, length) in enumerate(spans):
-            a = first + off // itemsize
-            st.send(
-                self.flat[a : a + length // itemsize],
-                piece_sender(self, self.right, 0, j, len(spans), total, off, self.dtype_str),
-            )
+            src = self.data[base + off : base + off + length]
+            st.send(src, emit, self, self.right, 0, j, len(spans), total, off, self.dtype_str)
         st.pump(0)
         self.post_inboxes()
 
@@ -114,9 +112,18 @@ class AllReduceRing(CollectiveOp):
         st = self.stager
         self.touched = True
         if t < self.last_step:
-            # Piece j goes on as step t+1 (the same segment, the same span).
-            send = piece_sender(
-                self, self.right, t + 1, j, len(spans), self.seg_nbytes[seg], off, self.dtype_str
+            # Piece j goes on as step t+1 (the same segment, the same span), from here.
+            base = self.seg_first[seg] * self.itemsize
+            src = self.data[base + off : base + off + length]
+            args = (
+                self,
+                self.right,
+                t + 1,
+                j,
+                len(spans),
+                self.seg_nbytes[seg],
+                off,
+                self.dtype_str,
             )
         if t < self.n - 1:
             # Reduce-scatter: reduce the left neighbour's partial sum in, from its frame.
@@ -126,12 +133,12 @@ class AllReduceRing(CollectiveOp):
             if t == self.n - 2:  # our owned segment is complete: only we finalize it
                 st.finalize(op, target, self.n)
             if t < self.last_step:
-                st.send(target, send)
+                st.send(src, emit, *args)
         else:
             # All-gather: the owner's final bytes.
             st.copy_in(target, payload)
             if t < self.last_step:
-                st.forward(target, payload, send)
+                st.forward(src, payload, emit, *args)
         # Staged: keep the newest piece queued (its copy runs while we receive the next),
         # unless it ends a message.
         st.pump(0 if j + 1 == len(spans) else 1)

@@ -19,7 +19,7 @@ from ..schedule.chunks import chunk_spans
 from ..schedule.tree import chain_neighbors
 from ..transport.wire import Header
 from .base import CollectiveOp
-from .staged import make_stager, piece_sender
+from .staged import emit, make_stager
 
 __all__ = ["BroadcastChain"]
 
@@ -37,6 +37,7 @@ class BroadcastChain(CollectiveOp):
             self.post_inboxes()
             return
         self.u8 = x.reshape(-1).view(np.uint8)
+        self.data = st.bytes_of(self.u8)
         self.dtype_str = x.dtype.str
         self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
         self.prev, self.next = chain_neighbors(self.rank, self.n, root)
@@ -44,12 +45,10 @@ class BroadcastChain(CollectiveOp):
             self.will_send(self.next, 1)
         if self.prev is None:
             assert self.next is not None
+            npieces = len(self.spans)
             for j, (off, length) in enumerate(self.spans):
-                st.send(
-                    self.u8[off : off + length],
-                    piece_sender(self, self.next, 0, j, len(self.spans), x.nbytes, off,
-                                 self.dtype_str),
-                )  # fmt: skip
+                st.send(self.data[off : off + length], emit, self, self.next, 0, j, npieces,
+                        x.nbytes, off, self.dtype_str)  # fmt: skip
             st.pump(0)
         else:
             self.expect(self.prev, 1)
@@ -65,12 +64,8 @@ class BroadcastChain(CollectiveOp):
         target = self.u8[off : off + length]
         st.copy_in(target, payload)
         if self.next is not None:
-            st.forward(
-                target,
-                payload,
-                piece_sender(self, self.next, 0, j, len(spans), self.u8.nbytes, off,
-                             self.dtype_str),
-            )  # fmt: skip
+            st.forward(self.data[off : off + length], payload, emit, self, self.next, 0, j,
+                       len(spans), self.u8.nbytes, off, self.dtype_str)  # fmt: skip
         st.pump(0 if j + 1 == len(spans) else 1)
 
     def all_received(self) -> None:

@@ -39,7 +39,7 @@ from ..schedule.chunks import chunk_spans
 from ..schedule.ring import reduce_scatter_steps, ring_neighbors
 from ..transport.wire import Header
 from .base import CollectiveOp
-from .staged import make_stager, piece_sender
+from .staged import emit, make_stager
 
 __all__ = ["ReduceScatterRing"]
 
@@ -86,18 +86,19 @@ class ReduceScatterRing(CollectiveOp):
             shares = n >= 4 and bool(np.may_share_memory(out, x))
         even = scratch_row() if shares else out_flat
         odd = scratch_row() if n >= 3 else out_flat
-        self.partial = [even, odd]
+        self.partial = [(b, st.bytes_of(b)) for b in (even, odd)]
+        self.out_view = st.bytes_of(out_flat)
         self.trackers: dict[tuple[int, int], Any] = {}
         self.will_send(self.right, n - 1)
         self.expect(self.left, n - 1)
-        row0 = rows[steps[0][0]]
+        x_bytes = st.bytes_of(x)
+        base = steps[0][0] * self.row_nbytes
+        npieces = len(self.spans)
         for j, (off, length) in enumerate(self.spans):
-            a = off // self.itemsize
+            src = x_bytes[base + off : base + off + length]
             st.send(
-                row0[a : a + length // self.itemsize],
-                piece_sender(self, self.right, 0, j, len(self.spans), self.row_nbytes, off,
-                             self.dtype_str),
-            )  # fmt: skip
+                src, emit, self, self.right, 0, j, npieces, self.row_nbytes, off, self.dtype_str
+            )
         st.pump(0)
         self.post_inboxes()
 
@@ -114,7 +115,7 @@ class ReduceScatterRing(CollectiveOp):
         b = a + length // self.itemsize
         row = self.recv_row[k]
         last = k == self.n - 2
-        buf = self.out_flat if last else self.partial[(self.n - 2 - k) % 2]
+        buf, view = (self.out_flat, self.out_view) if last else self.partial[(self.n - 2 - k) % 2]
         # This buffer's piece j was sent at step k-1 (parity reuse): libzmq must be done.
         # (Staged: sends go from staging buffers, and the stream orders the device
         # buffer's copy before this write; no tracker is kept.)
@@ -126,9 +127,8 @@ class ReduceScatterRing(CollectiveOp):
             st.finalize(op, buf[a:b], self.n)
         else:
             tracker = st.send(
-                buf[a:b],
-                piece_sender(self, self.right, k + 1, j, len(spans), self.row_nbytes, off,
-                             self.dtype_str),
+                view[off : off + length],
+                emit, self, self.right, k + 1, j, len(spans), self.row_nbytes, off, self.dtype_str,
             )  # fmt: skip
             if tracker is not None:
                 self.trackers[(id(buf), j)] = tracker

@@ -4,7 +4,7 @@ Two ways, chosen per algorithm:
 
 * **Piece-level pipeline** (ring all_reduce, reduce_scatter, all_gather, broadcast chain):
   the algorithm itself goes through a *stager* (``self.stager``, from :func:`make_stager`
-  in ``start``): ``send`` a device view, ``forward`` a received piece, ``reduce_into``/
+  in ``start``): ``send`` a slice of ``bytes_of(array)``, ``forward`` a received piece, ``reduce_into``/
   ``reduce_out``/``copy_in`` a received payload, ``finalize``, ``pump`` queued sends,
   ``sync`` at the end. For NumPy arrays the stager is :data:`~ringcomm.staging.HOST_STAGER`
   and every call is today's zero-copy operation; for device arrays every piece is staged,
@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from ..staging import HOST_STAGER, DeviceBackend, DeviceStager, HostStager, Slot
 from .base import CollectiveOp
 
-__all__ = ["PIPELINED", "DeviceCall", "make_stager", "piece_sender", "staged_class"]
+__all__ = ["PIPELINED", "DeviceCall", "emit", "make_stager", "staged_class"]
 
 #: (collective, algorithm) pairs that stage piece by piece themselves.
 PIPELINED = frozenset(
@@ -58,7 +58,7 @@ def make_stager(op: CollectiveOp) -> HostStager | DeviceStager:
     )
 
 
-def piece_sender(
+def emit(
     op: CollectiveOp,
     peer: int,
     step: int,
@@ -67,14 +67,12 @@ def piece_sender(
     msg_nbytes: int,
     offset: int,
     dtype: str,
+    payload: Any,
 ) -> Any:
-    """``payload -> tracker``: :meth:`CollectiveOp.send_piece` with everything but the
-    payload fixed (a stager may send the piece later, once its copy finished)."""
-
-    def send(payload: Any) -> Any:
-        return op.send_piece(peer, step, piece, npieces, msg_nbytes, offset, payload, dtype)
-
-    return send
+    """:meth:`CollectiveOp.send_piece` with the payload last: what algorithms hand a
+    stager (``st.send(src, emit, op, peer, ...)``), which may call it later, once the
+    piece's copy into a staging buffer finished."""
+    return op.send_piece(peer, step, piece, npieces, msg_nbytes, offset, payload, dtype)
 
 
 _STAGED_CLASSES: dict[type[CollectiveOp], type[CollectiveOp]] = {}
