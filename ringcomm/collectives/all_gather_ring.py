@@ -30,6 +30,7 @@ from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, ring_neighbors
 from ..transport.wire import Header
+from ..staging import DeviceStager
 from .base import CollectiveOp
 from .staged import emit, make_stager
 
@@ -54,7 +55,7 @@ class AllGatherRing(CollectiveOp):
             self.post_inboxes()
             return
         src = x.reshape(-1)
-        if st.staged:
+        if isinstance(st, DeviceStager):
             overlaps = st.backend.may_share_memory(x, out) and not st.backend.same_memory(src, own)
         else:
             overlaps = np.may_share_memory(x, out) and not (
@@ -63,7 +64,7 @@ class AllGatherRing(CollectiveOp):
             )  # (x exactly out[r] is the in-place form: nothing is received into it)
         if overlaps:
             # x overlaps rows we receive into: send from a private copy instead.
-            if st.staged:
+            if isinstance(st, DeviceStager):
                 src = st.backend.empty(x.nbytes).view(x.dtype)
                 st.copy(src, x.reshape(-1))
             else:

@@ -97,7 +97,7 @@ def _check_rows(x: np.ndarray, n: int, what: str, name: str = "x") -> None:
 
 def _check_out(
     out: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str, like: Any = None
-) -> np.ndarray:
+) -> Any:
     out = check_array(out, f"{what} (out)", writeable=True, device=True)
     if like is not None and _kind(out) != _kind(like):
         raise TypeError(

@@ -38,6 +38,7 @@ from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import reduce_scatter_steps, ring_neighbors
 from ..transport.wire import Header
+from ..staging import DeviceStager
 from .base import CollectiveOp
 from .staged import emit, make_stager
 
@@ -76,11 +77,11 @@ class ReduceScatterRing(CollectiveOp):
         # (its last write is the final one) unless `out` is x[r], which the last step
         # still reads; parity 1 is a scratch row.
         def scratch_row() -> Any:
-            if st.staged:
+            if isinstance(st, DeviceStager):
                 return st.backend.empty(out_flat.nbytes).view(out.dtype)
             return np.empty_like(out_flat)
 
-        if st.staged:
+        if isinstance(st, DeviceStager):
             shares = n >= 4 and st.backend.may_share_memory(out, x)
         else:
             shares = n >= 4 and bool(np.may_share_memory(out, x))

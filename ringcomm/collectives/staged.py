@@ -111,6 +111,7 @@ class _WholeStaged(CollectiveOp):
             if (
                 call.name == "reduce_scatter"
                 and call.x is not None
+                and hx is not None
                 and st.backend.same_memory(call.out, call.x[self.rank])
             ):
                 hout = hx[self.rank]  # the in-place form
