@@ -37,8 +37,8 @@ import numpy as np
 from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import reduce_scatter_steps, ring_neighbors
-from ..transport.wire import Header
 from ..staging import DeviceStager
+from ..transport.wire import Header
 from .base import CollectiveOp
 from .staged import emit, make_stager
 
