@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .transport.wire import SUPPORTED_DTYPES
-from .xp import is_cupy_array
+from .xp import is_device_array
 
 __all__ = ["SUPPORTED_DTYPE_NAMES", "byte_view", "check_array", "check_peer", "check_tag"]
 
@@ -15,18 +15,29 @@ SUPPORTED_DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
 _SUPPORTED = set(SUPPORTED_DTYPES)
 
 
-def check_array(x: Any, what: str, *, writeable: bool = False) -> np.ndarray:
+def check_array(x: Any, what: str, *, writeable: bool = False, device: bool = False) -> np.ndarray:
     """Return ``x`` if it is a contiguous array of a supported dtype, else raise.
 
     TypeError for a non-array or unsupported dtype, ValueError for non-contiguous,
-    non-native byte order or (with ``writeable``) a read-only buffer.
+    non-native byte order or (with ``writeable``) a read-only buffer. ``device``: device
+    arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.standin.StandinArray``) are
+    accepted too (callers that stage them, ``ringcomm.staging``); else TypeError.
     """
     if type(x) is np.ndarray and x.dtype in _SUPPORTED:  # the common case, in one look
         flags = x.flags
         if flags.c_contiguous and (flags.writeable or not writeable):
             return x
-    if is_cupy_array(x):
-        raise TypeError(f"{what}: cupy arrays are not supported by this build yet")
+    if is_device_array(x):
+        if not device:
+            raise TypeError(f"{what}: device arrays are not supported here")
+        if x.dtype not in _SUPPORTED:
+            raise TypeError(
+                f"{what}: unsupported dtype {x.dtype}; supported: "
+                f"{', '.join(SUPPORTED_DTYPE_NAMES)}"
+            )
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{what}: array must be C-contiguous (use cupy.ascontiguousarray)")
+        return x  # type: ignore[no-any-return]
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{what}: expected a numpy.ndarray, got {type(x).__name__}")
     if x.dtype not in _SUPPORTED:

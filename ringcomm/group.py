@@ -30,6 +30,7 @@ from .collectives import api as _collectives
 from .config import InitConfig, resolve_init_config
 from .errors import GroupClosedError, RendezvousError, RingcommError
 from .p2p import RecvOp, SendOp
+from .p2p_device import recv_op_class, send_op_class
 from .progress import Engine, Op, SerialQueue
 from .rendezvous import Store, StoreServer
 from .transport.endpoints import (
@@ -171,11 +172,11 @@ class ProcessGroup:
     # -- point-to-point ----------------------------------------------------------------
     def _send_op(self, x: Any, dst: Any, tag: Any, async_op: bool) -> SendOp:
         what = f"rank {self._rank}: send"
-        x = check_array(x, what)
+        x = check_array(x, what, device=True)
         dst = check_peer(dst, self._world_size, what, "dst")
         tag = check_tag(tag, what)
         self._check_usable("send")
-        return SendOp(
+        return send_op_class(x)(
             self._engine,
             x,
             src_global=self._global_rank,
@@ -190,11 +191,11 @@ class ProcessGroup:
 
     def _recv_op(self, x: Any, src: Any, tag: Any, async_op: bool) -> RecvOp:
         what = f"rank {self._rank}: recv"
-        x = check_array(x, what, writeable=True)
+        x = check_array(x, what, writeable=True, device=True)
         src = check_peer(src, self._world_size, what, "src")
         tag = check_tag(tag, what)
         self._check_usable("recv")
-        return RecvOp(
+        return recv_op_class(x)(
             self._engine,
             x,
             src_global=self._ranks[src],

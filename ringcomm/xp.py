@@ -1,7 +1,9 @@
 """Array-module dispatch: the only module that imports cupy (lazily).
 
 ``get_xp(array)`` returns ``numpy`` for NumPy arrays and ``cupy`` for CuPy arrays, so the
-same code runs on both. ringcomm imports and works without CuPy installed.
+same code runs on both (and ``ringcomm.standin.STANDIN`` for the host stand-in of a CuPy
+array, used to test the staged path without a GPU). ringcomm imports and works without CuPy
+installed. ``ringcomm.staging`` reaches CuPy only through :func:`cupy_or_none`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["cupy_or_none", "get_xp", "is_cupy_array"]
+from .standin import STANDIN, StandinArray
+
+__all__ = ["cupy_or_none", "get_xp", "is_cupy_array", "is_device_array"]
 
 
 def cupy_or_none() -> ModuleType | None:
@@ -39,4 +43,12 @@ def get_xp(x: Any) -> ModuleType:
         return np
     if is_cupy_array(x):
         return sys.modules["cupy"]
+    if isinstance(x, StandinArray):
+        return STANDIN  # type: ignore[return-value]
     raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
+
+
+def is_device_array(x: Any) -> bool:
+    """Whether ``x`` lives in device memory: a CuPy array, or the host stand-in for one
+    (``ringcomm.standin``). Device arrays take the staged path (``ringcomm.staging``)."""
+    return isinstance(x, StandinArray) or is_cupy_array(x)

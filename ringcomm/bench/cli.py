@@ -20,7 +20,7 @@ from typing import Any
 from ringcomm.config import parse_size
 
 from .report import Result, format_footer, format_table, json_row
-from .spec import GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
+from .spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
 
 __all__ = ["UsageError", "add_parser", "config_from_args", "main", "preamble", "write_outputs"]
 
@@ -123,6 +123,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="with --compare mpi: force Open MPI's TCP transport over loopback",
     )
+    p.add_argument(
+        "--device",
+        default="host",
+        metavar="D[,D...]",
+        help="where ringcomm's buffers live: host (NumPy), cuda (CuPy on the current GPU), "
+        "host-staged (NumPy through the staging path CuPy takes); several, comma-separated, "
+        "run side by side with ratios of the first over the others (e.g. cuda,host)",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw and time vs size")
     p.add_argument("--hostfile", metavar="FILE", help="multi-host (not implemented yet)")
     p.add_argument(
@@ -169,6 +177,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise UsageError("--mpi-tcp applies to --compare mpi only")
     if not args.timeout_s > 0:
         raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    devices = tuple(d.strip() for d in str(getattr(args, "device", "host")).split(","))
+    for d in devices:
+        if d not in DEVICES:
+            raise UsageError(f"--device {d!r}: choose from {', '.join(DEVICES)}")
+    if len(set(devices)) != len(devices):
+        raise UsageError(f"--device lists a device twice: {','.join(devices)}")
+    if args.compare == "mpi" and devices != ("host",):
+        raise UsageError("--compare mpi runs host buffers only (drop --device)")
     config = BenchConfig(
         op=args.op,
         world_size=args.nproc,
@@ -187,6 +203,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         op_timeout_s=min(120.0, args.timeout_s),
         quiet=args.quiet,
         mpi_tcp=args.mpi_tcp,
+        devices=devices,
     )
     _check_available(config, args.plot)
     return config
@@ -194,11 +211,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def _check_available(config: BenchConfig, plot: str | None) -> None:
     """Refuse, before anything starts, what this installation cannot run."""
-    from .collectives import missing_collective
+    from .collectives import device_missing, missing_collective
 
     why = missing_collective(config.op)
     if why is not None:
         raise UsageError(f"{config.op}: {why}")
+    for device in config.devices:
+        why = device_missing(device)
+        if why is not None:
+            raise UsageError(why)
     if config.compare == "gloo":
         import importlib.util
 
@@ -232,6 +253,8 @@ def preamble(config: BenchConfig) -> str:
     from ringcomm import __version__
 
     versus = f"; compared with {config.compare}" if config.compare else ""
+    if config.devices != ("host",):
+        versus += f"; buffers on {', '.join(config.devices)}"
     lines = [
         (
             f"# ringcomm bench {config.op}: nranks {config.world_size} minBytes {config.begin} "

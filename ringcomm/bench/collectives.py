@@ -5,6 +5,10 @@ what ``ringcomm bench`` spawns on every rank: ringcomm, plus Gloo in the same pr
 with ``--compare gloo`` (one process start for both; the sizes alternate ringcomm, Gloo,
 ringcomm, Gloo, ...).
 
+``--device``: ringcomm's buffers are NumPy arrays (host), CuPy arrays (cuda) or the host
+stand-in for CuPy arrays (host-staged); several devices are measured side by side, sizes
+alternating between them, like ``--compare``.
+
 sendrecv: the ranks form a ring; each posts ``isend`` to rank+1 and ``irecv`` from rank-1,
 then waits for both (nccl-tests' sendrecv_perf).
 """
@@ -21,7 +25,14 @@ from .sweep import Impl, Record, Step, run_sweep
 if TYPE_CHECKING:
     from ringcomm.group import ProcessGroup
 
-__all__ = ["RingcommImpl", "bench", "missing_collective", "rank_main"]
+__all__ = [
+    "RingcommImpl",
+    "bench",
+    "device_array_maker",
+    "device_missing",
+    "missing_collective",
+    "rank_main",
+]
 
 #: Point-to-point tags the benchmark uses (the user tag space of the world group).
 SENDRECV_TAG = 0x5EED
@@ -39,13 +50,52 @@ def missing_collective(op: str) -> str | None:
     return None
 
 
+def device_array_maker(device: str) -> Any:
+    """``numpy array -> array on device`` for ``--device`` (a copy; identity for host)."""
+    if device == "host":
+        return lambda a: a
+    if device == "host-staged":
+        from ringcomm.standin import standin_array
+
+        return standin_array
+    if device == "cuda":
+        from ringcomm.xp import cupy_or_none
+
+        cp = cupy_or_none()
+        if cp is None:
+            raise RuntimeError("--device cuda needs CuPy")
+        return cp.asarray
+    raise ValueError(f"unknown device {device!r}")
+
+
+def device_missing(device: str) -> str | None:
+    """Why ``--device device`` cannot run here (None: it can)."""
+    if device != "cuda":
+        return None
+    from ringcomm.xp import cupy_or_none
+
+    cp = cupy_or_none()
+    if cp is None:
+        return "--device cuda needs CuPy and an NVIDIA GPU: pip install 'ringcomm[gpu]'"
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 (no driver, no device: CuPy raises its own)
+        return f"--device cuda: CuPy finds no usable GPU ({exc})"
+    return None if count > 0 else "--device cuda: CuPy finds no GPU"
+
+
 class RingcommImpl:
-    """The operations over one ringcomm group."""
+    """The operations over one ringcomm group, with buffers on ``device`` (``--device``)."""
 
     name = "ringcomm"
 
-    def __init__(self, pg: ProcessGroup) -> None:
+    def __init__(self, pg: ProcessGroup, device: str = "host") -> None:
+        from .spec import device_impl
+
         self.pg = pg
+        self.device = device
+        self.name = device_impl(device)
+        self._dev = device_array_maker(device)
 
     def sync(self) -> None:
         barrier = getattr(self.pg, "barrier", None)
@@ -56,34 +106,35 @@ class RingcommImpl:
 
     def prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
         pg = self.pg
-        x = data.copy()
+        dev = self._dev
+        x = dev(data.copy())
         op = spec.op
         if op == "all_reduce":
             redop = spec.redop
             return lambda: pg.all_reduce(x, op=redop)
         if op == "reduce_scatter":
-            out = np.empty(spec.out_shape, dtype=x.dtype)
+            out = dev(np.empty(spec.out_shape, dtype=x.dtype))
             redop = spec.redop
             return lambda: pg.reduce_scatter(x, out=out, op=redop)
         if op == "all_gather":
-            out = np.empty(spec.out_shape, dtype=x.dtype)
+            out = dev(np.empty(spec.out_shape, dtype=x.dtype))
             return lambda: pg.all_gather(x, out=out)
         if op == "broadcast":
             root = spec.root
 
-            def broadcast() -> np.ndarray:
+            def broadcast() -> Any:
                 pg.broadcast(x, src=root)
                 return x
 
             return broadcast
         if op == "all_to_all":
-            out = np.empty(spec.out_shape, dtype=x.dtype)
+            out = dev(np.empty(spec.out_shape, dtype=x.dtype))
             return lambda: pg.all_to_all(x, out=out)
         if op == "sendrecv":
-            recv = np.empty(spec.out_shape, dtype=x.dtype)
+            recv = dev(np.empty(spec.out_shape, dtype=x.dtype))
             n, rank = pg.world_size, pg.rank
 
-            def sendrecv() -> np.ndarray:
+            def sendrecv() -> Any:
                 s = pg.isend(x, (rank + 1) % n, SENDRECV_TAG)
                 r = pg.irecv(recv, (rank - 1) % n, SENDRECV_TAG)
                 s.wait()
@@ -107,14 +158,14 @@ def _p2p_barrier(pg: ProcessGroup) -> None:
 
 
 def bench(pg: ProcessGroup, config: BenchConfig) -> list[Record]:
-    """This rank's records of the sweep with ringcomm alone."""
-    return run_sweep([RingcommImpl(pg)], config, pg.rank)
+    """This rank's records of the sweep with ringcomm alone (on each of ``config.devices``)."""
+    return run_sweep([RingcommImpl(pg, d) for d in config.devices], config, pg.rank)
 
 
 def rank_main(pg: ProcessGroup, config: BenchConfig) -> list[Record]:
     """What ``ringcomm bench`` runs on each spawned rank (``rc.spawn(rank_main, n, (config,))``)."""
     pg.timeout_s = min(pg.timeout_s, config.op_timeout_s)
-    impls: list[Impl] = [RingcommImpl(pg)]
+    impls: list[Impl] = [RingcommImpl(pg, device) for device in config.devices]
     closers: list[Any] = []
     if config.compare == "gloo":
         from . import gloo  # the only bench module importing torch

@@ -86,6 +86,8 @@ def expected_output(spec: SizeSpec, rank: int, seed: int) -> np.ndarray:
 def count_wrong(got: np.ndarray, expected: np.ndarray) -> int:
     """Elements of ``got`` that differ from ``expected`` (floats: a dtype-sized tolerance,
     NaN equal to NaN); a shape mismatch counts every element wrong."""
+    if not isinstance(got, np.ndarray) and hasattr(got, "get"):
+        got = got.get()  # a device array (CuPy, or the host stand-in)
     got = np.asarray(got)
     if got.shape != expected.shape:
         return int(expected.size)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "DEVICES",
     "GLOO_DTYPES",
     "IMPLS",
     "OPS",
@@ -32,6 +33,7 @@ __all__ = [
     "BenchConfig",
     "SizeSpec",
     "busbw_factor",
+    "device_impl",
     "element_count",
     "plan_sizes",
     "sweep_bytes",
@@ -57,7 +59,16 @@ GLOO_DTYPES = frozenset(
     {"bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
 )
 #: Implementations a row can come from (the JSON ``impl`` key).
-IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi")
+IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-staged")
+#: Where ``--device`` puts ringcomm's buffers: NumPy arrays (``host``), CuPy arrays on the
+#: current GPU (``cuda``), or the host stand-in for CuPy arrays (``host-staged``: NumPy
+#: memory through the same staging path as CuPy, to test and measure it without a GPU).
+DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged")
+
+
+def device_impl(device: str) -> str:
+    """The ``impl`` name of ringcomm's rows on ``device`` (host: plain ``ringcomm``)."""
+    return {"host": "ringcomm", "cuda": "ringcomm-cuda", "host-staged": "ringcomm-staged"}[device]
 
 
 def busbw_factor(op: str, world_size: int) -> float:
@@ -121,10 +132,12 @@ class BenchConfig:
     quiet: bool = False
     seed: int = 1234
     mpi_tcp: bool = False  # mpirun --mca btl tcp,self (like-for-like with sockets)
+    devices: tuple[str, ...] = ("host",)  # where ringcomm's buffers live (DEVICES)
 
     @property
     def impls(self) -> tuple[str, ...]:
-        return ("ringcomm",) if self.compare is None else ("ringcomm", self.compare)
+        ours = tuple(device_impl(d) for d in self.devices)
+        return ours if self.compare is None else (*ours, self.compare)
 
     def sizes(self) -> list[SizeSpec]:
         return plan_sizes(self)

@@ -13,6 +13,9 @@ Copies per byte: our own row is sent zero-copy from ``x`` and copied once into `
 leaves ``out`` untouched); every other row is received (1 kernel copy), copied once from
 the frame into ``out``, and sent on zero-copy from there (1 kernel copy).
 
+Device arrays: through the stager (``collectives.staged``); a received piece is sent on
+as received (its frame), not copied back from the device.
+
 Zero-copy safety: ``x`` is never written (if it overlaps a row of ``out`` other than
 ``out[r]``, we send from a private copy of it); every other region of ``out`` is written
 exactly once, before it is sent, and never again; ``settle()`` waits for libzmq to release
@@ -26,8 +29,10 @@ import numpy as np
 from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, ring_neighbors
+from ..staging import DeviceStager
 from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from .base import CollectiveOp
+from .staged import emit, make_stager
 
 __all__ = ["AllGatherRing"]
 
@@ -41,23 +46,32 @@ class AllGatherRing(CollectiveOp):
         assert x is not None and out is not None
         n, r = self.n, self.rank
         self.result = out
+        self.stager = st = make_stager(self)
         out_rows = out.reshape(n, -1)
         own = out_rows[r]
         self.own_row = own
         if n == 1:
-            own[...] = x.reshape(-1)
+            st.copy(own, x.reshape(-1))
             self.post_inboxes()
             return
         src = x.reshape(-1)
-        if np.may_share_memory(x, out) and not (
-            src.__array_interface__["data"][0] == own.__array_interface__["data"][0]
-            and src.nbytes == own.nbytes
-        ):  # (x exactly out[r] is the in-place form: nothing is received into it)
+        if isinstance(st, DeviceStager):
+            overlaps = st.backend.may_share_memory(x, out) and not st.backend.same_memory(src, own)
+        else:
+            overlaps = np.may_share_memory(x, out) and not (
+                src.__array_interface__["data"][0] == own.__array_interface__["data"][0]
+                and src.nbytes == own.nbytes
+            )  # (x exactly out[r] is the in-place form: nothing is received into it)
+        if overlaps:
             # x overlaps rows we receive into: send from a private copy instead.
-            src = src.copy()
+            if isinstance(st, DeviceStager):
+                src = st.backend.empty(x.nbytes).view(x.dtype)
+                st.copy(src, x.reshape(-1))
+            else:
+                src = src.copy()
         self.src = src
         self.out_u8 = out_rows.view(np.uint8)  # (n, row_nbytes)
-        self.data = byte_view(out)
+        self.data = st.bytes_of(out)
         self.row_nbytes = x.nbytes
         self.dtype_str = x.dtype.str
         self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
@@ -67,7 +81,12 @@ class AllGatherRing(CollectiveOp):
         self.expect(self.left, n - 1)
         # Step 0 goes out from x itself; out[r] is filled once the left neighbour's first
         # piece proved its call matches ours (out stays untouched on a mismatch).
-        self.send_message(self.right, 0, byte_view(src), self.spans, 0, self.dtype_str)
+        src_bytes = st.bytes_of(src)
+        npieces = len(self.spans)
+        for j, (off, length) in enumerate(self.spans):
+            st.send(src_bytes[off : off + length], emit, self, self.right, 0, j, npieces,
+                    x.nbytes, off, self.dtype_str)  # fmt: skip
+        st.pump(0)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
@@ -78,19 +97,23 @@ class AllGatherRing(CollectiveOp):
         self.piece_span(peer, header, payload, spans, "the schedule")
         off, length = spans[j]
         row = self.recv_row[k]
+        st = self.stager
         if not self.touched:
             self.touched = True
-            self.own_row[...] = self.src
-        self.out_u8[row, off : off + length] = np.frombuffer(payload, np.uint8)
+            st.copy(self.own_row, self.src)
+        target = self.out_u8[row, off : off + length]
+        st.copy_in(target, payload)
         if k < self.n - 2:
             base = row * self.row_nbytes
-            self.send_piece(
-                self.right,
-                k + 1,
-                j,
-                len(spans),
-                self.row_nbytes,
-                off,
-                self.data[base + off : base + off + length],
-                self.dtype_str,
-            )
+            st.forward(self.data[base + off : base + off + length], payload, emit, self,
+                       self.right, k + 1, j, len(spans), self.row_nbytes, off,
+                       self.dtype_str)  # fmt: skip
+        st.pump(0 if j + 1 == len(spans) else 1)
+
+    def all_received(self) -> None:
+        self.stager.sync()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None and not self.done and hasattr(self, "stager"):
+            self.stager.abandon()
+        super().finish(error)

@@ -18,6 +18,12 @@ Bit-identical results on every rank: only the owner of segment ``s`` (rank ``s``
 its final value (``finalize`` for AVG happens there, before all-gather); everybody else
 copies those bytes.
 
+Data access goes through a stager (``collectives.staged``): for NumPy arrays each call
+below is the plain operation; for device arrays (CuPy) pieces are staged through pinned
+host buffers, the reduction runs on the device, the copy of a piece to be sent overlaps
+the receive of the next one, and in all-gather the received frame itself is sent on (its
+bytes are the piece: no copy back from the device).
+
 Copies per byte, large pieces: send zero-copy from ``x`` (libzmq -> kernel: 1 kernel copy),
 receive into a libzmq frame (1 kernel copy), reduce straight from the frame into ``x``
 (one NumPy pass, no copy) in reduce-scatter, or one copy frame -> ``x`` in all-gather.
@@ -35,14 +41,12 @@ end makes the op complete only once libzmq released every piece.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..errors import CollectiveMismatchError
-from ..ops import finalize, reduce_into
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, reduce_scatter_steps, ring_neighbors, segment_bounds
 from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from .base import CollectiveOp
+from .staged import emit, make_stager
 
 __all__ = ["AllReduceRing"]
 
@@ -57,12 +61,13 @@ class AllReduceRing(CollectiveOp):
         assert x is not None and op is not None
         n, r = self.n, self.rank
         self.result = x
+        self.stager = st = make_stager(self)
         if n == 1:
-            finalize(op, x, 1)
+            st.finalize(op, x, 1)
             self.post_inboxes()
             return
         self.flat = x.reshape(-1)
-        self.data = byte_view(self.flat)
+        self.data = st.bytes_of(self.flat)
         self.dtype = x.dtype
         self.dtype_str = x.dtype.str
         itemsize = x.itemsize
@@ -81,16 +86,15 @@ class AllReduceRing(CollectiveOp):
         self.last_step = 2 * (n - 1) - 1
         self.will_send(self.right, 2 * (n - 1))
         self.expect(self.left, 2 * (n - 1))
-        # Step 0: send our own data of segment r-1 to the right, all pieces now.
-        first = reduce_scatter_steps(r, n)[0][0]
-        self.send_message(
-            self.right,
-            0,
-            self.data,
-            self.seg_spans[first],
-            self.seg_first[first] * itemsize,
-            self.dtype_str,
-        )
+        # Step 0: send our own data of segment r-1 to the right, all pieces now (staged:
+        # every piece's copy is enqueued first, then each is sent once its copy is done).
+        seg = reduce_scatter_steps(r, n)[0][0]
+        spans = self.seg_spans[seg]
+        base, total = self.seg_first[seg] * itemsize, self.seg_nbytes[seg]
+        for j, (off, length) in enumerate(spans):
+            src = self.data[base + off : base + off + length]
+            st.send(src, emit, self, self.right, 0, j, len(spans), total, off, self.dtype_str)
+        st.pump(0)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
@@ -104,29 +108,45 @@ class AllReduceRing(CollectiveOp):
         off, length = spans[j]
         start = self.seg_first[seg] + off // self.itemsize
         stop = start + length // self.itemsize
-        incoming = np.frombuffer(payload, self.dtype)
         target = self.flat[start:stop]
+        st = self.stager
         self.touched = True
-        if t < self.n - 1:
-            # Reduce-scatter: reduce the left neighbour's partial sum in, from its frame.
-            op = self.call.op
-            assert op is not None
-            reduce_into(op, target, incoming)
-            if t == self.n - 2:  # our owned segment is complete: only we finalize it
-                finalize(op, target, self.n)
-        else:
-            # All-gather: the owner's final bytes.
-            target[...] = incoming
         if t < self.last_step:
-            # Send piece j on as step t+1 (the same segment, the same span).
+            # Piece j goes on as step t+1 (the same segment, the same span), from here.
             base = self.seg_first[seg] * self.itemsize
-            self.send_piece(
+            src = self.data[base + off : base + off + length]
+            args = (
+                self,
                 self.right,
                 t + 1,
                 j,
                 len(spans),
                 self.seg_nbytes[seg],
                 off,
-                self.data[base + off : base + off + length],
                 self.dtype_str,
             )
+        if t < self.n - 1:
+            # Reduce-scatter: reduce the left neighbour's partial sum in, from its frame.
+            op = self.call.op
+            assert op is not None
+            st.reduce_into(op, target, payload)
+            if t == self.n - 2:  # our owned segment is complete: only we finalize it
+                st.finalize(op, target, self.n)
+            if t < self.last_step:
+                st.send(src, emit, *args)
+        else:
+            # All-gather: the owner's final bytes.
+            st.copy_in(target, payload)
+            if t < self.last_step:
+                st.forward(src, payload, emit, *args)
+        # Staged: keep the newest piece queued (its copy runs while we receive the next),
+        # unless it ends a message.
+        st.pump(0 if j + 1 == len(spans) else 1)
+
+    def all_received(self) -> None:
+        self.stager.sync()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None and not self.done and hasattr(self, "stager"):
+            self.stager.abandon()
+        super().finish(error)

@@ -6,6 +6,12 @@ algorithm's op and run it through the group (blocking, or a ``Work`` with
 ``async_op=True``). Collectives of one group run one after another in the order called
 (the group's serial queue), so several outstanding async ones complete in order.
 
+Device arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.standin.StandinArray``)
+are accepted wherever NumPy arrays are; outputs the call allocates are allocated on the
+same device. The ring all_reduce/reduce_scatter/all_gather and the broadcast chain stage
+them piece by piece; every other algorithm stages the whole buffer (``collectives.staged``).
+Inputs and outputs of one call are all host or all on one device.
+
 Contracts: DESIGN.md §1. Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
 all_reduce and broadcast, ``async_op`` on every call, ``out`` on gather (used on ``dst``).
 """
@@ -19,8 +25,11 @@ import numpy as np
 
 from ..buffers import check_array, check_peer
 from ..ops import ReduceOp, check_op_dtype, parse_op
+from ..staging import backend_for
+from ..xp import get_xp, is_device_array
 from . import choose_algorithm, get_algorithm
 from .base import Call, Comm
+from .staged import PIPELINED, DeviceCall, staged_class
 
 if TYPE_CHECKING:
     from ..group import ProcessGroup
@@ -86,9 +95,15 @@ def _check_rows(x: np.ndarray, n: int, what: str, name: str = "x") -> None:
         )
 
 
-def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str) -> np.ndarray:
-    out = check_array(out, f"{what} (out)", writeable=True)
-    assert isinstance(out, np.ndarray)
+def _check_out(
+    out: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str, like: Any = None
+) -> Any:
+    out = check_array(out, f"{what} (out)", writeable=True, device=True)
+    if like is not None and _kind(out) != _kind(like):
+        raise TypeError(
+            f"{what}: out is a {type(out).__name__} but x is a {type(like).__name__} "
+            "(host and device arrays cannot be mixed in one call)"
+        )
     if out.dtype != dtype:
         raise TypeError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
     if out.shape != shape:
@@ -96,7 +111,31 @@ def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str
     return out
 
 
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+def _kind(x: Any) -> Any:
+    """What memory ``x`` lives in: "host", or its device backend."""
+    return "host" if type(x) is np.ndarray else backend_for(x)
+
+
+def _empty(like: Any, shape: tuple[int, ...]) -> Any:
+    """A new array of ``shape`` and ``like``'s dtype, in the memory ``like`` lives in."""
+    if type(like) is np.ndarray:
+        return np.empty(shape, like.dtype)
+    device = getattr(like, "device", None)  # CuPy: allocate on like's device
+    if device is not None:
+        with device:
+            return get_xp(like).empty(shape, like.dtype)
+    return get_xp(like).empty(shape, like.dtype)
+
+
+def _may_share_memory(a: Any, b: Any) -> bool:
+    if type(a) is np.ndarray:
+        return bool(np.may_share_memory(a, b))
+    return backend_for(a).may_share_memory(a, b)
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    if type(a) is not np.ndarray:
+        return backend_for(a).same_memory(a, b)
     return bool(
         a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
         and a.nbytes == b.nbytes
@@ -129,6 +168,14 @@ def _run(
         raise ValueError(f"{what}: {exc}") from None
     pg._check_usable(call.name)
     cls = get_algorithm(call.name, call.algo)
+    arr = call.x if call.x is not None else call.out
+    device = None
+    if arr is not None and type(arr) is not np.ndarray and is_device_array(arr):
+        backend = backend_for(arr)
+        # The event on the caller's stream, now: staging waits for it before reading.
+        device = DeviceCall(backend, backend.caller_event())
+        if (call.name, call.algo) not in PIPELINED:
+            cls = staged_class(cls)
     start_s = time.monotonic()
     comm = Comm(
         pg._engine,
@@ -143,6 +190,8 @@ def _run(
         pg._plans,
     )
     op = cls(comm, call, async_op=async_op)
+    if device is not None:
+        op.device = device  # type: ignore[attr-defined]
     if async_op:
         return pg._run(op, timeout, True)
     deadline = start_s + timeout
@@ -167,7 +216,7 @@ def all_reduce(
 ) -> Any:
     """Reduce ``x`` over all ranks, in place on every rank; return ``x`` (or a Work)."""
     what = _what(pg, "all_reduce")
-    x = check_array(x, what, writeable=True)
+    x = check_array(x, what, writeable=True, device=True)
     dtype = x.dtype
     rop = _check_op(op, dtype, what)
     if async_op is not False:
@@ -192,13 +241,13 @@ def reduce_scatter(
     """Reduce ``x`` (``x.shape[0] == world_size``) and return this rank's row ``x[rank]``
     of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified."""
     what = _what(pg, "reduce_scatter")
-    x = check_array(x, what)
+    x = check_array(x, what, device=True)
     _check_rows(x, pg.world_size, what)
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
     shape = tuple(x.shape[1:])
-    out = np.empty(shape, x.dtype) if out is None else _check_out(out, shape, x.dtype, what)
-    if np.may_share_memory(out, x) and not _same_memory(out, x[pg.rank]):
+    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    if _may_share_memory(out, x) and not _same_memory(out, x[pg.rank]):
         raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
     call = Call("reduce_scatter", "ring", x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape))
     return _run(pg, call, timeout_s, async_op)
@@ -214,10 +263,10 @@ def all_gather(
 ) -> Any:
     """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order."""
     what = _what(pg, "all_gather")
-    x = check_array(x, what)
+    x = check_array(x, what, device=True)
     async_op = _check_flag(async_op, what)
     shape = (pg.world_size, *x.shape)
-    out = np.empty(shape, x.dtype) if out is None else _check_out(out, shape, x.dtype, what)
+    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     call = Call("all_gather", "ring", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
     return _run(pg, call, timeout_s, async_op)
 
@@ -234,7 +283,7 @@ def broadcast(
     """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work)."""
     what = _what(pg, "broadcast")
     src = _check_root(src, pg, what, "src")
-    x = check_array(x, what, writeable=pg.rank != src)
+    x = check_array(x, what, writeable=pg.rank != src, device=True)
     async_op = _check_flag(async_op, what)
     try:
         chosen = choose_algorithm("broadcast", algo, _env_algo(pg), x.nbytes)
@@ -257,7 +306,7 @@ def reduce(
     Other ranks' ``x`` is not modified."""
     what = _what(pg, "reduce")
     dst = _check_root(dst, pg, what, "dst")
-    x = check_array(x, what, writeable=pg.rank == dst)
+    x = check_array(x, what, writeable=pg.rank == dst, device=True)
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
     call = Call("reduce", "tree", x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
@@ -277,11 +326,11 @@ def gather(
     there); None on the other ranks (which ignore ``out``)."""
     what = _what(pg, "gather")
     dst = _check_root(dst, pg, what, "dst")
-    x = check_array(x, what)
+    x = check_array(x, what, device=True)
     async_op = _check_flag(async_op, what)
     if pg.rank == dst:
         shape = (pg.world_size, *x.shape)
-        out = np.empty(shape, x.dtype) if out is None else _check_out(out, shape, x.dtype, what)
+        out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     else:
         out = None
     call = Call("gather", "direct", x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
@@ -310,17 +359,17 @@ def scatter(
     dtype: np.dtype[Any] | None = None
     shape: tuple[int, ...] | None = None
     if x is not None or pg.rank == src:
-        x = check_array(x, what)
+        x = check_array(x, what, device=True)
         _check_rows(x, n, what)
         dtype, shape = x.dtype, tuple(x.shape)
     if out is not None:
         if dtype is not None and shape is not None:
-            out = _check_out(out, shape[1:], dtype, what)
+            out = _check_out(out, shape[1:], dtype, what, x)
         else:
-            out = check_array(out, f"{what} (out)", writeable=True)
+            out = check_array(out, f"{what} (out)", writeable=True, device=True)
             dtype, shape = out.dtype, (n, *out.shape)
     elif dtype is not None and shape is not None:  # src, or a rank that passed x
-        out = np.empty(shape[1:], dtype)
+        out = _empty(x, shape[1:])
     call = Call("scatter", "direct", x=x, out=out, root=src, dtype=dtype, shape=shape)
     return _run(pg, call, timeout_s, async_op)
 
@@ -335,14 +384,14 @@ def all_to_all(
 ) -> Any:
     """``out[j]`` is rank ``j``'s ``x[rank]`` (``x.shape[0] == world_size``); return out."""
     what = _what(pg, "all_to_all")
-    x = check_array(x, what)
+    x = check_array(x, what, device=True)
     _check_rows(x, pg.world_size, what)
     async_op = _check_flag(async_op, what)
     if out is None:
-        out = np.empty_like(x)
+        out = _empty(x, tuple(x.shape))
     else:
-        out = _check_out(out, tuple(x.shape), x.dtype, what)
-        if np.may_share_memory(out, x):
+        out = _check_out(out, tuple(x.shape), x.dtype, what, x)
+        if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
     call = Call("all_to_all", "direct", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
     return _run(pg, call, timeout_s, async_op)

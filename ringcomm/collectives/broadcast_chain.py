@@ -6,7 +6,8 @@ sends all its pieces to the next rank at once; every other rank copies each piec
 same time and the time is about ``nbytes / bandwidth + (n-1) * piece latency``.
 
 Copies per byte: send zero-copy from ``x`` (1 kernel copy), receive (1 kernel copy), one
-copy frame -> ``x``. Zero-copy safety: a region of ``x`` is written once (non-root) before
+copy frame -> ``x``. Device arrays: through the stager (``collectives.staged``); a
+non-root rank sends each piece on as received (its frame). Zero-copy safety: a region of ``x`` is written once (non-root) before
 it is sent and never afterwards; the root never writes ``x``.
 """
 
@@ -17,7 +18,8 @@ import numpy as np
 from ..schedule.chunks import chunk_spans
 from ..schedule.tree import chain_neighbors
 from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from .base import CollectiveOp
+from .staged import emit, make_stager
 
 __all__ = ["BroadcastChain"]
 
@@ -30,11 +32,12 @@ class BroadcastChain(CollectiveOp):
         x, root = self.call.x, self.call.root
         assert x is not None and root is not None
         self.result = x
+        self.stager = st = make_stager(self)
         if self.n == 1:
             self.post_inboxes()
             return
         self.u8 = x.reshape(-1).view(np.uint8)
-        self.data = byte_view(self.u8)
+        self.data = st.bytes_of(self.u8)
         self.dtype_str = x.dtype.str
         self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
         self.prev, self.next = chain_neighbors(self.rank, self.n, root)
@@ -42,7 +45,11 @@ class BroadcastChain(CollectiveOp):
             self.will_send(self.next, 1)
         if self.prev is None:
             assert self.next is not None
-            self.send_message(self.next, 0, self.data, self.spans, 0, self.dtype_str)
+            npieces = len(self.spans)
+            for j, (off, length) in enumerate(self.spans):
+                st.send(self.data[off : off + length], emit, self, self.next, 0, j, npieces,
+                        x.nbytes, off, self.dtype_str)  # fmt: skip
+            st.pump(0)
         else:
             self.expect(self.prev, 1)
         self.post_inboxes()
@@ -53,15 +60,18 @@ class BroadcastChain(CollectiveOp):
         self.piece_span(peer, header, payload, spans)
         off, length = spans[j]
         self.touched = True
-        self.u8[off : off + length] = np.frombuffer(payload, np.uint8)
+        st = self.stager
+        target = self.u8[off : off + length]
+        st.copy_in(target, payload)
         if self.next is not None:
-            self.send_piece(
-                self.next,
-                0,
-                j,
-                len(spans),
-                len(self.u8),
-                off,
-                self.data[off : off + length],
-                self.dtype_str,
-            )
+            st.forward(self.data[off : off + length], payload, emit, self, self.next, 0, j,
+                       len(spans), self.u8.nbytes, off, self.dtype_str)  # fmt: skip
+        st.pump(0 if j + 1 == len(spans) else 1)
+
+    def all_received(self) -> None:
+        self.stager.sync()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None and not self.done and hasattr(self, "stager"):
+            self.stager.abandon()
+        super().finish(error)

@@ -21,6 +21,9 @@ reading the step-``k+1`` piece (our sends only come back to us around the whole 
 :meth:`wait_released` checks its tracker first (normally already done: two whole steps of
 pieces passed in between).
 
+Device arrays: through the stager (``collectives.staged``), pieces staged via pinned host
+buffers, combinations on the device into device partial rows.
+
 Copies per byte: send zero-copy (1 kernel copy), receive (1 kernel copy), one NumPy pass
 combining frame and ``x`` into the partial buffer; no other copy.
 """
@@ -32,11 +35,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from ..ops import finalize, reduce_out
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import reduce_scatter_steps, ring_neighbors
+from ..staging import DeviceStager
 from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from .base import CollectiveOp
+from .staged import emit, make_stager
 
 __all__ = ["ReduceScatterRing"]
 
@@ -50,16 +54,16 @@ class ReduceScatterRing(CollectiveOp):
         assert x is not None and out is not None and op is not None
         n, r = self.n, self.rank
         self.result = out
+        self.stager = st = make_stager(self)
         if n == 1:
-            out[...] = x[0]
-            finalize(op, out, 1)
+            st.copy(out, x[0])
+            st.finalize(op, out, 1)
             self.post_inboxes()
             return
         rows = x.reshape(n, -1)
         self.rows = rows
         self.row_size = rows.shape[1]
         self.itemsize = x.itemsize
-        self.dtype = x.dtype
         self.dtype_str = x.dtype.str
         self.row_nbytes = self.row_size * self.itemsize
         self.spans = chunk_spans(self.row_nbytes, self.comm.chunk_bytes, self.itemsize)
@@ -68,20 +72,35 @@ class ReduceScatterRing(CollectiveOp):
         self.recv_row = [rs for _, rs in steps]
         out_flat = out.reshape(-1)
         self.out_flat = out_flat
-        self.out_view = byte_view(out_flat)
+
         # Partial results of step k < n-2 go to partial[(n-2-k) % 2]: parity 0 is `out`
         # (its last write is the final one) unless `out` is x[r], which the last step
         # still reads; parity 1 is a scratch row.
-        even = np.empty_like(out_flat) if n >= 4 and np.may_share_memory(out, x) else out_flat
-        odd = np.empty_like(out_flat) if n >= 3 else out_flat
-        self.partial = [(b, byte_view(b)) for b in (even, odd)]
+        def scratch_row() -> Any:
+            if isinstance(st, DeviceStager):
+                return st.backend.empty(out_flat.nbytes).view(out.dtype)
+            return np.empty_like(out_flat)
+
+        if isinstance(st, DeviceStager):
+            shares = n >= 4 and st.backend.may_share_memory(out, x)
+        else:
+            shares = n >= 4 and bool(np.may_share_memory(out, x))
+        even = scratch_row() if shares else out_flat
+        odd = scratch_row() if n >= 3 else out_flat
+        self.partial = [(b, st.bytes_of(b)) for b in (even, odd)]
+        self.out_view = st.bytes_of(out_flat)
         self.trackers: dict[tuple[int, int], Any] = {}
         self.will_send(self.right, n - 1)
         self.expect(self.left, n - 1)
-        x_bytes = byte_view(x)
-        self.send_message(
-            self.right, 0, x_bytes, self.spans, steps[0][0] * self.row_nbytes, self.dtype_str
-        )
+        x_bytes = st.bytes_of(x)
+        base = steps[0][0] * self.row_nbytes
+        npieces = len(self.spans)
+        for j, (off, length) in enumerate(self.spans):
+            src = x_bytes[base + off : base + off + length]
+            st.send(
+                src, emit, self, self.right, 0, j, npieces, self.row_nbytes, off, self.dtype_str
+            )
+        st.pump(0)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
@@ -96,25 +115,30 @@ class ReduceScatterRing(CollectiveOp):
         a = off // self.itemsize
         b = a + length // self.itemsize
         row = self.recv_row[k]
-        incoming = np.frombuffer(payload, self.dtype)
         last = k == self.n - 2
         buf, view = (self.out_flat, self.out_view) if last else self.partial[(self.n - 2 - k) % 2]
         # This buffer's piece j was sent at step k-1 (parity reuse): libzmq must be done.
+        # (Staged: sends go from staging buffers, and the stream orders the device
+        # buffer's copy before this write; no tracker is kept.)
         self.wait_released(self.trackers.pop((id(buf), j), None))
         self.touched = True
-        reduce_out(op, self.rows[row, a:b], incoming, buf[a:b])
+        st = self.stager
+        st.reduce_out(op, self.rows[row, a:b], payload, buf[a:b])
         if last:
-            finalize(op, buf[a:b], self.n)
-            return
-        tracker = self.send_piece(
-            self.right,
-            k + 1,
-            j,
-            len(spans),
-            self.row_nbytes,
-            off,
-            view[off : off + length],
-            self.dtype_str,
-        )
-        if tracker is not None:
-            self.trackers[(id(buf), j)] = tracker
+            st.finalize(op, buf[a:b], self.n)
+        else:
+            tracker = st.send(
+                view[off : off + length],
+                emit, self, self.right, k + 1, j, len(spans), self.row_nbytes, off, self.dtype_str,
+            )  # fmt: skip
+            if tracker is not None:
+                self.trackers[(id(buf), j)] = tracker
+        st.pump(0 if j + 1 == len(spans) else 1)
+
+    def all_received(self) -> None:
+        self.stager.sync()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None and not self.done and hasattr(self, "stager"):
+            self.stager.abandon()
+        super().finish(error)

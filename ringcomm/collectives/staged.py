@@ -1,0 +1,162 @@
+"""Collectives on device arrays: how algorithms reach their data (``ringcomm.staging``).
+
+Two ways, chosen per algorithm:
+
+* **Piece-level pipeline** (ring all_reduce, reduce_scatter, all_gather, broadcast chain):
+  the algorithm itself goes through a *stager* (``self.stager``, from :func:`make_stager`
+  in ``start``): ``send`` a slice of ``bytes_of(array)``, ``forward`` a received piece, ``reduce_into``/
+  ``reduce_out``/``copy_in`` a received payload, ``finalize``, ``pump`` queued sends,
+  ``sync`` at the end. For NumPy arrays the stager is :data:`~ringcomm.staging.HOST_STAGER`
+  and every call is today's zero-copy operation; for device arrays every piece is staged,
+  with the device->host copy of piece k+1 running while piece k is sent and the
+  host->device copy and kernel of a received piece running while the next is received.
+* **Whole-buffer staging** (every other algorithm: the small-message all_reduce paths,
+  the broadcast tree, reduce, gather, scatter, all_to_all): :func:`staged_class` wraps the
+  algorithm; at start the device inputs are copied whole into pinned host buffers, the
+  host algorithm runs on them, and at the end the outputs are copied back to the device
+  (before the op reports completion). These are latency-bound or rooted; the extra copy
+  of the whole buffer is the price of reusing the host algorithm unchanged.
+
+``api`` marks a call on device arrays by setting ``op.device`` (a :class:`DeviceCall`:
+the backend, and the event on the caller's stream taken at the call).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from ..staging import HOST_STAGER, DeviceBackend, DeviceStager, HostStager, Slot
+from .base import CollectiveOp
+
+__all__ = ["PIPELINED", "DeviceCall", "emit", "make_stager", "staged_class"]
+
+#: (collective, algorithm) pairs that stage piece by piece themselves.
+PIPELINED = frozenset(
+    {("all_reduce", "ring"), ("reduce_scatter", "ring"), ("all_gather", "ring"),
+     ("broadcast", "chain")}
+)  # fmt: skip
+
+
+class DeviceCall(NamedTuple):
+    """A collective call on device arrays: their backend, and the caller's stream event."""
+
+    backend: DeviceBackend
+    ready_event: Any
+
+
+def make_stager(op: CollectiveOp) -> HostStager | DeviceStager:
+    """The stager of ``op``'s call: HOST_STAGER for NumPy arrays, else a DeviceStager."""
+    device: DeviceCall | None = getattr(op, "device", None)
+    if device is None:
+        return HOST_STAGER
+    return DeviceStager(
+        device.backend,
+        device.ready_event,
+        time.monotonic() + op.comm.timeout_s,
+        f"rank {op.rank}: {op.desc}",
+    )
+
+
+def emit(
+    op: CollectiveOp,
+    peer: int,
+    step: int,
+    piece: int,
+    npieces: int,
+    msg_nbytes: int,
+    offset: int,
+    dtype: str,
+    payload: Any,
+) -> Any:
+    """:meth:`CollectiveOp.send_piece` with the payload last: what algorithms hand a
+    stager (``st.send(src, emit, op, peer, ...)``), which may call it later, once the
+    piece's copy into a staging buffer finished."""
+    return op.send_piece(peer, step, piece, npieces, msg_nbytes, offset, payload, dtype)
+
+
+_STAGED_CLASSES: dict[type[CollectiveOp], type[CollectiveOp]] = {}
+
+
+def staged_class(cls: type[CollectiveOp]) -> type[CollectiveOp]:
+    """``cls`` running on pinned host copies of device arrays (see the module docstring)."""
+    staged = _STAGED_CLASSES.get(cls)
+    if staged is None:
+        staged = type(f"Staged{cls.__name__}", (_WholeStaged, cls), {})
+        _STAGED_CLASSES[cls] = staged
+    return staged
+
+
+class _WholeStaged(CollectiveOp):
+    """Mixin: stage ``call.x`` in at start, the outputs back before completing."""
+
+    device: DeviceCall
+
+    def run_now(self, deadline: float) -> bool:
+        return False  # no fast lane: the regular path stages at start
+
+    def start(self) -> None:
+        call = self.call
+        self._dev_call = call
+        self._slots: list[Slot] = []
+        self._outputs: list[tuple[Any, Any]] = []  # (device array, host twin)
+        st = self._stager = make_stager(self)
+        assert isinstance(st, DeviceStager)
+        hx = hout = None
+        if call.x is not None:
+            slot, host = st.to_host(call.x)
+            self._slots.append(slot)
+            hx = host.view(call.x.dtype).reshape(call.x.shape)
+        if call.out is not None:
+            if (
+                call.name == "reduce_scatter"
+                and call.x is not None
+                and hx is not None
+                and st.backend.same_memory(call.out, call.x[self.rank])
+            ):
+                hout = hx[self.rank]  # the in-place form
+            else:
+                slot = st._acquire(call.out.nbytes)
+                self._slots.append(slot)
+                hout = slot.buf[: call.out.nbytes].view(call.out.dtype).reshape(call.out.shape)
+            self._outputs.append((call.out, hout))
+        if call.x is not None and self._writes_x():
+            self._outputs.append((call.x, hx))
+        self._host_to_dev = {id(h): d for d, h in self._outputs}
+        if call.x is not None:
+            self._host_to_dev.setdefault(id(hx), call.x)
+        self.call = call._replace(x=hx, out=hout)
+        super().start()
+
+    def _writes_x(self) -> bool:
+        name, root = self._dev_call.name, self._dev_call.root
+        if name == "all_reduce":
+            return True
+        if name == "broadcast":
+            return self.rank != root
+        if name == "reduce":
+            return self.rank == root
+        return False
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self.done:
+            return
+        st: DeviceStager | None = getattr(self, "_stager", None)
+        if st is not None:
+            if error is None:
+                try:
+                    for dev, host in self._outputs:
+                        st.upload(dev, host)
+                    st.sync()
+                    if self.result is not None:
+                        self.result = self._host_to_dev.get(id(self.result), self.result)
+                except Exception as exc:  # noqa: BLE001 (a device error fails the call)
+                    error = exc
+            else:
+                st.backend.synchronize(st.stream)
+            # Sends still in libzmq's hands (only after an error) keep their buffers busy.
+            pending = tuple(self._trackers)
+            for slot in self._slots:
+                st.pool.release(slot, *pending)
+            self._slots = []
+        super().finish(error)

@@ -1,0 +1,152 @@
+"""CuPy arrays on a real GPU (``pytest -m gpu``; skipped, with the reason, without one).
+
+What the CPU suite (``test_staging*``, through the host stand-in) cannot show: the CUDA
+side of staging, i.e. the stream waiting for the caller's stream, async copies into and
+out of pinned memory, reductions as CuPy kernels. Run by ``scripts/gpu_check.sh`` on a
+machine with an NVIDIA GPU:
+
+* the collectives matrix of ``test_collectives`` on CuPy arrays, world sizes 2 and 4 on one
+  GPU (every rank a process with its own CUDA context), against the NumPy oracle and
+  byte-identical across ranks where it must be;
+* a producer kernel on the caller's own (non-blocking) stream right before the call: the
+  call must see its result (the staging stream waits for the caller's stream);
+* p2p between CuPy arrays and between a CuPy and a NumPy end;
+* ``ringcomm bench --device cuda,host`` checked clean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_collectives import _compare, _digest, matrix_cases, run_case
+from test_staging import DeviceProxy
+
+import ringcomm as rc
+from ringcomm.xp import cupy_or_none
+
+
+def _why_no_gpu() -> str | None:
+    cp = cupy_or_none()
+    if cp is None:
+        return "CuPy is not installed (pip install 'ringcomm[gpu]')"
+    try:
+        if int(cp.cuda.runtime.getDeviceCount()) < 1:
+            return "CuPy finds no GPU"
+    except Exception as exc:  # noqa: BLE001 (no driver / no device: CuPy's own error)
+        return f"CuPy finds no usable GPU: {exc}"
+    return None
+
+
+_REASON = _why_no_gpu()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=str(_REASON))]
+
+
+class CupyProxy(DeviceProxy):
+    """:class:`DeviceProxy` handing the group CuPy arrays (results must be CuPy arrays)."""
+
+    @staticmethod
+    def _dev(a: Any) -> Any:
+        import cupy
+
+        return None if a is None else cupy.asarray(a)
+
+    @staticmethod
+    def _host(res: Any) -> Any:
+        import cupy
+
+        if res is None:
+            return None
+        assert isinstance(res, cupy.ndarray), f"result is a {type(res).__name__}"
+        return res.get()
+
+
+def job_cupy_matrix(pg: rc.ProcessGroup, chunk_bytes: int) -> tuple[list[str], dict[int, Any]]:
+    pg.chunk_bytes = chunk_bytes
+    proxy = CupyProxy(pg)
+    failures: list[str] = []
+    digests: dict[int, Any] = {}
+    for cid, case in enumerate(matrix_cases(pg.world_size)):
+        try:
+            res, exp, identical = run_case(proxy, cid, case)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"rank {pg.rank}: {case}: {type(exc).__name__}: {exc}")
+            break
+        problem = _compare(case, res, exp)
+        if problem:
+            failures.append(f"rank {pg.rank}: {problem}")
+        if identical:
+            digests[cid] = _digest(res)
+    return failures, digests
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])
+def test_cupy_matrix(world_size: int, chunk_bytes: int) -> None:
+    results = rc.spawn(job_cupy_matrix, world_size, args=(chunk_bytes,), timeout_s=280)
+    failures = [f for fails, _ in results for f in fails]
+    assert not failures, "\n".join(failures[:30])
+    first = results[0][1]
+    for rank, (_, digests) in enumerate(results):
+        differ = [cid for cid in first if digests.get(cid) != first[cid]]
+        assert not differ, f"rank {rank} differs from rank 0 in cases {differ[:10]}"
+
+
+def job_streams_and_p2p(pg: rc.ProcessGroup) -> list[str]:
+    import cupy
+
+    n, r = pg.world_size, pg.rank
+    failures: list[str] = []
+    pg.chunk_bytes = 1 << 20
+    count = 8 << 20  # 32 MiB of float32: the producer kernels take a while
+    for algo in ("ring", "rd"):
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            x = cupy.ones(count, cupy.float32)
+            for _ in range(20):  # slow producer on the caller's stream
+                x = x * 1.0 + 0.0
+            x += r
+            pg.all_reduce(x, algo=algo)  # must wait for the producer, on its own stream
+        want = float(n + n * (n - 1) // 2)
+        got = cupy.asnumpy(x)
+        if not np.all(got == want):
+            failures.append(f"rank {r}: {algo}: producer on the caller's stream not waited for")
+    # p2p, device to device and device to host
+    right, left = (r + 1) % n, (r - 1) % n
+    y = cupy.zeros(3_000_001, cupy.int32)
+    w = pg.irecv(y, left, tag=5)
+    pg.send(cupy.arange(3_000_001, dtype=cupy.int32) * r, right, tag=5)
+    w.wait(timeout_s=60)
+    if not np.array_equal(y.get(), np.arange(3_000_001, dtype=np.int32) * left):
+        failures.append(f"rank {r}: p2p cupy->cupy")
+    h = np.zeros(1000, np.float64)
+    w = pg.irecv(h, left, tag=6)
+    pg.send(cupy.full(1000, r, cupy.float64), right, tag=6)
+    w.wait(timeout_s=60)
+    if not np.all(h == left):
+        failures.append(f"rank {r}: p2p cupy->numpy")
+    return failures
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cupy_streams_and_p2p(world_size: int) -> None:
+    results = rc.spawn(job_streams_and_p2p, world_size, timeout_s=160)
+    failures = [f for fails in results for f in fails]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(180)
+def test_bench_cuda_vs_host_checks_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringcomm.cli import main
+
+    code = main(["bench", "all_reduce", "-n", "2", "-b", "8", "-e", "4M", "-f", "16",
+                 "--iters", "3", "--warmup", "1", "--check", "-q", "--device", "cuda,host"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ringcomm-cuda/ringcomm busbw ratio" in out
