@@ -21,7 +21,7 @@ from ringcomm._version import __version__
 __all__ = ["SUBCOMMAND_MODULES", "build_parser", "main"]
 
 #: Modules providing ``add_parser(subparsers)`` and ``main(args)``, in help order.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("ringcomm.launch.local", "ringcomm.bench.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("ringcomm.launch.local", "ringcomm.bench.cli", "ringcomm.ps.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

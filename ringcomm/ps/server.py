@@ -55,6 +55,20 @@ class PSServer:
             if self.restored:
                 log.info("ps server %d: restored at progress %s", index, self.state.restored_progress)
         self._closed = False
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """The group is going away (closed by another thread): wake every request that
+        waits on the state, so that its thread sees the closed group and ends."""
+        with self.cond:
+            self._interrupted = True
+            self.cond.notify_all()
+
+    def _check_interrupted(self, w: int, op: int) -> None:
+        if self._interrupted:
+            raise GroupClosedError(
+                f"ps server {self.index}: worker {w}, op {P.OP_NAMES.get(op, op)}: the group was closed"
+            )
 
     # -- serving -----------------------------------------------------------------------
     def serve(self, group: Any, worker_ranks: Sequence[int]) -> bool:
@@ -65,6 +79,10 @@ class PSServer:
                 f"ps server {self.index}: {len(worker_ranks)} worker ranks for "
                 f"num_workers={self.config.num_workers}"
             )
+        with self.cond:
+            self._interrupted = False
+            if self.state.needs_resync:  # hellos of an abandoned group do not count
+                self.state.hello_clocks.clear()
         errors: list[BaseException] = []
         threads = [
             threading.Thread(
@@ -124,8 +142,9 @@ class PSServer:
                 st.hello(w, step)
                 if st.needs_resync:
                     self.cond.notify_all()
-                    self.cond.wait_for(lambda: st.resync_ready() or not st.needs_resync,
-                                       timeout=self.config.timeout_s)
+                    self.cond.wait_for(lambda: st.resync_ready() or not st.needs_resync
+                                       or self._interrupted, timeout=self.config.timeout_s)
+                    self._check_interrupted(w, op)
                     if st.needs_resync:
                         if not st.resync_ready():
                             raise CommTimeoutError(
@@ -172,8 +191,9 @@ class PSServer:
             reader = extra
             if not st.pull_ready(sh, reader):
                 t0 = time.monotonic()
-                self.cond.wait_for(lambda: st.pull_ready(sh, reader) or self._closed,
+                self.cond.wait_for(lambda: st.pull_ready(sh, reader) or self._interrupted,
                                    timeout=self.config.timeout_s)
+                self._check_interrupted(w, op)
                 if not st.pull_ready(sh, reader):
                     return self._error(
                         w, op, key,
