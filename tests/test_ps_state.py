@@ -104,15 +104,17 @@ def test_asp_never_delays_and_applies_each_push_scaled() -> None:
     assert sh.applied == 10
 
 
-def test_asp_worker_update_returns_the_mean_of_the_latest_gradients() -> None:
+def test_asp_worker_update_hands_every_push_to_every_worker_once() -> None:
     st = _state(consistency="asp", update="worker")
     sh = st.init_shard(1, 0, 2, 2, F32, np.zeros(2, np.float32))
-    assert st.pull(sh, 0, copy=True)[1] == STATUS_LOST  # nothing pushed yet
-    st.push(0, sh, 0, np.array([1, 2], np.float32))
-    st.push(2, sh, 0, np.array([3, 4], np.float32))
-    st.push(0, sh, 1, np.array([5, 6], np.float32))  # replaces worker 0's
-    out, status, _ = st.pull(sh, 2, copy=True)
-    assert status == STATUS_OK and out.tolist() == [4.0, 5.0]
+    assert st.pull(sh, 0, copy=True, worker=1)[0].tolist() == [0.0, 0.0]  # nothing pushed yet
+    st.push(0, sh, 0, np.array([3, 6], np.float32))
+    st.push(2, sh, 0, np.array([3, 3], np.float32))
+    out, status, _ = st.pull(sh, 1, copy=True, worker=1)
+    assert status == STATUS_OK and out.tolist() == [2.0, 3.0]  # (g0 + g2) / 3
+    st.push(0, sh, 1, np.array([6, 0], np.float32))
+    assert st.pull(sh, 2, copy=True, worker=1)[0].tolist() == [2.0, 0.0]  # only what is new
+    assert st.pull(sh, 2, copy=True, worker=0)[0].tolist() == [4.0, 3.0]  # all three
 
 
 def test_sgd_updater_matches_the_formulas() -> None:

@@ -201,7 +201,7 @@ class PSServer:
                         f"(slowest worker at {int(sh.clocks.min())}, version {sh.version})",
                         nelem, code,
                     )
-            data, pull_status, gap = st.pull(sh, reader, copy=self.config.consistency != "bsp")
+            data, pull_status, gap = st.pull(sh, reader, copy=self.config.consistency != "bsp", worker=w)
             reply = np.array([max(status, pull_status), sh.version, gap, 0], np.int64)
         return reply, data
 

@@ -18,9 +18,10 @@ Consistency.
   applied (server update) or kept for pulls (worker update). ``version`` = steps applied.
   A pull at clock ``c`` waits until ``version >= c``.
 * ``ssp`` (bound K) and ``asp``: each push is applied on arrival, scaled by ``1/W`` (W pushes
-  then make one averaged step of plain SGD); in worker-update mode the server keeps each
-  worker's latest gradient and a pull returns their mean. ``ssp`` delays a pull while its
-  gap would exceed K; ``asp`` never delays.
+  then make one averaged step of plain SGD). In worker-update mode the server adds each
+  push, scaled by ``1/W``, to every worker's inbox, and a pull hands the worker its inbox
+  (and empties it): every worker applies every gradient exactly once, as the server would.
+  ``ssp`` delays a pull while its gap would exceed K; ``asp`` never delays.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Shard:
         self.pending: dict[int, dict[int, np.ndarray]] = {}  # bsp: step -> worker -> grad
         self.averages: dict[int, np.ndarray] = {}  # bsp worker update: step -> average
         self.served: dict[int, int] = {}  # bsp worker update: step -> pulls served
-        self.latest: dict[int, np.ndarray] = {}  # ssp/asp worker update: worker -> grad
+        self.inbox: dict[int, np.ndarray] = {}  # ssp/asp worker update: worker -> sum of g/W
 
     @property
     def nelem(self) -> int:
@@ -118,11 +119,16 @@ class ServerState:
             sh.pending.setdefault(step, {})[worker] = grad
             self._complete_steps(sh)
             return STATUS_OK
+        grad /= self.num_workers
         if self.config.update == "server":
-            grad /= self.num_workers
             self.updater.apply(sh.param, grad, sh.opt_state)
         else:
-            sh.latest[worker] = grad
+            for w in range(self.num_workers):
+                box = sh.inbox.get(w)
+                if box is None:
+                    sh.inbox[w] = grad.copy()
+                else:
+                    box += grad
         sh.version += 1
         sh.applied += 1
         return STATUS_OK
@@ -155,11 +161,12 @@ class ServerState:
         bound = self.config.bound
         return bound is None or self.gap(sh, reader_clock) <= bound
 
-    def pull(self, sh: Shard, reader_clock: int, copy: bool) -> tuple[np.ndarray, int, int]:
+    def pull(self, sh: Shard, reader_clock: int, copy: bool, worker: int = 0) -> tuple[np.ndarray, int, int]:
         """``(array to send, status, gap)`` of a ready pull; records the gap.
 
         The array is the shard's own parameter unless ``copy`` (the caller sends it after
-        releasing the lock) or it is an average made for this pull.
+        releasing the lock) or it is an average or inbox handed over to this pull
+        (``worker``: the reader).
         """
         gap = self.gap(sh, reader_clock)
         self.gaps.append(gap)
@@ -180,13 +187,8 @@ class ServerState:
                 del sh.averages[old]
                 sh.served.pop(old, None)
         else:
-            out = np.zeros(sh.nelem, sh.dtype)
-            if sh.latest:
-                for w in sorted(sh.latest):
-                    out += sh.latest[w]
-                out /= len(sh.latest)
-            else:
-                status = STATUS_LOST
+            box = sh.inbox.pop(worker, None)
+            out = np.zeros(sh.nelem, sh.dtype) if box is None else box
         return out, status, gap
 
     # -- progress, reconnects ----------------------------------------------------------
