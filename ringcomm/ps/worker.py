@@ -43,6 +43,9 @@ class Connector(Protocol):
     def reconnect(self, failed_group: Any) -> tuple[Any, Sequence[int]]:
         """A new group (and the servers' ranks in it) after ``failed_group`` broke."""
 
+    def close(self) -> None:
+        """Leave the job (the client is done with it)."""
+
 
 class _KeyInfo(NamedTuple):
     nelem: int
@@ -202,13 +205,19 @@ class KVWorker:
         return out
 
     def close(self) -> None:
-        """Wait for outstanding requests, then tell every server this worker is done."""
+        """Wait for outstanding requests, then tell every server this worker is done (and,
+        with standalone servers, leave their group)."""
         if self._closed:
             return
-        self.wait_all()
-        parts = [self._issue(s, P.request(P.OP_BYE, step=self.clock), None, None) for s in range(self.num_servers)]
-        self._wait_parts(parts, "bye", None)
-        self._closed = True
+        try:
+            self.wait_all()
+            parts = [self._issue(s, P.request(P.OP_BYE, step=self.clock), None, None)
+                     for s in range(self.num_servers)]
+            self._wait_parts(parts, "bye", None)
+        finally:
+            self._closed = True
+            if self.connector is not None:
+                self.connector.close()
 
     def __enter__(self) -> KVWorker:
         return self
