@@ -199,6 +199,16 @@ def test_resync_moves_bsp_forward_to_where_the_workers_are() -> None:
     assert sh.version == 7 and sh.applied == 1
 
 
+def test_a_key_made_mid_job_starts_at_the_initialising_clock() -> None:
+    st = _state()
+    sh = st.init_shard(1, 0, 2, 2, F32, np.zeros(2, np.float32), clock=8)
+    assert sh.version == 8 and sh.clocks.tolist() == [8, 8, 8]
+    assert st.pull_ready(sh, 8) and not st.pull_ready(sh, 9)
+    for w in range(3):
+        st.push(w, sh, 8, np.ones(2, np.float32))
+    assert sh.version == 9 and st.pull_ready(sh, 9)
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="consistency"):
         PSConfig(num_workers=1, consistency="eventual")

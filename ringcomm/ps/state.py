@@ -89,9 +89,12 @@ class ServerState:
     def shard(self, key: int, start: int) -> Shard | None:
         return self.shards.get((key, start))
 
-    def init_shard(self, key: int, start: int, stop: int, total: int, dtype: np.dtype, value: np.ndarray) -> Shard:
+    def init_shard(self, key: int, start: int, stop: int, total: int, dtype: np.dtype,
+                   value: np.ndarray, clock: int = 0) -> Shard:
         """Create the shard from ``value`` (the first init wins; later ones must agree in
-        layout and are ignored)."""
+        layout and are ignored). ``clock``: the initialising worker's clock; a key made
+        in the middle of a job starts there (version and every worker's clock), so that it
+        does not wait for steps that were pushed before it existed."""
         sh = self.shards.get((key, start))
         if sh is not None:
             if (sh.stop, sh.total, sh.dtype) != (stop, total, np.dtype(dtype)):
@@ -102,6 +105,8 @@ class ServerState:
             return sh
         sh = Shard(key, start, stop, total, dtype, self.num_workers)
         sh.param[...] = value
+        sh.version = clock
+        sh.clocks[:] = clock
         if self.config.update == "server":
             sh.opt_state = self.updater.new_state(sh.param)
         self.shards[(key, start)] = sh
