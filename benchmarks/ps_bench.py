@@ -93,7 +93,9 @@ def _job(pg: Any, workers: int, servers: int, sizes: list[int], iters: int, reps
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-w", "--workers", type=int, default=2)
     ap.add_argument("-s", "--servers", type=int, default=1)
     ap.add_argument("-b", "--minbytes", type=parse_size, default=1 << 10)
@@ -104,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE")
     a = ap.parse_args(argv)
     sizes = _sizes(a.minbytes, a.maxbytes, a.stepfactor)
-    res = rc.spawn(_job, a.servers + a.workers, args=(a.workers, a.servers, sizes, a.iters, a.reps), timeout_s=1800)
+    res = rc.spawn(
+        _job,
+        a.servers + a.workers,
+        args=(a.workers, a.servers, sizes, a.iters, a.reps),
+        timeout_s=1800,
+    )
     per_worker = [r for r in res if r is not None]
     rows = []
     for nbytes in sizes:
@@ -117,9 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{impl}_GBps"] = round(nbytes / t / 1e9, 3)
         row["push_pull_vs_all_reduce"] = round(row["push_pull_us"] / row["all_reduce_us"], 2)
         rows.append(row)
-    head = f"{'bytes':>10} " + " ".join(f"{i + ' us':>14} {'GB/s':>7}" for i in IMPLS) + f" {'pp/ar':>6}"
-    print(f"# ps_bench: {a.workers} workers, {a.servers} server(s), float32, bsp worker update; "
-          f"median of {a.reps} reps x {a.iters} iters")
+    head = (
+        f"{'bytes':>10} "
+        + " ".join(f"{i + ' us':>14} {'GB/s':>7}" for i in IMPLS)
+        + f" {'pp/ar':>6}"
+    )
+    print(
+        f"# ps_bench: {a.workers} workers, {a.servers} server(s), float32, bsp worker update; "
+        f"median of {a.reps} reps x {a.iters} iters"
+    )
     print(head)
     for r in rows:
         cells = " ".join(f"{r[f'{i}_us']:>14.1f} {r[f'{i}_GBps']:>7.3f}" for i in IMPLS)

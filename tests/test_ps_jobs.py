@@ -37,7 +37,9 @@ def _data(worker: int) -> tuple[np.ndarray, np.ndarray]:
     return x, (x * true_w).sum(axis=1) + 0.5
 
 
-def _loss_grad(x: np.ndarray, y: np.ndarray, w: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+def _loss_grad(
+    x: np.ndarray, y: np.ndarray, w: np.ndarray, b: np.ndarray
+) -> tuple[float, np.ndarray, np.ndarray]:
     r = (x * w).sum(axis=1) + b[0] - y
     gw = (x * r[:, None]).sum(axis=0) * (2.0 / ROWS)
     gb = np.array([r.sum() * (2.0 / ROWS)])
@@ -48,12 +50,24 @@ def _global_loss(w: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean([_loss_grad(*_data(k), w, b)[0] for k in range(WORKERS)]))
 
 
-def _cfg(consistency: str = "bsp", update: str = "server", optimizer: str = "sgd",
-         staleness: int = 0, **opt: Any) -> ps.PSConfig:
+def _cfg(
+    consistency: str = "bsp",
+    update: str = "server",
+    optimizer: str = "sgd",
+    staleness: int = 0,
+    **opt: Any,
+) -> ps.PSConfig:
     args = {"lr": 0.05, "momentum": 0.9} if optimizer == "sgd" else {"lr": 0.05}
     args.update(opt)
-    return ps.PSConfig(num_workers=WORKERS, consistency=consistency, staleness=staleness,
-                       update=update, optimizer=optimizer, optimizer_args=args, timeout_s=60)
+    return ps.PSConfig(
+        num_workers=WORKERS,
+        consistency=consistency,
+        staleness=staleness,
+        update=update,
+        optimizer=optimizer,
+        optimizer_args=args,
+        timeout_s=60,
+    )
 
 
 # -- what the workers run ---------------------------------------------------------------
@@ -64,7 +78,10 @@ def _avg_session(kv: ps.KVWorker) -> dict[str, Any]:
     outs = []
     for step in range(3):
         rng = np.random.default_rng([step, kv.index])
-        gw, gb = rng.standard_normal(1000).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+        gw, gb = (
+            rng.standard_normal(1000).astype(np.float32),
+            rng.standard_normal(3).astype(np.float32),
+        )
         ow, ob = np.empty(1000, np.float32), np.empty(3, np.float32)
         hs = [kv.push_pull(KEY_W, gw, ow), kv.push_pull(KEY_B, gb, ob)]
         for h in hs:
@@ -155,7 +172,12 @@ def _pushed(step: int) -> list[tuple[np.ndarray, np.ndarray]]:
     out = []
     for k in range(WORKERS):
         rng = np.random.default_rng([step, k])
-        out.append((rng.standard_normal(1000).astype(np.float32), rng.standard_normal(3).astype(np.float32)))
+        out.append(
+            (
+                rng.standard_normal(1000).astype(np.float32),
+                rng.standard_normal(3).astype(np.float32),
+            )
+        )
     return out
 
 
@@ -175,14 +197,20 @@ def test_bsp_server_update_is_plain_sgd_on_the_mean(job: list[dict[str, Any]]) -
     p = np.zeros(1000, np.float32)
     for step in range(3):
         gs = _pushed(step)
-        p = p - np.float32(0.5) * (functools.reduce(np.add, [g[0] for g in gs]) / np.float32(WORKERS))
+        p = p - np.float32(0.5) * (
+            functools.reduce(np.add, [g[0] for g in gs]) / np.float32(WORKERS)
+        )
         for res in _workers(job, "avg-server"):
             assert np.array_equal(res["outs"][step][0], p)
 
 
 @pytest.mark.timeout(300)
 def test_the_array_was_split_over_both_servers(job: list[dict[str, Any]]) -> None:
-    shards = [(s["key"], s["start"], s["stop"]) for st in _servers(job, "avg-worker") for s in st["shards"]]
+    shards = [
+        (s["key"], s["start"], s["stop"])
+        for st in _servers(job, "avg-worker")
+        for s in st["shards"]
+    ]
     assert sorted(s for s in shards if s[0] == KEY_W) == [(KEY_W, 0, 500), (KEY_W, 500, 1000)]
     assert [s for s in shards if s[0] == KEY_B] == [(KEY_B, 0, 3)]
     # every server reported, through a worker's stats() call too
@@ -209,7 +237,9 @@ def _oracle(cfg: ps.PSConfig) -> tuple[np.ndarray, np.ndarray, list[float]]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_bsp_server_and_worker_update_match_the_single_process_oracle(job: list[dict[str, Any]], opt: str) -> None:
+def test_bsp_server_and_worker_update_match_the_single_process_oracle(
+    job: list[dict[str, Any]], opt: str
+) -> None:
     server_runs = _workers(job, f"toy-server-{opt}")
     worker_runs = _workers(job, f"toy-worker-{opt}")
     w, b, losses = _oracle(_cfg(optimizer=opt))
@@ -224,10 +254,16 @@ def test_bsp_server_and_worker_update_match_the_single_process_oracle(job: list[
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("bound", [0, 1, 3])
-def test_ssp_never_exceeds_its_bound_with_a_slow_worker(job: list[dict[str, Any]], bound: int) -> None:
+def test_ssp_never_exceeds_its_bound_with_a_slow_worker(
+    job: list[dict[str, Any]], bound: int
+) -> None:
     name = f"ssp{bound}"
-    served = [g for st in _servers(job, name) for g in range(st["min_gap"], st["max_gap"] + 1)
-              if st["gap_counts"][g - st["min_gap"]]]
+    served = [
+        g
+        for st in _servers(job, name)
+        for g in range(st["min_gap"], st["max_gap"] + 1)
+        if st["gap_counts"][g - st["min_gap"]]
+    ]
     assert sum(st["pulls"] for st in _servers(job, name)) == WORKERS * STEPS * 3  # 2 pieces + bias
     assert max(served) <= bound
     for res in _workers(job, name):

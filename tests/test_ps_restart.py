@@ -25,8 +25,15 @@ LR = 0.01
 
 
 def _worker(pg: Any, coord: tuple[str, int]) -> dict[str, Any]:
-    kv = connect_worker(coord, pg.rank, WORKERS, SERVERS, timeout_s=90, join_timeout_s=15,
-                        slicer=HashSlicer(split_min_bytes=64))
+    kv = connect_worker(
+        coord,
+        pg.rank,
+        WORKERS,
+        SERVERS,
+        timeout_s=90,
+        join_timeout_s=15,
+        slicer=HashSlicer(split_min_bytes=64),
+    )
     w = np.zeros(DIM)
     kv.init(0, w).wait()
     for _ in range(STEPS):
@@ -39,15 +46,37 @@ def _worker(pg: Any, coord: tuple[str, int]) -> dict[str, Any]:
 
 
 def _server_cmd(i: int, coord: tuple[str, int], ckpt: str) -> list[str]:
-    return [sys.executable, "-m", "ringcomm", "ps-server", "--coordinator", f"{coord[0]}:{coord[1]}",
-            "--index", str(i), "--ps-servers", str(SERVERS), "--num-workers", str(WORKERS),
-            "--checkpoint-dir", ckpt, "--checkpoint-every", str(EVERY), "--lr", str(LR),
-            "--timeout", "90", "--join-timeout", "15"]
+    return [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "ps-server",
+        "--coordinator",
+        f"{coord[0]}:{coord[1]}",
+        "--index",
+        str(i),
+        "--ps-servers",
+        str(SERVERS),
+        "--num-workers",
+        str(WORKERS),
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        str(EVERY),
+        "--lr",
+        str(LR),
+        "--timeout",
+        "90",
+        "--join-timeout",
+        "15",
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_kill_a_server_restart_it_and_the_workers_continue(tmp_path: Any, no_child_processes: None) -> None:
+def test_kill_a_server_restart_it_and_the_workers_continue(
+    tmp_path: Any, no_child_processes: None
+) -> None:
     ckpt = str(tmp_path / "ckpt")
     procs: list[subprocess.Popen[bytes]] = []
     result: dict[str, Any] = {}
@@ -98,7 +127,7 @@ def test_kill_a_server_restart_it_and_the_workers_continue(tmp_path: Any, no_chi
         lost = STEPS - s["applied"]
         assert 0 <= lost <= EVERY, f"server 1 lost {lost} updates, more than one interval ({EVERY})"
         # the parameters say the same: each lost step is one LR missing from them
-        piece = workers[0]["w"][s["start"]:s["stop"]]
+        piece = workers[0]["w"][s["start"] : s["stop"]]
         np.testing.assert_allclose(piece, -LR * s["applied"], rtol=1e-9)
     assert np.array_equal(workers[0]["w"], workers[1]["w"])
 
@@ -106,14 +135,37 @@ def test_kill_a_server_restart_it_and_the_workers_continue(tmp_path: Any, no_chi
     back = ServerState(PSConfig(num_workers=WORKERS), 1)
     assert load_checkpoint(back, ckpt)
     assert back.restored_progress == STEPS
-    assert sorted(sh.applied for sh in back.shards.values()) == sorted(s["applied"] for s in stats[1]["shards"])
+    assert sorted(sh.applied for sh in back.shards.values()) == sorted(
+        s["applied"] for s in stats[1]["shards"]
+    )
 
 
 def test_ps_server_usage_errors() -> None:
-    base = [sys.executable, "-m", "ringcomm", "ps-server", "--coordinator", "127.0.0.1:1", "--num-workers", "2"]
-    bad_index = subprocess.run(base + ["--index", "3", "--ps-servers", "2"], capture_output=True, timeout=60)
+    base = [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "ps-server",
+        "--coordinator",
+        "127.0.0.1:1",
+        "--num-workers",
+        "2",
+    ]
+    bad_index = subprocess.run(
+        base + ["--index", "3", "--ps-servers", "2"], capture_output=True, timeout=60, check=False
+    )
     assert bad_index.returncode == 2 and b"--index" in bad_index.stderr
-    no_dir = subprocess.run(base + ["--index", "0", "--checkpoint-every", "5"], capture_output=True, timeout=60)
+    no_dir = subprocess.run(
+        base + ["--index", "0", "--checkpoint-every", "5"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert no_dir.returncode == 2 and b"checkpoint_dir" in no_dir.stderr
-    bad_addr = subprocess.run(base[:4] + ["nowhere", "--num-workers", "2", "--index", "0"], capture_output=True, timeout=60)
+    bad_addr = subprocess.run(
+        base[:4] + ["nowhere", "--num-workers", "2", "--index", "0"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert bad_addr.returncode == 2 and b"HOST:PORT" in bad_addr.stderr

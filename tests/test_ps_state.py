@@ -11,7 +11,6 @@ import pytest
 from ringcomm.ps.config import PSConfig
 from ringcomm.ps.state import (
     STATUS_DROPPED,
-    STATUS_LOST,
     STATUS_OK,
     ServerState,
     load_checkpoint,
@@ -87,7 +86,7 @@ def test_ssp_delays_pulls_beyond_the_bound_and_records_gaps(bound: int) -> None:
     assert not st.pull_ready(sh, bound + 1)
     st.push(2, sh, 0, g.copy())
     assert st.pull_ready(sh, bound + 1)
-    out, status, gap = st.pull(sh, bound + 1, copy=True)
+    out, _, gap = st.pull(sh, bound + 1, copy=True)
     assert gap == bound and st.gaps == [bound]
     assert out is not sh.param  # ssp: a copy, the shard changes under later pushes
 
@@ -152,8 +151,13 @@ def test_adam_updater_matches_the_formulas() -> None:
 
 def test_checkpoint_round_trip_and_atomic_write(tmp_path: object) -> None:
     d = str(tmp_path)
-    cfg = PSConfig(num_workers=2, optimizer="adam", optimizer_args={"lr": 0.1},
-                   checkpoint_dir=d, checkpoint_every_steps=2)
+    cfg = PSConfig(
+        num_workers=2,
+        optimizer="adam",
+        optimizer_args={"lr": 0.1},
+        checkpoint_dir=d,
+        checkpoint_every_steps=2,
+    )
     st = ServerState(cfg, 1)
     rng = np.random.default_rng(4)
     sh = st.init_shard(9, 5, 12, 20, np.dtype(np.float64), rng.standard_normal(7))

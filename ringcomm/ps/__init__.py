@@ -39,7 +39,9 @@ __all__ = [
 ]
 
 
-def start(pg: Any, config: PSConfig, num_servers: int = 1, *, slicer: Slicer | None = None) -> KVWorker | PSServer:
+def start(
+    pg: Any, config: PSConfig, num_servers: int = 1, *, slicer: Slicer | None = None
+) -> KVWorker | PSServer:
     """Split ``pg``'s ranks into servers (``0..num_servers-1``) and workers; every rank
     calls this. A server serves until every worker closed its client, writes its final
     checkpoint and returns its :class:`PSServer` (for stats); a worker gets its
@@ -47,10 +49,14 @@ def start(pg: Any, config: PSConfig, num_servers: int = 1, *, slicer: Slicer | N
     space)."""
     n = pg.world_size
     if not 1 <= num_servers < n:
-        raise ValueError(f"rank {pg.rank}: ps: num_servers must be in [1, {n - 1}] for {n} ranks, got {num_servers}")
+        raise ValueError(
+            f"rank {pg.rank}: ps: num_servers must be in [1, {n - 1}] for {n} ranks, got {num_servers}"
+        )
     if config.num_workers != n - num_servers:
-        raise ValueError(f"rank {pg.rank}: ps: config.num_workers={config.num_workers} but "
-                         f"{n} ranks - {num_servers} servers = {n - num_servers} workers")
+        raise ValueError(
+            f"rank {pg.rank}: ps: config.num_workers={config.num_workers} but "
+            f"{n} ranks - {num_servers} servers = {n - num_servers} workers"
+        )
     group = pg.new_group(list(range(n)))
     servers, workers = list(range(num_servers)), list(range(num_servers, n))
     if pg.rank < num_servers:
@@ -60,4 +66,6 @@ def start(pg: Any, config: PSConfig, num_servers: int = 1, *, slicer: Slicer | N
         finally:
             server.close()
         return server
-    return KVWorker(group, pg.rank - num_servers, servers, slicer=slicer, timeout_s=config.timeout_s)
+    return KVWorker(
+        group, pg.rank - num_servers, servers, slicer=slicer, timeout_s=config.timeout_s
+    )

@@ -39,26 +39,54 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve shards of a parameter-server job's keys to its workers; restarts "
         "from --checkpoint-dir re-join the running job.",
     )
-    p.add_argument("--coordinator", type=_address, required=True, metavar="HOST:PORT",
-                   help="the store where servers and workers meet")
+    p.add_argument(
+        "--coordinator",
+        type=_address,
+        required=True,
+        metavar="HOST:PORT",
+        help="the store where servers and workers meet",
+    )
     p.add_argument("--index", type=int, required=True, help="this server's index, 0..S-1")
-    p.add_argument("--ps-servers", type=int, default=1, metavar="S", help="number of servers (default 1)")
+    p.add_argument(
+        "--ps-servers", type=int, default=1, metavar="S", help="number of servers (default 1)"
+    )
     p.add_argument("--num-workers", type=int, required=True, metavar="W", help="number of workers")
     p.add_argument("--consistency", choices=CONSISTENCY_MODES, default="bsp")
     p.add_argument("--staleness", type=int, default=0, metavar="K", help="ssp bound (default 0)")
-    p.add_argument("--ps-update", choices=UPDATE_MODES, default="server",
-                   help="server: apply the optimizer here; worker: only average")
+    p.add_argument(
+        "--ps-update",
+        choices=UPDATE_MODES,
+        default="server",
+        help="server: apply the optimizer here; worker: only average",
+    )
     p.add_argument("--optimizer", choices=sorted(UPDATERS), default="sgd")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.0, help="sgd momentum (default 0)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
-                   help="checkpoint each time the slowest worker passes another STEPS steps")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="deadline of every wait")
-    p.add_argument("--join-timeout", type=float, default=20.0, metavar="S",
-                   help="joining a group of the job gives up after this (then it re-forms)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="checkpoint each time the slowest worker passes another STEPS steps",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, metavar="S", help="deadline of every wait"
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="joining a group of the job gives up after this (then it re-forms)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--stats-json", default=None, metavar="FILE", help="write the server's statistics here at exit")
+    p.add_argument(
+        "--stats-json",
+        default=None,
+        metavar="FILE",
+        help="write the server's statistics here at exit",
+    )
     p.set_defaults(main=main)
     return p
 
@@ -70,9 +98,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if args.optimizer == "sgd":
         opt["momentum"] = args.momentum
     return PSConfig(
-        num_workers=args.num_workers, consistency=args.consistency, staleness=args.staleness,
-        update=args.ps_update, optimizer=args.optimizer, optimizer_args=opt,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every,
+        num_workers=args.num_workers,
+        consistency=args.consistency,
+        staleness=args.staleness,
+        update=args.ps_update,
+        optimizer=args.optimizer,
+        optimizer_args=opt,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every_steps=args.checkpoint_every,
         timeout_s=args.timeout,
     )
 
@@ -85,15 +118,23 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=os.environ.get("RINGCOMM_PS_LOG", "WARNING").upper(),
-                        format=f"[ps-server {args.index}] %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("RINGCOMM_PS_LOG", "WARNING").upper(),
+        format=f"[ps-server {args.index}] %(message)s",
+    )
     from ..errors import RingcommError
     from .membership import run_server
 
     try:
-        server = run_server(args.coordinator, args.index, args.ps_servers, config,
-                            token=os.environ.get("RINGCOMM_TOKEN") or None,
-                            join_timeout_s=args.join_timeout, host=args.host)
+        server = run_server(
+            args.coordinator,
+            args.index,
+            args.ps_servers,
+            config,
+            token=os.environ.get("RINGCOMM_TOKEN") or None,
+            join_timeout_s=args.join_timeout,
+            host=args.host,
+        )
     except (RingcommError, OSError, ValueError) as exc:
         print(f"{_PROG} {args.index}: {exc}", file=sys.stderr)
         return 1

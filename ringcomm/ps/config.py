@@ -38,13 +38,17 @@ class PSConfig:
         if self.num_workers < 1:
             raise ValueError(f"ps: num_workers must be >= 1, got {self.num_workers}")
         if self.consistency not in CONSISTENCY_MODES:
-            raise ValueError(f"ps: consistency must be one of {CONSISTENCY_MODES}, got {self.consistency!r}")
+            raise ValueError(
+                f"ps: consistency must be one of {CONSISTENCY_MODES}, got {self.consistency!r}"
+            )
         if self.update not in UPDATE_MODES:
             raise ValueError(f"ps: update must be one of {UPDATE_MODES}, got {self.update!r}")
         if self.staleness < 0:
             raise ValueError(f"ps: staleness must be >= 0, got {self.staleness}")
         if self.checkpoint_every_steps < 0:
-            raise ValueError(f"ps: checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}")
+            raise ValueError(
+                f"ps: checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}"
+            )
         if self.checkpoint_every_steps and not self.checkpoint_dir:
             raise ValueError("ps: checkpoint_every_steps needs a checkpoint_dir")
         if not self.timeout_s > 0:

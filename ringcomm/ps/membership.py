@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CommTimeoutError, RendezvousError, RingcommError
 from ..group import init_process_group
@@ -39,6 +39,9 @@ from .config import PSConfig
 from .server import PSServer
 from .slicer import Slicer
 from .worker import KVWorker
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Membership", "connect_worker", "run_server"]
 
@@ -78,7 +81,9 @@ class Membership:
         self.token, self.timeout_s = token, timeout_s
         self.join_timeout_s, self.poll_s, self.host = join_timeout_s, poll_s, host
         addr, port = coordinator
-        self.coord = Store(addr, port, token=token, timeout_s=min(timeout_s, 30.0), prefix=prefix, label=self.label)
+        self.coord = Store(
+            addr, port, token=token, timeout_s=min(timeout_s, 30.0), prefix=prefix, label=self.label
+        )
         self.epoch = -1
         self.group: Any = None
         self.joins = 0
@@ -114,7 +119,9 @@ class Membership:
         epoch = self.current_epoch()
         while True:
             if time.monotonic() > deadline:
-                raise CommTimeoutError(f"{self.label}: op ps.join: no epoch formed within {self.timeout_s:g} s")
+                raise CommTimeoutError(
+                    f"{self.label}: op ps.join: no epoch formed within {self.timeout_s:g} s"
+                )
             try:
                 group = self._form(epoch)
                 break
@@ -125,8 +132,12 @@ class Membership:
         self.group, self.epoch = group, epoch
         self.joins += 1
         self._watch_stop = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, args=(group, epoch, self._watch_stop),
-                                         name=f"ps-watch-{self.role}{self.index}", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch,
+            args=(group, epoch, self._watch_stop),
+            name=f"ps-watch-{self.role}{self.index}",
+            daemon=True,
+        )
         self._watcher.start()
         return group
 
@@ -136,21 +147,28 @@ class Membership:
             if e > epoch:
                 return e
             time.sleep(self.poll_s)
-        raise CommTimeoutError(f"{self.label}: op ps.join: epoch {epoch} was abandoned and no new one began")
+        raise CommTimeoutError(
+            f"{self.label}: op ps.join: epoch {epoch} was abandoned and no new one began"
+        )
 
     def _form(self, epoch: int) -> Any:
         key = f"epoch/{epoch}/store"
-        if self.rank == 0:
-            if self.coord.try_get(key) is None:
-                server = StoreServer(self.host, 0, token=self.token).start()
-                self._stores.append(server)
-                self.coord.set(key, f"{self.host}:{server.port}")
+        if self.rank == 0 and self.coord.try_get(key) is None:
+            server = StoreServer(self.host, 0, token=self.token).start()
+            self._stores.append(server)
+            self.coord.set(key, f"{self.host}:{server.port}")
         where = self.coord.get(key, timeout_s=self.join_timeout_s).decode()
         host, port = where.rsplit(":", 1)
         env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
         return init_process_group(
-            self.rank, self.num_workers + self.num_servers, master_addr=host, master_port=int(port),
-            timeout_s=self.join_timeout_s, token=self.token, host_store=False, env=env,
+            self.rank,
+            self.num_workers + self.num_servers,
+            master_addr=host,
+            master_port=int(port),
+            timeout_s=self.join_timeout_s,
+            token=self.token,
+            host_store=False,
+            env=env,
         )
 
     def _watch(self, group: Any, epoch: int, stop: threading.Event) -> None:
@@ -163,7 +181,7 @@ class Membership:
                 log.info("%s: epoch %d ended; closing its group", self.label, epoch)
                 try:
                     group.close()
-                except Exception:  # noqa: BLE001 (a failing close must not kill the watcher)
+                except Exception:
                     log.exception("%s: closing the group of epoch %d", self.label, epoch)
                 if self.on_epoch_end is not None:
                     self.on_epoch_end()
@@ -178,7 +196,7 @@ class Membership:
     def _close_group(self) -> None:
         try:
             self.group.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("%s: closing the group of epoch %d", self.label, self.epoch)
         self.group = None
 
@@ -207,7 +225,7 @@ class Membership:
         self._stores.clear()
         self.coord.close()
 
-    def __enter__(self) -> Membership:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -227,12 +245,22 @@ def connect_worker(
     host: str = "127.0.0.1",
 ) -> KVWorker:
     """Worker ``index``'s client of standalone servers; ``close()`` also leaves the group."""
-    m = Membership(coordinator, role="worker", index=index, num_workers=num_workers,
-                   num_servers=num_servers, token=token, timeout_s=timeout_s,
-                   join_timeout_s=join_timeout_s, host=host)
+    m = Membership(
+        coordinator,
+        role="worker",
+        index=index,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        token=token,
+        timeout_s=timeout_s,
+        join_timeout_s=join_timeout_s,
+        host=host,
+    )
     try:
         group = m.join()
-        return KVWorker(group, index, m.server_ranks, slicer=slicer, timeout_s=timeout_s, connector=m)
+        return KVWorker(
+            group, index, m.server_ranks, slicer=slicer, timeout_s=timeout_s, connector=m
+        )
     except BaseException:
         m.close()
         raise
@@ -252,12 +280,26 @@ def run_server(
     (closed: its final checkpoint written). A restart (this index started before, per the
     coordinator) restores the latest checkpoint and makes the job re-form."""
     server = PSServer(config, index)
-    with Membership(coordinator, role="server", index=index, num_workers=config.num_workers,
-                    num_servers=num_servers, token=token, timeout_s=config.timeout_s,
-                    join_timeout_s=join_timeout_s, host=host, on_epoch_end=server.interrupt) as m:
+    with Membership(
+        coordinator,
+        role="server",
+        index=index,
+        num_workers=config.num_workers,
+        num_servers=num_servers,
+        token=token,
+        timeout_s=config.timeout_s,
+        join_timeout_s=join_timeout_s,
+        host=host,
+        on_epoch_end=server.interrupt,
+    ) as m:
         starts = m.coord.add(f"server/{index}/starts", 1)
         if starts > 1:
-            log.info("%s: restart %d (restored: %s); re-forming the job", m.label, starts - 1, server.restored)
+            log.info(
+                "%s: restart %d (restored: %s); re-forming the job",
+                m.label,
+                starts - 1,
+                server.restored,
+            )
             m.abandon(m.current_epoch())
         try:
             while True:

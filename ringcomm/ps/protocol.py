@@ -45,8 +45,13 @@ OP_HELLO = 5
 OP_STATS = 6
 OP_BYE = 7
 OP_NAMES = {
-    OP_INIT: "init", OP_PUSH: "push", OP_PULL: "pull", OP_PUSH_PULL: "push_pull",
-    OP_HELLO: "hello", OP_STATS: "stats", OP_BYE: "bye",
+    OP_INIT: "init",
+    OP_PUSH: "push",
+    OP_PULL: "pull",
+    OP_PUSH_PULL: "push_pull",
+    OP_HELLO: "hello",
+    OP_STATS: "stats",
+    OP_BYE: "bye",
 }
 #: Ops whose request carries a payload; ops whose reply does.
 WITH_PAYLOAD = frozenset({OP_INIT, OP_PUSH, OP_PUSH_PULL})
@@ -57,6 +62,14 @@ REPLY_WORDS = 4
 STATUS_ERROR = -1
 
 
-def request(op: int, key: int = 0, step: int = 0, start: int = 0, nelem: int = 0,
-            dtype_code: int = 0, extra: int = 0, seq: int = 0) -> np.ndarray:
+def request(
+    op: int,
+    key: int = 0,
+    step: int = 0,
+    start: int = 0,
+    nelem: int = 0,
+    dtype_code: int = 0,
+    extra: int = 0,
+    seq: int = 0,
+) -> np.ndarray:
     return np.array([op, key, step, start, nelem, dtype_code, extra, seq], np.int64)

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from ..errors import CommTimeoutError, GroupClosedError, RingcommError
 from . import protocol as P
 from .config import PSConfig
 from .state import DTYPES, STATUS_OK, ServerState, load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["PSServer"]
 
@@ -58,7 +61,9 @@ class PSServer:
         if restore and config.checkpoint_dir:
             self.restored = load_checkpoint(self.state, config.checkpoint_dir)
             if self.restored:
-                log.info("ps server %d: restored at progress %s", index, self.state.restored_progress)
+                log.info(
+                    "ps server %d: restored at progress %s", index, self.state.restored_progress
+                )
         self._closed = False
         self._interrupted = False
 
@@ -91,8 +96,10 @@ class PSServer:
         errors: list[BaseException] = []
         threads = [
             threading.Thread(
-                target=self._loop_guarded, args=(group, w, peer, errors),
-                name=f"ps-server{self.index}-w{w}", daemon=True,
+                target=self._loop_guarded,
+                args=(group, w, peer, errors),
+                name=f"ps-server{self.index}-w{w}",
+                daemon=True,
             )
             for w, peer in enumerate(worker_ranks)
             if w not in self.byes
@@ -125,7 +132,9 @@ class PSServer:
             payload = None
             if op in P.WITH_PAYLOAD:
                 if not 0 <= code < len(DTYPES):
-                    raise RingcommError(f"ps server {self.index}: worker {w} sent dtype code {code}")
+                    raise RingcommError(
+                        f"ps server {self.index}: worker {w} sent dtype code {code}"
+                    )
                 payload = np.empty(nelem, DTYPES[code])
                 g.irecv(payload, peer, P.TAG_REQUEST).wait(timeout_s=self.config.timeout_s)
             reply, data = self._handle(w, op, key, step, start, nelem, code, extra, payload)
@@ -139,8 +148,16 @@ class PSServer:
 
     # -- one request -------------------------------------------------------------------
     def _handle(
-        self, w: int, op: int, key: int, step: int, start: int, nelem: int, code: int,
-        extra: int, payload: np.ndarray | None,
+        self,
+        w: int,
+        op: int,
+        key: int,
+        step: int,
+        start: int,
+        nelem: int,
+        code: int,
+        extra: int,
+        payload: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         st = self.state
         zero = np.zeros(P.REPLY_WORDS, np.int64)
@@ -149,8 +166,10 @@ class PSServer:
                 st.hello(w, step)
                 if st.needs_resync:
                     self.cond.notify_all()
-                    self.cond.wait_for(lambda: st.resync_ready() or not st.needs_resync
-                                       or self._interrupted, timeout=self.config.timeout_s)
+                    self.cond.wait_for(
+                        lambda: st.resync_ready() or not st.needs_resync or self._interrupted,
+                        timeout=self.config.timeout_s,
+                    )
                     self._check_interrupted(w, op)
                     if st.needs_resync:
                         if not st.resync_ready():
@@ -175,7 +194,9 @@ class PSServer:
             assert payload is not None
             with self.cond:
                 try:
-                    st.init_shard(key, start, start + nelem, extra, DTYPES[code], payload, clock=step)
+                    st.init_shard(
+                        key, start, start + nelem, extra, DTYPES[code], payload, clock=step
+                    )
                 except ValueError as exc:
                     return self._error(w, op, key, str(exc), nelem, code)
             return zero, None
@@ -184,7 +205,11 @@ class PSServer:
         with self.cond:
             sh = st.shard(key, start)
             if sh is None or sh.nelem != nelem or (code < len(DTYPES) and sh.dtype != DTYPES[code]):
-                what = "no such key (call init first)" if sh is None else f"layout differs from {sh.describe()}"
+                what = (
+                    "no such key (call init first)"
+                    if sh is None
+                    else f"layout differs from {sh.describe()}"
+                )
                 return self._error(w, op, key, f"[{start}:{start + nelem}]: {what}", nelem, code)
             status = STATUS_OK
             if payload is not None:
@@ -198,21 +223,30 @@ class PSServer:
             reader = extra
             if not st.pull_ready(sh, reader):
                 t0 = time.monotonic()
-                self.cond.wait_for(lambda: st.pull_ready(sh, reader) or self._interrupted,
-                                   timeout=self.config.timeout_s)
+                self.cond.wait_for(
+                    lambda: st.pull_ready(sh, reader) or self._interrupted,
+                    timeout=self.config.timeout_s,
+                )
                 self._check_interrupted(w, op)
                 if not st.pull_ready(sh, reader):
                     return self._error(
-                        w, op, key,
+                        w,
+                        op,
+                        key,
                         f"pull at clock {reader} not servable after {time.monotonic() - t0:.1f} s "
                         f"(slowest worker at {int(sh.clocks.min())}, version {sh.version})",
-                        nelem, code,
+                        nelem,
+                        code,
                     )
-            data, pull_status, gap = st.pull(sh, reader, copy=self.config.consistency != "bsp", worker=w)
+            data, pull_status, gap = st.pull(
+                sh, reader, copy=self.config.consistency != "bsp", worker=w
+            )
             reply = np.array([max(status, pull_status), sh.version, gap, 0], np.int64)
         return reply, data
 
-    def _error(self, w: int, op: int, key: int, text: str, nelem: int, code: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def _error(
+        self, w: int, op: int, key: int, text: str, nelem: int, code: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         msg = f"ps server {self.index}: worker {w}, op {P.OP_NAMES.get(op, op)}, key {key}: {text}"
         log.warning("%s", msg)
         reply = np.array([P.STATUS_ERROR, 0, 0, 0], np.int64)
@@ -242,7 +276,7 @@ class PSServer:
                 self._checkpoint()
             self.cond.notify_all()
 
-    def __enter__(self) -> PSServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -110,7 +110,9 @@ class HashSlicer(_SplittingSlicer):
 class RangeSlicer(_SplittingSlicer):
     """Small keys by range: server ``key * num_servers // key_space``."""
 
-    def __init__(self, split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES, key_space: int = 1 << 16) -> None:
+    def __init__(
+        self, split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES, key_space: int = 1 << 16
+    ) -> None:
         super().__init__(split_min_bytes)
         if not 1 <= key_space <= KEY_LIMIT:
             raise ValueError(f"ps: key_space must be in [1, 2**62], got {key_space}")
@@ -118,5 +120,7 @@ class RangeSlicer(_SplittingSlicer):
 
     def home(self, key: int, num_servers: int) -> int:
         if key >= self.key_space:
-            raise ValueError(f"ps: key {key} is outside the range slicer's key space [0, {self.key_space})")
+            raise ValueError(
+                f"ps: key {key} is outside the range slicer's key space [0, {self.key_space})"
+            )
         return key * num_servers // self.key_space

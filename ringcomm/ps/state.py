@@ -49,7 +49,9 @@ STATUS_LOST = 2  # worker update: the averaged gradient of that step was lost in
 class Shard:
     """Elements ``[start, stop)`` of key ``key`` (``total`` elements in all)."""
 
-    def __init__(self, key: int, start: int, stop: int, total: int, dtype: np.dtype, num_workers: int) -> None:
+    def __init__(
+        self, key: int, start: int, stop: int, total: int, dtype: np.dtype, num_workers: int
+    ) -> None:
         self.key, self.start, self.stop, self.total = key, start, stop, total
         self.dtype = np.dtype(dtype)
         self.param = np.zeros(stop - start, self.dtype)
@@ -71,7 +73,9 @@ class Shard:
 
 
 class ServerState:
-    def __init__(self, config: PSConfig, server_index: int = 0, updater: Updater | None = None) -> None:
+    def __init__(
+        self, config: PSConfig, server_index: int = 0, updater: Updater | None = None
+    ) -> None:
         self.config = config
         self.server_index = server_index
         self.num_workers = config.num_workers
@@ -89,8 +93,16 @@ class ServerState:
     def shard(self, key: int, start: int) -> Shard | None:
         return self.shards.get((key, start))
 
-    def init_shard(self, key: int, start: int, stop: int, total: int, dtype: np.dtype,
-                   value: np.ndarray, clock: int = 0) -> Shard:
+    def init_shard(
+        self,
+        key: int,
+        start: int,
+        stop: int,
+        total: int,
+        dtype: np.dtype,
+        value: np.ndarray,
+        clock: int = 0,
+    ) -> Shard:
         """Create the shard from ``value`` (the first init wins; later ones must agree in
         layout and are ignored). ``clock``: the initialising worker's clock; a key made
         in the middle of a job starts there (version and every worker's clock), so that it
@@ -166,7 +178,9 @@ class ServerState:
         bound = self.config.bound
         return bound is None or self.gap(sh, reader_clock) <= bound
 
-    def pull(self, sh: Shard, reader_clock: int, copy: bool, worker: int = 0) -> tuple[np.ndarray, int, int]:
+    def pull(
+        self, sh: Shard, reader_clock: int, copy: bool, worker: int = 0
+    ) -> tuple[np.ndarray, int, int]:
         """``(array to send, status, gap)`` of a ready pull; records the gap.
 
         The array is the shard's own parameter unless ``copy`` (the caller sends it after
@@ -241,8 +255,14 @@ class ServerState:
             "checkpoints_written": self.checkpoints_written,
             "restored_progress": self.restored_progress,
             "shards": [
-                {"key": sh.key, "start": sh.start, "stop": sh.stop, "version": sh.version,
-                 "applied": sh.applied, "clocks": sh.clocks.tolist()}
+                {
+                    "key": sh.key,
+                    "start": sh.start,
+                    "stop": sh.stop,
+                    "version": sh.version,
+                    "applied": sh.applied,
+                    "clocks": sh.clocks.tolist(),
+                }
                 for sh in self.shards.values()
             ],
         }
@@ -250,22 +270,33 @@ class ServerState:
     # -- checkpoints -------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The state as named arrays (what :func:`save_checkpoint` writes)."""
+        shards: list[dict[str, Any]] = []
         meta = {
             "format": 1,
             "server": self.server_index,
-            "config": {"consistency": self.config.consistency, "update": self.config.update,
-                       "num_workers": self.num_workers},
+            "config": {
+                "consistency": self.config.consistency,
+                "update": self.config.update,
+                "num_workers": self.num_workers,
+            },
             "updater": self.updater.config(),
             "progress": self.progress(),
-            "shards": [],
+            "shards": shards,
         }
         arrays: dict[str, np.ndarray] = {}
         for i, sh in enumerate(self.shards.values()):
-            meta["shards"].append({  # type: ignore[attr-defined]
-                "key": sh.key, "start": sh.start, "stop": sh.stop, "total": sh.total,
-                "dtype": sh.dtype.str, "version": sh.version, "applied": sh.applied,
-                "state": sorted(sh.opt_state),
-            })
+            shards.append(
+                {
+                    "key": sh.key,
+                    "start": sh.start,
+                    "stop": sh.stop,
+                    "total": sh.total,
+                    "dtype": sh.dtype.str,
+                    "version": sh.version,
+                    "applied": sh.applied,
+                    "state": sorted(sh.opt_state),
+                }
+            )
             arrays[f"s{i}/param"] = sh.param
             arrays[f"s{i}/clocks"] = sh.clocks
             for name, value in sh.opt_state.items():
@@ -277,7 +308,9 @@ class ServerState:
         meta = json.loads(bytes(arrays["meta"]).decode())
         cfg = meta["config"]
         if (cfg["consistency"], cfg["update"], cfg["num_workers"]) != (
-            self.config.consistency, self.config.update, self.num_workers
+            self.config.consistency,
+            self.config.update,
+            self.num_workers,
         ):
             raise ValueError(
                 f"server {self.server_index}: checkpoint was written for {cfg}, this server runs "
@@ -286,7 +319,9 @@ class ServerState:
             )
         self.shards.clear()
         for i, m in enumerate(meta["shards"]):
-            sh = Shard(m["key"], m["start"], m["stop"], m["total"], np.dtype(m["dtype"]), self.num_workers)
+            sh = Shard(
+                m["key"], m["start"], m["stop"], m["total"], np.dtype(m["dtype"]), self.num_workers
+            )
             sh.param[...] = arrays[f"s{i}/param"]
             sh.clocks[...] = arrays[f"s{i}/clocks"]
             sh.version, sh.applied = m["version"], m["applied"]
@@ -308,10 +343,12 @@ def save_checkpoint(state: ServerState, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
     path = checkpoint_path(directory, state.server_index)
     progress = state.progress()
-    fd, tmp = tempfile.mkstemp(prefix=f".ps-server-{state.server_index}-", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".ps-server-{state.server_index}-", suffix=".tmp", dir=directory
+    )
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **state.to_arrays())
+            np.savez(f, **state.to_arrays())  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

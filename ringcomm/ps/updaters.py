@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["UPDATERS", "SGD", "Adam", "Updater", "make_updater"]
+__all__ = ["SGD", "UPDATERS", "Adam", "Updater", "make_updater"]
 
 State = dict[str, np.ndarray]
 
@@ -111,5 +111,7 @@ def make_updater(name: str, **kwargs: Any) -> Updater:
     try:
         cls = UPDATERS[name]
     except KeyError:
-        raise ValueError(f"ps: unknown optimizer {name!r}; expected one of {sorted(UPDATERS)}") from None
+        raise ValueError(
+            f"ps: unknown optimizer {name!r}; expected one of {sorted(UPDATERS)}"
+        ) from None
     return cls(**kwargs)  # type: ignore[no-any-return]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import json
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from ..errors import GroupClosedError, RingcommError
 from . import protocol as P
 from .slicer import HashSlicer, Piece, Slicer, check_key
 from .state import DTYPES, STATUS_LOST
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Handle", "KVWorker", "PSRequestError"]
 
@@ -59,8 +62,13 @@ class _Part:
 
     __slots__ = ("data", "data_out", "done", "op", "payload", "rep", "request", "server", "works")
 
-    def __init__(self, server: int, request: np.ndarray, payload: np.ndarray | None,
-                 data_out: np.ndarray | None) -> None:
+    def __init__(
+        self,
+        server: int,
+        request: np.ndarray,
+        payload: np.ndarray | None,
+        data_out: np.ndarray | None,
+    ) -> None:
         self.server = server
         self.request = request
         self.op = int(request[0])
@@ -142,12 +150,18 @@ class KVWorker:
         info = _KeyInfo(flat.size, flat.dtype, code, pieces)
         old = self._keys.get(key)
         if old is not None and (old.nelem, old.dtype) != (info.nelem, info.dtype):
-            raise ValueError(f"ps worker {self.index}: init of key {key}: {flat.dtype}[{flat.size}] "
-                             f"differs from its earlier init {old.dtype}[{old.nelem}]")
+            raise ValueError(
+                f"ps worker {self.index}: init of key {key}: {flat.dtype}[{flat.size}] "
+                f"differs from its earlier init {old.dtype}[{old.nelem}]"
+            )
         self._keys[key] = info
         parts = [
-            self._issue(pc.server, P.request(P.OP_INIT, key, self.clock, pc.start, pc.nelem, code, flat.size),
-                        flat[pc.start:pc.stop], None)
+            self._issue(
+                pc.server,
+                P.request(P.OP_INIT, key, self.clock, pc.start, pc.nelem, code, flat.size),
+                flat[pc.start : pc.stop],
+                None,
+            )
             for pc in pieces
         ]
         return Handle(self, parts, f"init key {key}")
@@ -156,8 +170,12 @@ class KVWorker:
         """Send ``grad`` as this worker's gradient of the current step."""
         info, flat = self._checked(key, grad, "push", writeable=False)
         parts = [
-            self._issue(pc.server, P.request(P.OP_PUSH, key, self.clock, pc.start, pc.nelem, info.code),
-                        flat[pc.start:pc.stop], None)
+            self._issue(
+                pc.server,
+                P.request(P.OP_PUSH, key, self.clock, pc.start, pc.nelem, info.code),
+                flat[pc.start : pc.stop],
+                None,
+            )
             for pc in info.pieces
         ]
         return Handle(self, parts, f"push key {key} step {self.clock}")
@@ -167,8 +185,12 @@ class KVWorker:
         worker update: the averaged gradient of the previous step)."""
         info, flat = self._checked(key, out, "pull", writeable=True)
         parts = [
-            self._issue(pc.server, P.request(P.OP_PULL, key, self.clock, pc.start, pc.nelem, info.code, self.clock),
-                        None, flat[pc.start:pc.stop])
+            self._issue(
+                pc.server,
+                P.request(P.OP_PULL, key, self.clock, pc.start, pc.nelem, info.code, self.clock),
+                None,
+                flat[pc.start : pc.stop],
+            )
             for pc in info.pieces
         ]
         return Handle(self, parts, f"pull key {key} at clock {self.clock}")
@@ -179,8 +201,12 @@ class KVWorker:
         _, oflat = self._checked(key, out, "push_pull", writeable=True)
         c = self.clock
         parts = [
-            self._issue(pc.server, P.request(P.OP_PUSH_PULL, key, c, pc.start, pc.nelem, info.code, c + 1),
-                        gflat[pc.start:pc.stop], oflat[pc.start:pc.stop])
+            self._issue(
+                pc.server,
+                P.request(P.OP_PUSH_PULL, key, c, pc.start, pc.nelem, info.code, c + 1),
+                gflat[pc.start : pc.stop],
+                oflat[pc.start : pc.stop],
+            )
             for pc in info.pieces
         ]
         return Handle(self, parts, f"push_pull key {key} step {c}")
@@ -211,15 +237,17 @@ class KVWorker:
             return
         try:
             self.wait_all()
-            parts = [self._issue(s, P.request(P.OP_BYE, step=self.clock), None, None)
-                     for s in range(self.num_servers)]
+            parts = [
+                self._issue(s, P.request(P.OP_BYE, step=self.clock), None, None)
+                for s in range(self.num_servers)
+            ]
             self._wait_parts(parts, "bye", None)
         finally:
             self._closed = True
             if self.connector is not None:
                 self.connector.close()
 
-    def __enter__(self) -> KVWorker:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -229,18 +257,26 @@ class KVWorker:
     # -- checks ------------------------------------------------------------------------
     def _flat(self, x: Any, op: str, key: int, writeable: bool) -> np.ndarray:
         if not isinstance(x, np.ndarray):
-            raise TypeError(f"ps worker {self.index}: {op} key {key}: expected a numpy array, got {type(x).__name__}")
+            raise TypeError(
+                f"ps worker {self.index}: {op} key {key}: expected a numpy array, got {type(x).__name__}"
+            )
         if not x.flags.c_contiguous:
-            raise ValueError(f"ps worker {self.index}: {op} key {key}: the array must be C-contiguous")
+            raise ValueError(
+                f"ps worker {self.index}: {op} key {key}: the array must be C-contiguous"
+            )
         if writeable and not x.flags.writeable:
-            raise ValueError(f"ps worker {self.index}: {op} key {key}: the output array is read-only")
+            raise ValueError(
+                f"ps worker {self.index}: {op} key {key}: the output array is read-only"
+            )
         return x.reshape(-1)
 
     def _dtype_code(self, dtype: np.dtype, key: int) -> int:
         for i, d in enumerate(DTYPES):
             if d == dtype:
                 return i
-        raise TypeError(f"ps worker {self.index}: key {key}: dtype {dtype} is not one of {[str(d) for d in DTYPES]}")
+        raise TypeError(
+            f"ps worker {self.index}: key {key}: dtype {dtype} is not one of {[str(d) for d in DTYPES]}"
+        )
 
     def _checked(self, key: int, x: Any, op: str, writeable: bool) -> tuple[_KeyInfo, np.ndarray]:
         info = self._keys.get(key)
@@ -248,13 +284,20 @@ class KVWorker:
             raise KeyError(f"ps worker {self.index}: {op} key {key}: call init(key, array) first")
         flat = self._flat(x, op, key, writeable)
         if flat.size != info.nelem or flat.dtype != info.dtype:
-            raise ValueError(f"ps worker {self.index}: {op} key {key}: got {flat.dtype}[{flat.size}], "
-                             f"the key is {info.dtype}[{info.nelem}]")
+            raise ValueError(
+                f"ps worker {self.index}: {op} key {key}: got {flat.dtype}[{flat.size}], "
+                f"the key is {info.dtype}[{info.nelem}]"
+            )
         return info, flat
 
     # -- requests ----------------------------------------------------------------------
-    def _issue(self, server: int, request: np.ndarray, payload: np.ndarray | None,
-               data_out: np.ndarray | None) -> _Part:
+    def _issue(
+        self,
+        server: int,
+        request: np.ndarray,
+        payload: np.ndarray | None,
+        data_out: np.ndarray | None,
+    ) -> _Part:
         if self._closed:
             raise RingcommError(f"ps worker {self.index}: the client is closed")
         self._seq += 1
@@ -286,7 +329,9 @@ class KVWorker:
                         work.wait(timeout_s=t)
                     if part.op == P.OP_STATS and part.data is None:
                         blob = np.empty(int(part.rep[3]), np.uint8)
-                        self.group.recv(blob, self.server_ranks[part.server], P.TAG_REPLY, timeout_s=t)
+                        self.group.recv(
+                            blob, self.server_ranks[part.server], P.TAG_REPLY, timeout_s=t
+                        )
                         part.data = blob.tobytes()
                 except GroupClosedError:
                     if self.connector is None:
