@@ -11,6 +11,7 @@ same bits in every process, so bsp training can be compared bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -25,6 +26,8 @@ SERVERS, WORKERS = 2, 3
 DIM, ROWS = 40, 32
 KEY_W, KEY_B = 11, 12
 STEPS = 30
+ASYNC_STEPS = 80  # the staleness cases run longer: the bound must hold throughout
+RESUME_AT = 12  # the checkpoint case: a first job stops here, a second resumes
 SLOW_S = 0.01  # worker 2's extra time per step in the staleness cases
 # 320-byte weights split over both servers; the 8-byte bias lives whole on one
 SLICER = ps.HashSlicer(split_min_bytes=256)
@@ -91,17 +94,24 @@ def _avg_session(kv: ps.KVWorker) -> dict[str, Any]:
     return {"outs": outs}
 
 
-def _toy_session(kv: ps.KVWorker, cfg: ps.PSConfig, slow: bool) -> dict[str, Any]:
+def _toy_session(kv: ps.KVWorker, cfg: ps.PSConfig, slow: bool, steps: int) -> dict[str, Any]:
+    """Train until the clock reaches ``steps`` (from where the servers are: a job restarted
+    from checkpoints resumes at their step)."""
     x, y = _data(kv.index)
     w, b = np.zeros(DIM), np.zeros(1)
     hs = [kv.init(KEY_W, w), kv.init(KEY_B, b)]
     for h in hs:
         h.wait()
+    start_clock = kv.clock
+    if start_clock:  # resumed: the servers' parameters, not our zeros
+        hs = [kv.pull(KEY_W, w), kv.pull(KEY_B, b)]
+        for h in hs:
+            h.wait()
     local = ps.make_updater(cfg.optimizer, **cfg.optimizer_args)
     sw, sb = local.new_state(w), local.new_state(b)
     aw, ab = np.empty(DIM), np.empty(1)
     losses = []
-    for _ in range(STEPS):
+    while kv.clock < steps:
         loss, gw, gb = _loss_grad(x, y, w, b)
         losses.append(loss)
         if cfg.update == "server":
@@ -117,8 +127,29 @@ def _toy_session(kv: ps.KVWorker, cfg: ps.PSConfig, slow: bool) -> dict[str, Any
         kv.advance()
         if slow and kv.index == WORKERS - 1:
             time.sleep(SLOW_S)
-    return {"w": w, "b": b, "losses": losses, "gaps": list(kv.pull_gaps)}
+    return {
+        "w": w,
+        "b": b,
+        "losses": losses,
+        "gaps": list(kv.pull_gaps),
+        "start_clock": start_clock,
+    }
 
+
+def _layout_conflict_session(kv: ps.KVWorker) -> dict[str, Any]:
+    """Worker 0 splits the key, the others keep it whole on server 0: the servers refuse
+    whichever init comes second, naming the key."""
+    slicer = ps.HashSlicer(split_min_bytes=8 if kv.index == 0 else 1 << 30)
+    kv.slicer = slicer
+    try:
+        kv.init(CONFLICT_KEY, np.zeros(10, np.float32)).wait()
+    except ps.PSRequestError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+# a key whose home (unsplit) is server 0, where a split key's first piece also lives
+CONFLICT_KEY = next(k for k in range(100) if ps.HashSlicer().home(k, SERVERS) == 0)
 
 SESSIONS: list[tuple[str, ps.PSConfig, bool]] = [
     ("avg-worker", _cfg(update="worker"), False),
@@ -136,15 +167,28 @@ SESSIONS: list[tuple[str, ps.PSConfig, bool]] = [
 ]
 
 
-def _job(pg: Any) -> dict[str, Any]:
+def _job(pg: Any, ckpt_dir: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name, cfg, slow in SESSIONS:
+    durable = dataclasses.replace(_cfg(), checkpoint_dir=ckpt_dir, checkpoint_every_steps=5)
+    sessions = [
+        *SESSIONS,
+        ("layout-conflict", _cfg(), False),
+        ("resume-a", durable, False),  # stops at RESUME_AT; closing flushes a checkpoint
+        ("resume-b", durable, False),  # new servers restore it; workers resume there
+    ]
+    for name, cfg, slow in sessions:
         role = ps.start(pg, cfg, SERVERS, slicer=SLICER)
         if isinstance(role, ps.PSServer):
             results[name] = {"server": role.state.stats()}
             continue
         with role as kv:
-            out = _avg_session(kv) if name.startswith("avg") else _toy_session(kv, cfg, slow)
+            if name.startswith("avg"):
+                out = _avg_session(kv)
+            elif name == "layout-conflict":
+                out = _layout_conflict_session(kv)
+            else:
+                steps = ASYNC_STEPS if slow else RESUME_AT if name == "resume-a" else STEPS
+                out = _toy_session(kv, cfg, slow, steps)
             if name == "avg-worker":
                 out["server_stats"] = kv.stats()
         results[name] = out
@@ -152,9 +196,10 @@ def _job(pg: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def job() -> list[dict[str, Any]]:
+def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     t0 = time.monotonic()
-    out = rc.spawn(_job, SERVERS + WORKERS, timeout_s=240)
+    ckpt = str(tmp_path_factory.mktemp("ps-ckpt"))
+    out = rc.spawn(_job, SERVERS + WORKERS, args=(ckpt,), timeout_s=240)
     print(f"ps job: {time.monotonic() - t0:.1f} s")
     return out
 
@@ -264,7 +309,9 @@ def test_ssp_never_exceeds_its_bound_with_a_slow_worker(
         for g in range(st["min_gap"], st["max_gap"] + 1)
         if st["gap_counts"][g - st["min_gap"]]
     ]
-    assert sum(st["pulls"] for st in _servers(job, name)) == WORKERS * STEPS * 3  # 2 pieces + bias
+    assert (
+        sum(st["pulls"] for st in _servers(job, name)) == WORKERS * ASYNC_STEPS * 3
+    )  # 2 pieces + bias
     assert max(served) <= bound
     for res in _workers(job, name):
         assert max(res["gaps"]) <= bound
@@ -289,3 +336,49 @@ def test_ssp_and_asp_still_train(job: list[dict[str, Any]], name: str) -> None:
     for res in runs:
         final = _global_loss(res["w"], res["b"])
         assert final < 0.2 * first, (name, first, final)  # measured: 0.009-0.06
+
+
+@pytest.mark.timeout(300)
+def test_a_job_restarted_from_checkpoints_resumes_bit_exactly(job: list[dict[str, Any]]) -> None:
+    """Servers checkpoint (every 5 steps, and when closing); new servers restore parameters,
+    momentum and clocks; workers learn the step from them and finish as if never stopped."""
+    w, b, _ = _oracle(_cfg())
+    for first, second in zip(_workers(job, "resume-a"), _workers(job, "resume-b")):
+        assert first["start_clock"] == 0 and second["start_clock"] == RESUME_AT
+        assert np.array_equal(second["w"], w) and np.array_equal(second["b"], b)
+    for st in _servers(job, "resume-b"):
+        assert st["restored_progress"] == RESUME_AT
+    assert all(st["checkpoints_written"] >= 2 for st in _servers(job, "resume-a"))
+
+
+@pytest.mark.timeout(300)
+def test_conflicting_layouts_are_refused_naming_server_op_and_key(
+    job: list[dict[str, Any]],
+) -> None:
+    errors = [r["error"] for r in _workers(job, "layout-conflict") if r["error"]]
+    assert errors, "no worker was refused"
+    for e in errors:
+        assert f"key {CONFLICT_KEY}" in e and "server 0" in e and "op init" in e
+
+
+def test_client_side_misuse_is_refused_before_sending() -> None:
+    class _NoGroup:  # every check below fires before the group is touched
+        timeout_s = 1.0
+
+    kv = ps.KVWorker.__new__(ps.KVWorker)
+    kv.index, kv._keys, kv._closed = 0, {}, False
+    with pytest.raises(KeyError, match="init"):
+        kv.push(1, np.zeros(3))
+    kv._keys[1] = ps.worker._KeyInfo(3, np.dtype(np.float64), 1, [ps.Piece(0, 0, 3)])
+    with pytest.raises(ValueError, match="float64\\[3\\]"):
+        kv.push(1, np.zeros(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        kv.pull(1, np.zeros((3, 2))[:, 0])
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.zeros(3)
+        ro.flags.writeable = False
+        kv.pull(1, ro)
+    with pytest.raises(TypeError, match="dtype"):
+        kv.init(2, np.zeros(3, np.int32))
+    with pytest.raises(TypeError, match="numpy array"):
+        kv.push(1, [0.0, 0.0, 0.0])  # type: ignore[arg-type]
