@@ -87,7 +87,7 @@ def test_ssp_delays_pulls_beyond_the_bound_and_records_gaps(bound: int) -> None:
     st.push(2, sh, 0, g.copy())
     assert st.pull_ready(sh, bound + 1)
     out, _, gap = st.pull(sh, bound + 1, copy=True)
-    assert gap == bound and st.gaps == [bound]
+    assert gap == bound and st.gap_counts == {bound: 1}
     assert out is not sh.param  # ssp: a copy, the shard changes under later pushes
 
 

@@ -4,6 +4,9 @@ Pure bookkeeping, no sockets and no threads: the server (:mod:`ringcomm.ps.serve
 these methods under its lock and turns "not ready" into a wait. So the consistency rules are
 unit-tested directly.
 
+Worker update: the bsp averages and asp/ssp inboxes not yet pulled are not checkpointed
+(a restart loses them with the rest of the interval).
+
 Clocks. Worker ``w``'s clock on a shard is the number of steps it has pushed there (a
 push for step ``t`` sets it to ``t + 1``; a push for a step below it is a duplicate, e.g.
 re-sent after a reconnect, and is dropped). A pull carries the reader's clock ``c``: the
@@ -81,7 +84,7 @@ class ServerState:
         self.num_workers = config.num_workers
         self.updater = updater or make_updater(config.optimizer, **config.optimizer_args)
         self.shards: dict[tuple[int, int], Shard] = {}
-        self.gaps: list[int] = []  # one per served pull
+        self.gap_counts: dict[int, int] = {}  # gap -> pulls served at it (every pull counts)
         self.dropped_pushes = 0
         self.last_checkpoint_progress = 0
         self.checkpoints_written = 0
@@ -188,7 +191,7 @@ class ServerState:
         (``worker``: the reader).
         """
         gap = self.gap(sh, reader_clock)
-        self.gaps.append(gap)
+        self.gap_counts[gap] = self.gap_counts.get(gap, 0) + 1
         status = STATUS_OK
         if self.config.update == "server":
             out = sh.param.copy() if copy else sh.param
@@ -243,13 +246,16 @@ class ServerState:
         self.needs_resync = False
 
     def stats(self) -> dict[str, Any]:
-        gaps = np.asarray(self.gaps, np.int64)
+        lo, hi = min(self.gap_counts, default=0), max(self.gap_counts, default=0)
         return {
             "server": self.server_index,
-            "pulls": len(self.gaps),
-            "max_gap": int(gaps.max()) if gaps.size else 0,
-            "gap_counts": np.bincount(gaps - gaps.min()).tolist() if gaps.size else [],
-            "min_gap": int(gaps.min()) if gaps.size else 0,
+            "pulls": sum(self.gap_counts.values()),
+            "max_gap": hi,
+            "min_gap": lo,
+            # pulls served at gap min_gap + i, for each i
+            "gap_counts": [self.gap_counts.get(g, 0) for g in range(lo, hi + 1)]
+            if self.gap_counts
+            else [],
             "dropped_pushes": self.dropped_pushes,
             "progress": self.progress(),
             "checkpoints_written": self.checkpoints_written,

@@ -10,7 +10,8 @@ straight into its slice of ``out``.
 The clock: ``advance()`` ends a step. ``push`` sends the gradient of the current step;
 ``pull`` reads for the current step; ``push_pull`` sends the current step's gradient and
 reads for the next one (under bsp it returns once every worker pushed that step). Each
-pull's reply says the gap it was served at; :attr:`KVWorker.pull_gaps` keeps them.
+pull's reply says the gap it was served at; :attr:`KVWorker.pull_gaps` keeps the latest
+65536 of them, :attr:`KVWorker.max_pull_gap` the largest. A client is used by one thread.
 
 Reconnects (standalone servers, :mod:`ringcomm.ps.membership`): when a server restarts,
 the job re-forms its group; every request not yet answered is sent again to the new group,
@@ -126,7 +127,8 @@ class KVWorker:
         self.timeout_s = timeout_s if timeout_s is not None else group.timeout_s
         self.connector = connector
         self.clock = 0
-        self.pull_gaps: list[int] = []
+        self.pull_gaps: collections.deque[int] = collections.deque(maxlen=1 << 16)
+        self.max_pull_gap = 0
         self.lost_pulls = 0
         self.reconnects = 0
         self._keys: dict[int, _KeyInfo] = {}
@@ -353,7 +355,9 @@ class KVWorker:
                 f"refused op {P.OP_NAMES.get(part.op, part.op)} for key {int(part.request[1])}; see its log"
             )
         if part.op in P.REPLY_WITH_DATA:
-            self.pull_gaps.append(int(part.rep[2]))
+            gap = int(part.rep[2])
+            self.pull_gaps.append(gap)
+            self.max_pull_gap = max(self.max_pull_gap, gap)
             if status == STATUS_LOST:
                 self.lost_pulls += 1
 
