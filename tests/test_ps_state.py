@@ -62,6 +62,15 @@ def test_bsp_server_update_applies_the_average_once_per_step() -> None:
     assert sh.version == sh.applied == 3
 
 
+@pytest.mark.parametrize("consistency", ["bsp", "asp"])
+def test_reduce_sum_adds_the_pushes(consistency: str) -> None:
+    st = _state(consistency=consistency, reduce="sum", optimizer_args={"lr": 1.0})
+    sh = st.init_shard(4, 0, 2, 2, F32, np.zeros(2, np.float32))
+    for w in range(3):
+        st.push(w, sh, 0, np.array([w, 1.0], np.float32))
+    assert sh.param.tolist() == [-3.0, -3.0]  # bsp: one step of the sum; asp: three pushes
+
+
 def test_duplicate_and_stale_pushes_are_dropped() -> None:
     st = _state()
     sh = st.init_shard(1, 0, 4, 4, F32, np.zeros(4, np.float32))
@@ -216,6 +225,8 @@ def test_a_key_made_mid_job_starts_at_the_initialising_clock() -> None:
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="consistency"):
         PSConfig(num_workers=1, consistency="eventual")
+    with pytest.raises(ValueError, match="reduce"):
+        PSConfig(num_workers=1, reduce="max")
     with pytest.raises(ValueError, match="update"):
         PSConfig(num_workers=1, update="both")
     with pytest.raises(ValueError, match="checkpoint_dir"):

@@ -59,6 +59,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="server",
         help="server: apply the optimizer here; worker: only average",
     )
+    p.add_argument(
+        "--reduce",
+        choices=("avg", "sum"),
+        default="avg",
+        help="combine a step's gradients by mean (default) or sum",
+    )
     p.add_argument("--optimizer", choices=sorted(UPDATERS), default="sgd")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.0, help="sgd momentum (default 0)")
@@ -107,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every_steps=args.checkpoint_every,
         timeout_s=args.timeout,
+        reduce=args.reduce,
     )
 
 

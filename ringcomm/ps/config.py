@@ -22,6 +22,9 @@ class PSConfig:
     the reader is more than ``staleness`` steps ahead of the slowest worker), ``asp``
     (every push applied on arrival, pulls never wait). ``checkpoint_every_steps``: a
     server writes its state each time the slowest worker's clock passes another multiple.
+    ``reduce``: ``avg`` (a step's gradient is the workers' mean; an asp/ssp push counts
+    ``1/W``) or ``sum`` (their sum; a push counts whole), for workers whose gradients are
+    already divided by the global batch, as the engine's ``dp`` does before its all_reduce.
     """
 
     num_workers: int
@@ -33,6 +36,7 @@ class PSConfig:
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0
     timeout_s: float = 300.0
+    reduce: str = "avg"
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -43,6 +47,8 @@ class PSConfig:
             )
         if self.update not in UPDATE_MODES:
             raise ValueError(f"ps: update must be one of {UPDATE_MODES}, got {self.update!r}")
+        if self.reduce not in ("avg", "sum"):
+            raise ValueError(f"ps: reduce must be 'avg' or 'sum', got {self.reduce!r}")
         if self.staleness < 0:
             raise ValueError(f"ps: staleness must be >= 0, got {self.staleness}")
         if self.checkpoint_every_steps < 0:

@@ -19,7 +19,8 @@ Consistency.
 * ``bsp``: a step's gradients are kept per worker and, once all ``W`` have arrived, summed in
   worker order and divided by ``W`` (so the average is the same bits every run); then
   applied (server update) or kept for pulls (worker update). ``version`` = steps applied.
-  A pull at clock ``c`` waits until ``version >= c``.
+  A pull at clock ``c`` waits until ``version >= c``. (With ``reduce="sum"``: the sum, and
+  asp/ssp pushes count whole.)
 * ``ssp`` (bound K) and ``asp``: each push is applied on arrival, scaled by ``1/W`` (W pushes
   then make one averaged step of plain SGD). In worker-update mode the server adds each
   push, scaled by ``1/W``, to every worker's inbox, and a pull hands the worker its inbox
@@ -139,7 +140,8 @@ class ServerState:
             sh.pending.setdefault(step, {})[worker] = grad
             self._complete_steps(sh)
             return STATUS_OK
-        grad /= self.num_workers
+        if self.config.reduce == "avg":
+            grad /= self.num_workers
         if self.config.update == "server":
             self.updater.apply(sh.param, grad, sh.opt_state)
         else:
@@ -159,7 +161,8 @@ class ServerState:
             avg = grads[0]  # owned by us: sum in worker order into the first
             for w in range(1, self.num_workers):
                 avg += grads[w]
-            avg /= self.num_workers
+            if self.config.reduce == "avg":
+                avg /= self.num_workers
             if self.config.update == "server":
                 self.updater.apply(sh.param, avg, sh.opt_state)
             else:
@@ -284,6 +287,7 @@ class ServerState:
                 "consistency": self.config.consistency,
                 "update": self.config.update,
                 "num_workers": self.num_workers,
+                "reduce": self.config.reduce,
             },
             "updater": self.updater.config(),
             "progress": self.progress(),
@@ -313,15 +317,16 @@ class ServerState:
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         meta = json.loads(bytes(arrays["meta"]).decode())
         cfg = meta["config"]
-        if (cfg["consistency"], cfg["update"], cfg["num_workers"]) != (
+        if (cfg["consistency"], cfg["update"], cfg["num_workers"], cfg.get("reduce", "avg")) != (
             self.config.consistency,
             self.config.update,
             self.num_workers,
+            self.config.reduce,
         ):
             raise ValueError(
                 f"server {self.server_index}: checkpoint was written for {cfg}, this server runs "
                 f"consistency={self.config.consistency} update={self.config.update} "
-                f"num_workers={self.num_workers}"
+                f"num_workers={self.num_workers} reduce={self.config.reduce}"
             )
         self.shards.clear()
         for i, m in enumerate(meta["shards"]):
