@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import GroupClosedError
 from .config import PSConfig
 from .server import PSServer
 from .slicer import HashSlicer, Piece, RangeSlicer, Slicer
@@ -62,7 +63,11 @@ def start(
     if pg.rank < num_servers:
         server = PSServer(config, pg.rank)
         try:
-            server.serve(group, workers)
+            if not server.serve(group, workers):
+                raise GroupClosedError(
+                    f"rank {pg.rank}: ps server {pg.rank}: the group ended before every worker "
+                    f"closed its client (workers done: {sorted(server.byes)})"
+                )
         finally:
             server.close()
         return server

@@ -111,12 +111,15 @@ class Membership:
 
     # -- joining -----------------------------------------------------------------------
     def join(self) -> Any:
-        """Join the current epoch's group (abandoning epochs that cannot form)."""
+        """Join the current epoch's group, later than any joined before (abandoning
+        epochs that cannot form)."""
         self._stop_watching()
         if self.group is not None:
             self._close_group()
         deadline = time.monotonic() + self.timeout_s
         epoch = self.current_epoch()
+        if epoch <= self.epoch:  # our group failed or closed: only a later epoch can form
+            epoch = self._wait_past(self.epoch, deadline)
         while True:
             if time.monotonic() > deadline:
                 raise CommTimeoutError(
@@ -202,8 +205,7 @@ class Membership:
 
     # -- the KVWorker's connector ----------------------------------------------------------
     def reconnect(self, failed_group: Any) -> tuple[Any, list[int]]:
-        if failed_group is self.group:
-            self._wait_past(self.epoch, time.monotonic() + self.timeout_s)
+        """The group of the next epoch (waits for one to begin)."""
         return self.join(), self.server_ranks
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CommTimeoutError, GroupClosedError, RingcommError
+from ..errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
 from . import protocol as P
 from .config import PSConfig
 from .state import DTYPES, STATUS_OK, ServerState, load_checkpoint, save_checkpoint
@@ -108,7 +108,8 @@ class PSServer:
             t.start()
         for t in threads:
             t.join()
-        real = [e for e in errors if not isinstance(e, GroupClosedError)]
+        # a group that was closed (a new epoch) or lost a member ends this serve quietly
+        real = [e for e in errors if not isinstance(e, (GroupClosedError, PeerFailedError))]
         if real:
             raise real[0]
         return len(self.byes) >= self.config.num_workers

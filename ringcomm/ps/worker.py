@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..errors import GroupClosedError, RingcommError
+from ..errors import GroupClosedError, PeerFailedError, RingcommError
 from . import protocol as P
 from .slicer import HashSlicer, Piece, Slicer, check_key
 from .state import DTYPES, STATUS_LOST
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = ["Handle", "KVWorker", "PSRequestError"]
+
+
+#: What a group that ended says (closed for a new epoch, or a member died): reconnect.
+_GROUP_ENDED = (GroupClosedError, PeerFailedError)
 
 
 class PSRequestError(RingcommError):
@@ -308,7 +312,9 @@ class KVWorker:
         self._outstanding.append(part)
         try:
             self._send(part)
-        except GroupClosedError:
+        except _GROUP_ENDED:
+            if self.connector is None:
+                raise
             self._recover()  # re-sends every outstanding part, this one included
         return part
 
@@ -335,7 +341,7 @@ class KVWorker:
                             blob, self.server_ranks[part.server], P.TAG_REPLY, timeout_s=t
                         )
                         part.data = blob.tobytes()
-                except GroupClosedError:
+                except _GROUP_ENDED:
                     if self.connector is None:
                         raise
                     self._recover()
@@ -394,5 +400,5 @@ class KVWorker:
                     else:
                         self._send(part)
                 return
-            except GroupClosedError:
+            except _GROUP_ENDED:
                 continue  # it broke again while we re-sent: once more
