@@ -118,6 +118,9 @@ class PSServer:
         try:
             self._loop(group, w, peer)
         except BaseException as exc:  # noqa: BLE001 (reported by serve)
+            if not isinstance(exc, (GroupClosedError, PeerFailedError)):
+                # the other workers' loops go on until they say bye: say it now, loudly
+                log.error("ps server %d: the loop of worker %d failed: %r", self.index, w, exc)
             errors.append(exc)
             with self.cond:
                 self.cond.notify_all()
