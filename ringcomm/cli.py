@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "ringcomm.launch.local",
     "ringcomm.bench.cli",
     "ringcomm.engine.cli",
+    "ringcomm.ps.cli",
 )
 
 
