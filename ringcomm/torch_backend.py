@@ -240,14 +240,17 @@ class RingcommWork(dist._Work):
         post: Callable[[], None] | None,
         timeout_s: float,
         desc: str,
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         super().__init__()
+        self._on_error = on_error
         self._works = list(works)
         self._outputs = outputs
         self._post = post
         self._timeout_s = timeout_s
         self._desc = desc
-        self._future: Future = Future()
+        self._source: Future = Future()
+        self._future: Future | None = None
         self._lock = threading.Lock()
         self._settled = False
         self._error: BaseException | None = None
@@ -269,12 +272,14 @@ class RingcommWork(dist._Work):
                 error = exc
             self._error = error
             self._settled = True
+        if error is not None and self._on_error is not None:
+            self._on_error(error)
         if error is None:
-            self._future.set_result(self._outputs)
+            self._source.set_result(self._outputs)
         else:
-            self._future.set_exception(
+            self._source.set_result(_Failed(
                 RuntimeError(f"ringcomm {self._desc} failed: {type(error).__name__}: {error}")
-            )
+            ))
 
     def _ready(self) -> bool:
         """Non-blocking: are the ringcomm operations done (progress made if possible)?"""
@@ -288,7 +293,15 @@ class RingcommWork(dist._Work):
         return True
 
     def get_future(self) -> Future:
-        return self._future
+        """The future of the output tensors. A failure is a real error of the future (its
+        C++ side), so DDP's reducer raises it from ``loss.backward()``: torch's
+        ``Future.set_exception`` only stores the exception as the *value* (DDP then reads
+        it as tensors and crashes), while an exception raised by a ``then`` callback fails
+        the chained future properly."""
+        with self._lock:
+            if self._future is None:
+                self._future = self._source.then(_unwrap)
+            return self._future
 
     def is_completed(self) -> bool:
         return self._settled
@@ -306,6 +319,22 @@ class RingcommWork(dist._Work):
     def __repr__(self) -> str:
         state = "pending" if not self._settled else ("failed" if self._error else "done")
         return f"<RingcommWork {self._desc}: {state}>"
+
+
+class _Failed:
+    """The value a failed operation's source future carries (see ``get_future``)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(fut: Future) -> Any:
+    value = fut.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
 
 
 class _Completer:
@@ -410,6 +439,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._completer = _Completer(f"r{rc_group.rank}")
         self._shut = False
+        self._failure: BaseException | None = None  # the first failed operation's error
 
     # -- identity (torch reads these through its C++ ProcessGroup) -------------------
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -453,7 +483,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         opts: Any = None,
         p2p: bool = False,
     ) -> RingcommWork:
-        work = RingcommWork(works, outputs, post, _timeout_s(opts, self._timeout_s), desc)
+        work = RingcommWork(works, outputs, post, _timeout_s(opts, self._timeout_s), desc,
+                            self._note_failure)
         self._completer.add(work, p2p)
         return work
 
@@ -461,6 +492,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if len(tensors) != 1:
             raise ValueError(f"{what}: expected one tensor per call, got {len(tensors)}")
         return _check_cpu(tensors[0], what)
+
+    def _note_failure(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
 
     def _check_usable(self, what: str) -> None:
         if self._shut:
@@ -850,7 +885,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return
         try:
             store.add(_CLOSED_KEY, 1)
-            if server is not None:  # keep serving until every rank is done with it (bounded)
+            if server is not None and self._failure is None:
+                # Keep serving until every rank is done with it (bounded; not after a
+                # failure, when a rank may be gone for good).
                 deadline = time.monotonic() + min(self._timeout_s, _CHECKOUT_MAX_S)
                 while store.add(_CLOSED_KEY, 0) < self._rc.world_size:
                     if time.monotonic() > deadline:
