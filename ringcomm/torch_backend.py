@@ -56,6 +56,7 @@ Mixed strings such as ``"cpu:ringcomm,cuda:nccl"`` register only one backend in 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -127,6 +128,10 @@ _NUMPY_DTYPES = {
     torch.float32,
     torch.float64,
 }
+
+
+#: A step run once the ringcomm operations are done (copy results back, cast, ...).
+_Post = Callable[[], object]
 
 
 # -- tensors <-> arrays ------------------------------------------------------------------
@@ -225,7 +230,7 @@ def _timeout_s(opts: Any, default_s: float) -> float:
 
 
 # -- work ---------------------------------------------------------------------------------
-class RingcommWork(dist._Work):
+class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
     """A torch Work over one or more ringcomm operations.
 
     ``wait()`` blocks (driving ringcomm's progress on this thread) and raises the
@@ -237,7 +242,7 @@ class RingcommWork(dist._Work):
         self,
         works: Sequence[RcWork],
         outputs: list[torch.Tensor],
-        post: Callable[[], None] | None,
+        post: _Post | None,
         timeout_s: float,
         desc: str,
         on_error: Callable[[BaseException], None] | None = None,
@@ -249,8 +254,8 @@ class RingcommWork(dist._Work):
         self._post = post
         self._timeout_s = timeout_s
         self._desc = desc
-        self._source: Future = Future()
-        self._future: Future | None = None
+        self._source: Future[Any] = Future()
+        self._future: Future[Any] | None = None
         self._lock = threading.Lock()
         self._settled = False
         self._error: BaseException | None = None
@@ -292,7 +297,7 @@ class RingcommWork(dist._Work):
             raise self._error
         return True
 
-    def get_future(self) -> Future:
+    def get_future(self) -> Future[Any]:
         """The future of the output tensors. A failure is a real error of the future (its
         C++ side), so DDP's reducer raises it from ``loss.backward()``: torch's
         ``Future.set_exception`` only stores the exception as the *value* (DDP then reads
@@ -330,7 +335,7 @@ class _Failed:
         self.error = error
 
 
-def _unwrap(fut: Future) -> Any:
+def _unwrap(fut: Future[Any]) -> Any:
     value = fut.value()
     if isinstance(value, _Failed):
         raise value.error
@@ -427,10 +432,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
         store_server: StoreServer | None = None,
         torch_store: Any = None,
     ) -> None:
-        super().__init__(rc_group.rank, rc_group.world_size)
+        super().__init__(rc_group.rank, rc_group.world_size)  # type: ignore[call-arg]
         self._rc = rc_group
         # Point-to-point collectives of ours (uneven all-to-all) use their own tag space.
-        self._rc_p2p = rc_group.new_group(range(rc_group.world_size))
+        p2p = rc_group.new_group(range(rc_group.world_size))
+        assert p2p is not None  # every rank is a member
+        self._rc_p2p: RcGroup = p2p
         self._p2p_seq = 0
         self._timeout_s = timeout_s
         self._store_server = store_server
@@ -442,11 +449,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._failure: BaseException | None = None  # the first failed operation's error
 
     # -- identity (torch reads these through its C++ ProcessGroup) -------------------
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         return self._group_name
 
     def _set_group_name(self, name: str) -> None:
@@ -478,7 +485,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self,
         works: Sequence[RcWork],
         outputs: list[torch.Tensor],
-        post: Callable[[], None] | None,
+        post: _Post | None,
         desc: str,
         opts: Any = None,
         p2p: bool = False,
@@ -502,7 +509,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"{what}: the process group was shut down")
 
     # -- reductions -------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+    def allreduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
         what = self._what("allreduce")
         self._check_usable(what)
         opts = opts if opts is not None else AllreduceOptions()
@@ -532,7 +541,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
         return self._issue(works, list(tensors), post, "allreduce_coalesced", opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+    def reduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
         what = self._what("reduce")
         self._check_usable(what)
         opts = opts if opts is not None else ReduceOptions()
@@ -547,7 +558,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_into(
         self, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str, opts: Any
-    ) -> tuple[RcWork, Callable[[], None] | None]:
+    ) -> tuple[RcWork, _Post | None]:
         n = self._rc.world_size
         if inp.numel() != out.numel() * n:
             raise ValueError(
@@ -569,7 +580,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return w, lambda: out.detach().copy_(o.reshape(out.shape))
 
     def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None  # noqa: A002
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> RingcommWork:
         what = self._what("reduce_scatter_tensor")
         self._check_usable(what)
@@ -578,7 +589,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         w, post = self._reduce_scatter_into(out, inp, opts.reduceOp, what, opts)
         return self._issue([w], [out], post, "reduce_scatter_tensor", opts)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -596,9 +607,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 posts.append(p)
         return self._issue(works, list(outputs), _run_all(posts), "reduce_scatter_coalesced", opts)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> RingcommWork:
         what = self._what("reduce_scatter")
@@ -616,7 +627,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._issue([w], [out], post, "reduce_scatter", opts)
 
     # -- data movement ----------------------------------------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+    def broadcast(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
         what = self._what("broadcast")
         self._check_usable(what)
         opts = opts if opts is not None else BroadcastOptions()
@@ -630,7 +643,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def _all_gather_into(
         self, out: torch.Tensor, inp: torch.Tensor, what: str, opts: Any
-    ) -> tuple[RcWork, Callable[[], None] | None]:
+    ) -> tuple[RcWork, _Post | None]:
         n = self._rc.world_size
         if out.numel() != inp.numel() * n:
             raise ValueError(
@@ -648,7 +661,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return w, ((lambda: out.detach().copy_(o)) if copied else None)
 
     def _allgather_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None  # noqa: A002
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> RingcommWork:
         what = self._what("all_gather_into_tensor")
         self._check_usable(what)
@@ -673,9 +686,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 posts.append(p)
         return self._issue(works, list(outputs), _run_all(posts), "allgather_coalesced", opts)
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingcommWork:
         what = self._what("allgather")
@@ -707,7 +720,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         flat = [o for outs in outputs for o in outs]
         return self._issue([], flat, _wait_all(works), "allgather_coalesced", opts)
 
-    def gather(
+    def gather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingcommWork:
         what = self._what("gather")
@@ -732,7 +745,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
         return self._issue([w], outs, post, "gather", opts)
 
-    def scatter(
+    def scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> RingcommWork:
         what = self._what("scatter")
@@ -754,7 +767,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def alltoall_base(
         self,
         output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
+        input: torch.Tensor,
         output_split_sizes: list[int],
         input_split_sizes: list[int],
         opts: Any = None,
@@ -836,7 +849,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
         def post_uneven() -> None:
             inner.wait()
-            for o, part in zip(outs, flat_out.split([t.numel() for t in outs]), strict=True):
+            for o, part in zip(outs, torch.split(flat_out, [t.numel() for t in outs]), strict=True):
                 o.detach().copy_(part.reshape(o.shape))
 
         return self._issue([], outs, post_uneven, "all_to_all", opts, p2p=True)
@@ -884,17 +897,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if store is None or self._rc.world_size == 1:
             return
         try:
-            store.add(_CLOSED_KEY, 1)
-            if server is not None and self._failure is None:
-                # Keep serving until every rank is done with it (bounded; not after a
-                # failure, when a rank may be gone for good).
-                deadline = time.monotonic() + min(self._timeout_s, _CHECKOUT_MAX_S)
-                while store.add(_CLOSED_KEY, 0) < self._rc.world_size:
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.01)
-        except Exception:  # noqa: BLE001 (best effort: torch's store may be gone)
-            pass
+            # Best effort: torch's store may be gone already (its host exited).
+            with contextlib.suppress(Exception):
+                store.add(_CLOSED_KEY, 1)
+                if server is not None and self._failure is None:
+                    # Keep serving until every rank is done with it (bounded; not after a
+                    # failure, when a rank may be gone for good).
+                    deadline = time.monotonic() + min(self._timeout_s, _CHECKOUT_MAX_S)
+                    while store.add(_CLOSED_KEY, 0) < self._rc.world_size:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(0.01)
         finally:
             if server is not None:
                 server.close()
@@ -902,19 +915,19 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self.shutdown()
 
-    def __del__(self) -> None:
-        try:
-            if not self._shut:
-                self._shut = True
-                self._completer.close(0.1)
-                self._rc.close()
-                if self._store_server is not None:
-                    self._store_server.close()
-        except Exception:  # noqa: BLE001
-            pass
+    def __del__(self) -> None:  # best effort: never leave sockets or threads behind
+        if getattr(self, "_shut", True):
+            return
+        self._shut = True
+        with contextlib.suppress(Exception):
+            self._completer.close(0.1)
+            self._rc.close()
+        if self._store_server is not None:
+            with contextlib.suppress(Exception):
+                self._store_server.close()
 
 
-def _run_all(posts: list[Callable[[], None]]) -> Callable[[], None] | None:
+def _run_all(posts: list[_Post]) -> _Post | None:
     if not posts:
         return None
 
@@ -975,7 +988,9 @@ def _bind_host(addr: str) -> str:
         return "0.0.0.0"
 
 
-def _create(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> RingcommProcessGroup:
+def _create(
+    store: Any, rank: int, world_size: int, timeout: datetime.timedelta
+) -> RingcommProcessGroup:
     """torch's creator: form a ringcomm group for this torch group (see the module doc)."""
     timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
     label = f"ringcomm backend rank {rank}"
@@ -988,7 +1003,7 @@ def _create(store: Any, rank: int, world_size: int, timeout: datetime.timedelta)
             addr = _master_addr()
             token = os.environ.get("RINGCOMM_TOKEN") or secrets.token_hex(16)
             server = StoreServer(_bind_host(addr), 0, token=token).start()
-            info = {"addr": addr, "port": server.port, "token": token}
+            info: dict[str, Any] = {"addr": addr, "port": server.port, "token": token}
             store.set(_STORE_KEY, json.dumps(info))
         else:
             info = json.loads(bytes(store.get(_STORE_KEY)).decode())
