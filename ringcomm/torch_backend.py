@@ -65,7 +65,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -221,6 +221,17 @@ def _parse_op(op: Any, dtype: torch.dtype, what: str) -> tuple[str, float | None
     )
 
 
+def _async(opts: Any) -> bool:
+    """Whether torch will come back for the result later (``asyncOp``, default True).
+
+    ``dist.all_reduce(t)`` and friends set it False and wait on the Work at once: those
+    calls run blocking on the caller's thread (ringcomm's fast lane for small messages, no
+    thread hand-off); everything else (DDP's hooks, ``async_op=True``) is started and left
+    to ringcomm's progress engine.
+    """
+    return bool(getattr(opts, "asyncOp", True))
+
+
 def _timeout_s(opts: Any, default_s: float) -> float:
     """The call's timeout from torch options (unset: the group's)."""
     t = getattr(opts, "timeout", None)
@@ -240,15 +251,17 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
 
     def __init__(
         self,
-        works: Sequence[RcWork],
+        works: Sequence[RcWork | RingcommWork],
         outputs: list[torch.Tensor],
         post: _Post | None,
         timeout_s: float,
         desc: str,
         on_error: Callable[[BaseException], None] | None = None,
+        watch: Callable[[RingcommWork], None] | None = None,
     ) -> None:
         super().__init__()
         self._on_error = on_error
+        self._watch = watch
         self._works = list(works)
         self._outputs = outputs
         self._post = post
@@ -270,7 +283,10 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
             try:
                 deadline = time.monotonic() + self._timeout_s
                 for w in self._works:
-                    w.wait(max(deadline - time.monotonic(), 1e-3))
+                    if isinstance(w, RingcommWork):
+                        w.wait()
+                    else:
+                        cast(RcWork, w).wait(max(deadline - time.monotonic(), 1e-3))
                 if self._post is not None:
                     self._post()
             except BaseException as exc:  # noqa: BLE001 (reported through the future)
@@ -282,13 +298,17 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
         if error is None:
             self._source.set_result(self._outputs)
         else:
-            self._source.set_result(_Failed(
-                RuntimeError(f"ringcomm {self._desc} failed: {type(error).__name__}: {error}")
-            ))
+            self._source.set_result(
+                _Failed(
+                    RuntimeError(f"ringcomm {self._desc} failed: {type(error).__name__}: {error}")
+                )
+            )
 
     def _ready(self) -> bool:
         """Non-blocking: are the ringcomm operations done (progress made if possible)?"""
-        return all(w.done() for w in self._works)
+        return all(
+            w.is_completed() if isinstance(w, RingcommWork) else w.done() for w in self._works
+        )
 
     # -- torch's Work interface ------------------------------------------------------
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -304,11 +324,17 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
         it as tensors and crashes), while an exception raised by a ``then`` callback fails
         the chained future properly."""
         with self._lock:
-            if self._future is None:
-                self._future = self._source.then(_unwrap)
-            return self._future
+            if self._future is not None:
+                return self._future
+            self._future = self._source.then(_unwrap)
+            settled = self._settled
+        if not settled and self._watch is not None:
+            self._watch(self)  # someone must complete it without a wait(): the completer
+        return self._future
 
     def is_completed(self) -> bool:
+        if not self._settled and self._ready():
+            self._settle()
         return self._settled
 
     def is_success(self) -> bool:
@@ -483,22 +509,40 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def _issue(
         self,
-        works: Sequence[RcWork],
+        works: Sequence[Any],
         outputs: list[torch.Tensor],
         post: _Post | None,
         desc: str,
         opts: Any = None,
         p2p: bool = False,
     ) -> RingcommWork:
-        work = RingcommWork(works, outputs, post, _timeout_s(opts, self._timeout_s), desc,
-                            self._note_failure)
-        self._completer.add(work, p2p)
+        # Blocking ringcomm calls returned their results instead of a Work: nothing to wait.
+        pending = [w for w in works if isinstance(w, (RcWork, RingcommWork))]
+        work = RingcommWork(
+            pending,
+            outputs,
+            post,
+            _timeout_s(opts, self._timeout_s),
+            desc,
+            self._note_failure,
+            lambda w: self._completer.add(w, p2p),
+        )
+        if not pending:  # ran blocking (torch will wait at once): done now
+            work._settle()
         return work
 
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         if len(tensors) != 1:
             raise ValueError(f"{what}: expected one tensor per call, got {len(tensors)}")
         return _check_cpu(tensors[0], what)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ringcomm; note a failure raised at once (blocking calls) for shutdown."""
+        try:
+            return fn(*args, **kwargs)
+        except RingcommError as exc:
+            self._note_failure(exc)
+            raise
 
     def _note_failure(self, error: BaseException) -> None:
         if self._failure is None:
@@ -521,19 +565,29 @@ class RingcommProcessGroup(dist.ProcessGroup):
             op = opts.reduceOp
         t = self._one([tensors] if isinstance(tensors, torch.Tensor) else tensors, what)
         red = _Reduction(t, op, what, in_place=True)
-        w = self._rc.all_reduce(red.array, op=red.op, async_op=True,
-                                timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.all_reduce,
+            red.array,
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         return self._issue([w], [t], red.copy_back if red.post else None, "allreduce", opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
         what = self._what("allreduce_coalesced")
         self._check_usable(what)
         opts = opts if opts is not None else AllreduceCoalescedOptions()
-        reds = [_Reduction(_check_cpu(t, what), opts.reduceOp, what, in_place=True)
-                for t in tensors]
+        reds = [
+            _Reduction(_check_cpu(t, what), opts.reduceOp, what, in_place=True) for t in tensors
+        ]
         timeout_s = _timeout_s(opts, self._timeout_s)
-        works = [self._rc.all_reduce(r.array, op=r.op, async_op=True, timeout_s=timeout_s)
-                 for r in reds]
+        works = [
+            self._call(
+                self._rc.all_reduce, r.array, op=r.op, async_op=_async(opts), timeout_s=timeout_s
+            )
+            for r in reds
+        ]
 
         def post() -> None:
             for r in reds:
@@ -551,8 +605,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
         dst = opts.rootRank
         # Only the root's tensor is written (a pre-scaled input elsewhere is a copy).
         red = _Reduction(t, opts.reduceOp, what, in_place=self._rc.rank == dst)
-        w = self._rc.reduce(red.array, dst=dst, op=red.op, async_op=True,
-                            timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.reduce,
+            red.array,
+            dst=dst,
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         post = red.copy_back if red.post else None
         return self._issue([w], [t], post, "reduce", opts)
 
@@ -573,8 +633,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if out.dtype == torch.bfloat16:
             o, o_copied = torch.empty(o.shape, dtype=torch.float32), True
         o_arr = torch.view_as_real(o).numpy() if o.dtype.is_complex else o.numpy()
-        w = self._rc.reduce_scatter(rows, out=o_arr.reshape(rows.shape[1:]), op=red.op,
-                                    async_op=True, timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.reduce_scatter,
+            rows,
+            out=o_arr.reshape(rows.shape[1:]),
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         if not o_copied:
             return w, None
         return w, lambda: out.detach().copy_(o.reshape(out.shape))
@@ -636,8 +702,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         t = self._one(tensors, what)
         src = opts.rootRank
         c, copied = _contig(t)
-        w = self._rc.broadcast(_move_view(c), src=src, async_op=True,
-                               timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.broadcast,
+            _move_view(c),
+            src=src,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         post = (lambda: t.detach().copy_(c)) if copied and self._rc.rank != src else None
         return self._issue([w], [t], post, "broadcast", opts)
 
@@ -656,8 +727,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         o, copied = _contig(out)
         x = _move_view(i).reshape(-1)
         o_arr = _move_view(o).reshape(n, -1)
-        w = self._rc.all_gather(x, out=o_arr, async_op=True,
-                                timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.all_gather,
+            x,
+            out=o_arr,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         return w, ((lambda: out.detach().copy_(o)) if copied else None)
 
     def _allgather_base(
@@ -715,10 +791,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
     ) -> RingcommWork:
         what = self._what("allgather_coalesced")
         self._check_usable(what)
-        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(outputs, inputs,
-                                                                           strict=True)]
+        works = [
+            self.allgather([outs], [inp], opts) for outs, inp in zip(outputs, inputs, strict=True)
+        ]
         flat = [o for outs in outputs for o in outs]
-        return self._issue([], flat, _wait_all(works), "allgather_coalesced", opts)
+        return self._issue(works, flat, None, "allgather_coalesced", opts)
 
     def gather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -729,8 +806,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         inp = self._one(inputs, what)
         dst = opts.rootRank
         i, _ = _contig(inp)
-        w = self._rc.gather(_move_view(i), dst=dst, async_op=True,
-                            timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.gather,
+            _move_view(i),
+            dst=dst,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         outs: list[torch.Tensor] = []
         post = None
         if self._rc.rank == dst:
@@ -739,7 +821,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             outs = [_check_cpu(o, what) for o in outputs[0]]
 
             def post() -> None:
-                got = w.wait(0.001)
+                got = w.wait(0.001) if isinstance(w, RcWork) else w
                 for o, row in zip(outs, got, strict=True):
                     o.detach().copy_(_from_move_view(row, inp))
 
@@ -759,8 +841,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"{what}: the root needs one list of world-size inputs")
             x = _move_view(torch.stack([_check_cpu(p, what).detach() for p in inputs[0]]))
         o, copied = _contig(out)
-        w = self._rc.scatter(x, src=src, out=_move_view(o), async_op=True,
-                             timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.scatter,
+            x,
+            src=src,
+            out=_move_view(o),
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         post = (lambda: out.detach().copy_(o)) if copied else None
         return self._issue([w], [out], post, "scatter", opts)
 
@@ -781,13 +869,18 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
         if not output_split_sizes and not input_split_sizes:
             if inp.shape[0] % n or out.shape != inp.shape:
-                raise ValueError(f"{what}: equal splits need dim 0 divisible by {n} and "
-                                 "matching shapes")
+                raise ValueError(
+                    f"{what}: equal splits need dim 0 divisible by {n} and matching shapes"
+                )
             i, _ = _contig(inp)
             o, copied = _contig(out)
-            w = self._rc.all_to_all(_move_view(i).reshape(n, -1),
-                                    out=_move_view(o).reshape(n, -1), async_op=True,
-                                    timeout_s=_timeout_s(opts, self._timeout_s))
+            w = self._call(
+                self._rc.all_to_all,
+                _move_view(i).reshape(n, -1),
+                out=_move_view(o).reshape(n, -1),
+                async_op=_async(opts),
+                timeout_s=_timeout_s(opts, self._timeout_s),
+            )
             post = (lambda: out.detach().copy_(o)) if copied else None
             return self._issue([w], [out], post, "all_to_all_single", opts)
         # Uneven splits: one message to and from each peer, in our own tag space.
@@ -806,15 +899,18 @@ class RingcommProcessGroup(dist.ProcessGroup):
             c, d = in_rows[j]
             if j == me:
                 if b - a != d - c:
-                    raise ValueError(f"{what}: rank {me} sends itself {d - c} rows, expects "
-                                     f"{b - a}")
+                    raise ValueError(
+                        f"{what}: rank {me} sends itself {d - c} rows, expects {b - a}"
+                    )
                 row_out[a:b].copy_(row_in[c:d])
                 continue
-            works.append(self._rc_p2p.irecv(_move_view(row_out[a:b]), src=j, tag=tag))
+            works.append(self._call(self._rc_p2p.irecv, _move_view(row_out[a:b]), src=j, tag=tag))
         for j in range(n):
             c, d = in_rows[j]
             if j != me:
-                works.append(self._rc_p2p.isend(_move_view(row_in[c:d]), dst=j, tag=tag))
+                works.append(
+                    self._call(self._rc_p2p.isend, _move_view(row_in[c:d]), dst=j, tag=tag)
+                )
         post = (lambda: out.detach().copy_(o)) if copied else None
         return self._issue(works, [out], post, "all_to_all_single", opts, p2p=True)
 
@@ -833,9 +929,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if same:
             x = torch.stack(ins)
             y = torch.empty_like(x)
-            w = self._rc.all_to_all(_move_view(x).reshape(n, -1),
-                                    out=_move_view(y).reshape(n, -1), async_op=True,
-                                    timeout_s=_timeout_s(opts, self._timeout_s))
+            w = self._call(
+                self._rc.all_to_all,
+                _move_view(x).reshape(n, -1),
+                out=_move_view(y).reshape(n, -1),
+                async_op=_async(opts),
+                timeout_s=_timeout_s(opts, self._timeout_s),
+            )
 
             def post() -> None:
                 for o, row in zip(outs, y, strict=True):
@@ -844,21 +944,23 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return self._issue([w], outs, post, "all_to_all", opts)
         flat_in = torch.cat([t.reshape(-1) for t in ins])
         flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
-        inner = self.alltoall_base(flat_out, flat_in, [t.numel() for t in outs],
-                                   [t.numel() for t in ins], opts)
+        inner = self.alltoall_base(
+            flat_out, flat_in, [t.numel() for t in outs], [t.numel() for t in ins], opts
+        )
 
         def post_uneven() -> None:
-            inner.wait()
             for o, part in zip(outs, torch.split(flat_out, [t.numel() for t in outs]), strict=True):
                 o.detach().copy_(part.reshape(o.shape))
 
-        return self._issue([], outs, post_uneven, "all_to_all", opts, p2p=True)
+        return self._issue([inner], outs, post_uneven, "all_to_all", opts, p2p=True)
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         what = self._what("barrier")
         self._check_usable(what)
         opts = opts if opts is not None else BarrierOptions()
-        w = self._rc.barrier(async_op=True, timeout_s=_timeout_s(opts, self._timeout_s))
+        w = self._call(
+            self._rc.barrier, async_op=_async(opts), timeout_s=_timeout_s(opts, self._timeout_s)
+        )
         return self._issue([w], [], None, "barrier", opts)
 
     # -- point-to-point ----------------------------------------------------------------
@@ -867,7 +969,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._check_usable(what)
         t = self._one(tensors, what)
         c, _ = _contig(t)
-        w = self._rc.isend(_move_view(c), dst=dst, tag=tag)
+        w = self._call(self._rc.isend, _move_view(c), dst=dst, tag=tag)
         return self._issue([w], [t], None, f"send to {dst} tag {tag}", None, p2p=True)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> RingcommWork:
@@ -875,7 +977,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._check_usable(what)
         t = self._one(tensors, what)
         c, copied = _contig(t)
-        w = self._rc.irecv(_move_view(c), src=src, tag=tag)
+        w = self._call(self._rc.irecv, _move_view(c), src=src, tag=tag)
         post = (lambda: t.detach().copy_(c)) if copied else None
         return self._issue([w], [t], post, f"recv from {src} tag {tag}", None, p2p=True)
 
@@ -938,14 +1040,6 @@ def _run_all(posts: list[_Post]) -> _Post | None:
     return run
 
 
-def _wait_all(works: list[RingcommWork]) -> Callable[[], None]:
-    def run() -> None:
-        for w in works:
-            w.wait()
-
-    return run
-
-
 def _from_move_view(row: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """Undo :func:`_move_view` for one gathered row shaped like ``like``."""
     t = torch.from_numpy(np.ascontiguousarray(row))
@@ -963,8 +1057,9 @@ def _splits(sizes: list[int], total: int, n: int, what: str, name: str) -> list[
             raise ValueError(f"{what}: {name} dim 0 ({total}) is not divisible by {n}")
         sizes = [total // n] * n
     if len(sizes) != n or sum(sizes) != total or min(sizes) < 0:
-        raise ValueError(f"{what}: {name} split sizes {sizes} do not split {total} rows "
-                         f"among {n} ranks")
+        raise ValueError(
+            f"{what}: {name} split sizes {sizes} do not split {total} rows among {n} ranks"
+        )
     spans, at = [], 0
     for s in sizes:
         spans.append((at, at + s))

@@ -31,8 +31,9 @@ STEPS = 5
 
 
 # -- the harness ---------------------------------------------------------------------------
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple[Any, ...],
-           results: Any) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, args: tuple[Any, ...], results: Any
+) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     try:
@@ -41,15 +42,18 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple[Any, 
         results.put((rank, "err", traceback.format_exc()))
 
 
-def run_job(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],
-            timeout_s: float) -> list[Any]:
+def run_job(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout_s: float
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return
     the results in rank order. Any rank's exception fails the job with its traceback; the
     deadline fails it too; no process outlives the call."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
@@ -59,16 +63,19 @@ def run_job(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],
         while len(got) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"job timed out after {timeout_s} s; ranks done: "
-                                     f"{sorted(got)}")
+                raise AssertionError(
+                    f"job timed out after {timeout_s} s; ranks done: {sorted(got)}"
+                )
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in got]
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got
+                ]
                 if dead:
-                    raise AssertionError(f"ranks {dead} died: exit codes "
-                                         f"{[procs[r].exitcode for r in dead]}") from None
+                    raise AssertionError(
+                        f"ranks {dead} died: exit codes {[procs[r].exitcode for r in dead]}"
+                    ) from None
                 continue
             if status == "ok":
                 got[rank] = value
@@ -105,8 +112,9 @@ def _init(rank: int, world_size: int, store_path: str, timeout_s: float = 60.0) 
 def _model() -> Any:
     torch.manual_seed(0)
     nn = torch.nn
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                         nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
 
 
 def _train(rank: int, model: Any, wrapped: Any, steps: int = STEPS) -> list[float]:
@@ -164,11 +172,16 @@ def training_job(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
     rc_group = dist.group.WORLD
     gloo = dist.new_group(backend="gloo")
     report: dict[str, Any] = {"backend": dist.get_backend(), "init": _flat_params(_model())}
-    hooks = {"ddp": None, "ddp_allreduce_hook": default_hooks.allreduce_hook,
-             "ddp_fp16_hook": default_hooks.fp16_compress_hook}
+    hooks = {
+        "ddp": None,
+        "ddp_allreduce_hook": default_hooks.allreduce_hook,
+        "ddp_fp16_hook": default_hooks.fp16_compress_hook,
+    }
     for name, hook in hooks.items():
-        report[name] = {"gloo": _ddp_run(rank, gloo, hook),
-                        "ringcomm": _ddp_run(rank, rc_group, hook)}
+        report[name] = {
+            "gloo": _ddp_run(rank, gloo, hook),
+            "ringcomm": _ddp_run(rank, rc_group, hook),
+        }
     report["fsdp2"] = {"gloo": _fsdp_run(rank, gloo), "ringcomm": _fsdp_run(rank, rc_group)}
     dist.destroy_process_group()
     return report
@@ -188,8 +201,7 @@ def _check_training(reports: list[dict[str, Any]], world_size: int) -> None:
             assert np.abs(c - init).max() > 1e-3, f"{name}: training did not move rank {r}"
             if world_size == 2:
                 assert np.array_equal(g, c), (
-                    f"{name} rank {r}: not bitwise equal to Gloo, max diff "
-                    f"{np.abs(g - c).max()}"
+                    f"{name} rank {r}: not bitwise equal to Gloo, max diff {np.abs(g - c).max()}"
                 )
             else:
                 np.testing.assert_allclose(c, g, rtol=0, atol=tol[name], err_msg=name)
@@ -203,7 +215,7 @@ def _check_training(reports: list[dict[str, Any]], world_size: int) -> None:
 # -- the collectives job -------------------------------------------------------------------
 def _inp(rank: int, n: int, dtype: Any) -> Any:
     """Rank-dependent small integers (exact in every dtype, products stay small)."""
-    base = (torch.arange(n) % 3 + rank + 1)
+    base = torch.arange(n) % 3 + rank + 1
     if dtype == torch.bool:
         return (torch.arange(n) + rank) % 2 == 0
     if dtype.is_complex:
@@ -216,8 +228,9 @@ def _expected_reduce(op: str, world_size: int, n: int, dtype: Any) -> Any:
     if op == "sum":
         return xs.any(0) if dtype == torch.bool else xs.sum(0, dtype=dtype)
     if op == "avg":
-        return (xs.to(torch.complex128 if dtype.is_complex else torch.float64).sum(0)
-                / world_size).to(dtype)
+        return (
+            xs.to(torch.complex128 if dtype.is_complex else torch.float64).sum(0) / world_size
+        ).to(dtype)
     if op == "prod":
         return xs.all(0) if dtype == torch.bool else xs.prod(0, dtype=dtype)
     if op == "min":
@@ -241,8 +254,18 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
             out[name] = traceback.format_exc()
 
     ops = {"sum": RO.SUM, "avg": RO.AVG, "prod": RO.PRODUCT, "min": RO.MIN, "max": RO.MAX}
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-              torch.int64, torch.uint8, torch.int8, torch.bool, torch.complex64]
+    dtypes = [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.int8,
+        torch.bool,
+        torch.complex64,
+    ]
 
     def all_reduce_matrix() -> None:
         for dtype in dtypes:
@@ -328,18 +351,18 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
             inp = _inp(R, W * n, torch.float32)
             o = torch.empty(n)
             dist.reduce_scatter_tensor(o, inp, op=op)
-            exp = _expected_reduce(name, W, W * n, torch.float32)[R * n:(R + 1) * n]
+            exp = _expected_reduce(name, W, W * n, torch.float32)[R * n : (R + 1) * n]
             assert torch.equal(o, exp), name
             assert torch.equal(inp, _inp(R, W * n, torch.float32)), "input modified"
         inp = _inp(R, W * n, torch.float32)
         o = torch.empty(n)
         dist.reduce_scatter_tensor(o, inp, op=dist._make_nccl_premul_sum(0.25))
-        exp = _expected_reduce("sum", W, W * n, torch.float32)[R * n:(R + 1) * n] * 0.25
+        exp = _expected_reduce("sum", W, W * n, torch.float32)[R * n : (R + 1) * n] * 0.25
         assert torch.equal(o, exp) and torch.equal(inp, _inp(R, W * n, torch.float32))
         parts = list(_inp(R, W * n, torch.int64).chunk(W))
         o = torch.empty(n, dtype=torch.int64)
         dist.reduce_scatter(o, parts)
-        assert torch.equal(o, _expected_reduce("sum", W, W * n, torch.int64)[R * n:(R + 1) * n])
+        assert torch.equal(o, _expected_reduce("sum", W, W * n, torch.int64)[R * n : (R + 1) * n])
 
     def reduce_and_scatter() -> None:
         dst = W - 1
@@ -349,8 +372,9 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         exp = _expected_reduce("max", W, 9, torch.float64) if R == dst else mine
         assert torch.equal(t, exp)
         o = torch.empty(3, dtype=torch.int32)
-        src_list = ([torch.full((3,), 10 * r, dtype=torch.int32) for r in range(W)]
-                    if R == 0 else None)
+        src_list = (
+            [torch.full((3,), 10 * r, dtype=torch.int32) for r in range(W)] if R == 0 else None
+        )
         dist.scatter(o, src_list, src=0)
         assert torch.equal(o, torch.full((3,), 10 * R, dtype=torch.int32))
 
@@ -358,8 +382,9 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         x = torch.arange(W * 2, dtype=torch.float32) + 100 * R
         y = torch.empty_like(x)
         dist.all_to_all_single(y, x)
-        exp = torch.cat([torch.arange(R * 2, R * 2 + 2, dtype=torch.float32) + 100 * r
-                         for r in range(W)])
+        exp = torch.cat(
+            [torch.arange(R * 2, R * 2 + 2, dtype=torch.float32) + 100 * r for r in range(W)]
+        )
         assert torch.equal(y, exp)
         # uneven: rank r sends j + 1 rows of width 2 to rank j
         in_splits = [j + 1 for j in range(W)]
@@ -382,8 +407,10 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         dist.send(_inp(R, 5, torch.bfloat16), dst=right, tag=3)
         req.wait()
         assert torch.equal(got, _inp(left, 5, torch.bfloat16))
-        ops_ = [dist.P2POp(dist.isend, torch.full((4,), float(R)), right),
-                dist.P2POp(dist.irecv, got4 := torch.empty(4), left)]
+        ops_ = [
+            dist.P2POp(dist.isend, torch.full((4,), float(R)), right),
+            dist.P2POp(dist.irecv, got4 := torch.empty(4), left),
+        ]
         for w in dist.batch_isend_irecv(ops_):
             w.wait()
         assert torch.equal(got4, torch.full((4,), float(left)))
@@ -417,9 +444,21 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         with pytest.raises(ValueError, match="world size"):
             dist.all_gather_into_tensor(torch.empty(W * 2 + 1), torch.ones(2))
 
-    for fn in (all_reduce_matrix, premul_and_bitwise, non_contiguous_and_sizes,
-               async_and_futures, broadcast, gathers, reduce_scatters, reduce_and_scatter,
-               all_to_all, point_to_point, barrier_and_names, new_groups, bad_arguments):
+    for fn in (
+        all_reduce_matrix,
+        premul_and_bitwise,
+        non_contiguous_and_sizes,
+        async_and_futures,
+        broadcast,
+        gathers,
+        reduce_scatters,
+        reduce_and_scatter,
+        all_to_all,
+        point_to_point,
+        barrier_and_names,
+        new_groups,
+        bad_arguments,
+    ):
         check(fn.__name__, fn)
     dist.destroy_process_group()
     return out
@@ -471,8 +510,9 @@ def failure_job(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_and_fsdp2_equal_gloo(world_size: int, tmp_path: Path,
-                                  no_child_processes: None) -> None:
+def test_ddp_and_fsdp2_equal_gloo(
+    world_size: int, tmp_path: Path, no_child_processes: None
+) -> None:
     reports = run_job(training_job, world_size, (str(tmp_path / "store"),), timeout_s=200)
     _check_training(reports, world_size)
 
@@ -486,17 +526,27 @@ def collectives_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, l
     return out
 
 
-COLLECTIVE_CHECKS = ["all_reduce_matrix", "premul_and_bitwise", "non_contiguous_and_sizes",
-                     "async_and_futures", "broadcast", "gathers", "reduce_scatters",
-                     "reduce_and_scatter", "all_to_all", "point_to_point",
-                     "barrier_and_names", "new_groups", "bad_arguments"]
+COLLECTIVE_CHECKS = [
+    "all_reduce_matrix",
+    "premul_and_bitwise",
+    "non_contiguous_and_sizes",
+    "async_and_futures",
+    "broadcast",
+    "gathers",
+    "reduce_scatters",
+    "reduce_and_scatter",
+    "all_to_all",
+    "point_to_point",
+    "barrier_and_names",
+    "new_groups",
+    "bad_arguments",
+]
 
 
 @pytest.mark.timeout(320)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("check", COLLECTIVE_CHECKS)
-def test_collective(collectives_reports: dict[int, list[Any]], world_size: int,
-                    check: str) -> None:
+def test_collective(collectives_reports: dict[int, list[Any]], world_size: int, check: str) -> None:
     for rank, rep in enumerate(collectives_reports[world_size]):
         assert rep.get(check) == "ok", f"rank {rank}: {rep.get(check, 'did not run')}"
 
@@ -509,8 +559,12 @@ def test_every_collective_check_ran(collectives_reports: dict[int, list[Any]]) -
 def test_failures_raise_instead_of_hanging(tmp_path: Path, no_child_processes: None) -> None:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(failure_job, r, 2, (str(tmp_path / "s"),),
-                                               results), daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(failure_job, r, 2, (str(tmp_path / "s"),), results), daemon=True
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -536,15 +590,34 @@ def test_failures_raise_instead_of_hanging(tmp_path: Path, no_child_processes: N
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_env_names(no_child_processes: None) -> None:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    for k in ("RINGCOMM_RANK", "RINGCOMM_WORLD_SIZE", "RINGCOMM_MASTER_ADDR",
-              "RINGCOMM_MASTER_PORT"):
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    for k in (
+        "RINGCOMM_RANK",
+        "RINGCOMM_WORLD_SIZE",
+        "RINGCOMM_MASTER_ADDR",
+        "RINGCOMM_MASTER_PORT",
+    ):
         env.pop(k, None)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests" / "scripts" / "torch_ddp_torchrun.py")],
-        env=env, capture_output=True, text=True, timeout=150, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(REPO / "tests" / "scripts" / "torch_ddp_torchrun.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in range(2):
