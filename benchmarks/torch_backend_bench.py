@@ -1,7 +1,7 @@
 """dist.all_reduce through the ringcomm torch backend vs Gloo, in the same run.
 
     python benchmarks/torch_backend_bench.py [-n 2] [-b 8] [-e 64M] [-f 4] [--iters 10]
-        [--warmup 2] [--rounds 2] [--native] [--json FILE] [--md FILE]
+        [--warmup 2] [--rounds 2] [--native] [--invocations K] [--json FILE] [--md FILE]
 
 Each rank: ``torch.set_num_threads(1)``, ``GLOO_SOCKET_IFNAME=lo``; the default group is
 ``dist.init_process_group("ringcomm")`` (a FileStore), Gloo is ``dist.new_group(backend=
@@ -13,8 +13,10 @@ size's time is the median over blocks of the maximum over ranks. busbw uses nccl
 2(n-1)/n. ``--native`` adds ringcomm's own ``pg.all_reduce`` on the group underneath the
 backend (what torch's dispatch and the Work/Future wrapping cost).
 
-Output: a table with ratios (stdout, and ``--md``), JSON lines as ``ringcomm bench``
-writes them (``--json``; ``impl`` is ``ringcomm-torch``, ``gloo`` or ``ringcomm``).
+``--invocations K`` repeats the whole job K times (fresh processes); the table shows each
+size's median over invocations. Output: a table with ratios (stdout, and ``--md``), JSON
+lines as ``ringcomm bench`` writes them (``--json``; ``impl`` is ``ringcomm-torch``,
+``gloo`` or ``ringcomm``; plus ``invocation``).
 """
 
 from __future__ import annotations
@@ -169,14 +171,23 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _median_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Per (impl, size): the row of the median time over invocations."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["impl"], r["bytes"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["time_us"])[len(v) // 2] for k, v in groups.items()}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    by = {(r["impl"], r["bytes"]): r for r in rows}
+    by = _median_rows(rows)
+    runs = len({r.get("invocation", 0) for r in rows})
     impls = [i for i in ("gloo", "ringcomm-torch", "ringcomm") if any(r["impl"] == i for r in rows)]
     n = rows[0]["world_size"]
     head = ["size"] + [f"{i} µs" for i in impls] + [f"{i} busbw GB/s" for i in impls]
     head += ["time ratio rc-torch/gloo", "busbw ratio rc-torch/gloo"]
     lines = [
-        f"all_reduce float32, W={n}",
+        f"all_reduce float32, W={n}, median of {runs} invocation(s)",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---:|" * len(head),
@@ -208,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--native", action="store_true")
+    ap.add_argument("--invocations", type=int, default=1, help="fresh jobs; medians reported")
     ap.add_argument("--json")
     ap.add_argument("--md")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     args = ap.parse_args(argv)
-    rows = run(args)
+    rows: list[dict[str, Any]] = []
+    for k in range(args.invocations):
+        rows.extend({**r, "invocation": k} for r in run(args))
     text = table(rows)
     print(text)
     if args.json:
