@@ -27,26 +27,30 @@ ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.
   store, sockets and a progress thread per group).
 * :class:`RingcommProcessGroup` subclasses ``dist.ProcessGroup`` (``super().__init__(rank,
   size)``; ``dist._Backend`` cannot be subclassed from Python). Each call turns tensors into
-  NumPy views (``tensor.numpy()``: zero-copy for contiguous CPU tensors), starts the ringcomm
-  operation with ``async_op=True`` and returns a :class:`RingcommWork` at once (DDP calls
-  ``allreduce`` from autograd's thread: enqueue and return); ringcomm's progress engine moves
-  the bytes.
-* Completion: ringcomm's ``Work`` has no callback, so each group runs a completion thread
-  that waits on its collectives in the order issued (ringcomm completes a group's
-  collectives in that order) and completes their torch ``Future`` (DDP's comm hooks chain on
-  ``get_future()``); point-to-point work, which may finish out of order, is polled by a
-  second thread. ``RingcommWork.wait()`` waits on the calling thread itself (no hand-off for
-  blocking calls). A failed operation fails the future *and* makes ``wait()`` raise, so the
-  error surfaces from ``loss.backward()`` instead of a later crash.
+  NumPy views (``tensor.numpy()``: zero-copy for contiguous CPU tensors) and returns a
+  :class:`RingcommWork`. Where torch will wait at once (``opts.asyncOp`` False: plain
+  ``dist.all_reduce(t)`` and friends) the ringcomm call runs blocking on the caller's thread
+  (ringcomm's small-message fast lane, no thread hand-off). Otherwise (``async_op=True``,
+  DDP's bucket all-reduces from autograd's thread) it is started with ``async_op=True`` and
+  returns at once; ringcomm's progress engine moves the bytes.
+* Completion: ringcomm's ``Work`` has no completion callback. ``RingcommWork.wait()`` waits
+  on the calling thread. A torch ``Future`` (``get_future()``, what DDP's comm hooks chain
+  on) must complete with nobody waiting, so the first ``get_future()`` hands the work to
+  the group's completion thread, which waits on collectives in issue order (ringcomm
+  finishes a group's collectives in that order); point-to-point work, which may finish in
+  any order, is polled by a second thread. A failed operation makes ``wait()`` raise and
+  fails the future's C++ side (not ``Future.set_exception``, which only stores the
+  exception as the value: DDP would read it as tensors and crash), so under DDP the error
+  surfaces from ``loss.backward()``.
 
 Dtypes: the NumPy ones go as they are. bfloat16 reductions run in float32 on a copy (the
 result, rounded back, is the same bytes on every rank); complex SUM/AVG/PREMUL_SUM reduce the
 real and imaginary parts as pairs of floats; data movement (broadcast, gathers, all-to-all,
 p2p) moves any other dtype as raw bytes. Reduce ops: SUM, AVG, PRODUCT, MIN, MAX map to
 ringcomm's; PREMUL_SUM (``dist._make_nccl_premul_sum(f)``, used by FSDP2) multiplies the
-input by ``f`` (on a copy where the input is not the output) and sums; BAND/BOR/BXOR work on
-bool (as MIN/MAX/SUM-mod-2 would: AND, OR; BXOR is refused) and are refused with
-``ValueError`` on other dtypes. ``recv_anysource`` is not supported.
+input by ``f`` (on a copy where the input is not the output) and sums; BAND and BOR work on
+bool tensors (logical AND, OR); other bitwise uses (BXOR, integer BAND/BOR) raise
+``ValueError``. ``recv_anysource`` is not supported.
 
 Mixed strings such as ``"cpu:ringcomm,cuda:nccl"`` register only one backend in torch
 2.13 (the creator returns a ProcessGroup, which replaces the whole group): use
