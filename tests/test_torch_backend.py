@@ -479,6 +479,16 @@ def failure_job(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
         report["mismatch"] = "no error"
     except Exception as exc:  # noqa: BLE001
         report["mismatch"] = f"{type(exc).__name__}: {exc}"
+    # The same through the asynchronous path: wait() raises, and so does the future.
+    g2 = dist.new_group(backend="ringcomm")
+    work = dist.all_reduce(torch.ones(6 + rank), group=g2, async_op=True)
+    fut = work.get_future()
+    for name, wait in (("async_wait", work.wait), ("async_future", fut.wait)):
+        try:
+            wait()
+            report[name] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            report[name] = f"{type(exc).__name__}: {exc}"
     model = _model()
     ddp = DDP(model)
     gen = torch.Generator().manual_seed(rank)
@@ -577,7 +587,9 @@ def test_failures_raise_instead_of_hanging(tmp_path: Path, no_child_processes: N
                 p.kill()
                 p.join(5)
         results.close()
-    assert "CollectiveMismatchError" in rep["mismatch"] or "mismatch" in rep["mismatch"], rep
+    assert rep["mismatch"].startswith("CollectiveMismatchError"), rep
+    assert "CollectiveMismatchError" in rep["async_wait"], rep
+    assert "CollectiveMismatchError" in rep["async_future"], rep
     assert rep["dead_peer"] != "no error", rep
     assert "CommTimeoutError" in rep["dead_peer"] or "timed out" in rep["dead_peer"], rep
     assert rep["step"] == 2, rep
