@@ -278,14 +278,17 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
         self._error: BaseException | None = None
 
     # -- completion (any thread) -----------------------------------------------------
-    def _settle(self) -> None:
-        """Wait for the ringcomm work, run the post step, complete the future (once)."""
+    def _settle(self, limit_s: float | None = None) -> None:
+        """Wait for the ringcomm work (at most the call's timeout, or ``limit_s`` if
+        shorter: expiry fails the operation), run the post step, complete the future
+        (once)."""
         with self._lock:
             if self._settled:
                 return
             error: BaseException | None = None
             try:
-                deadline = time.monotonic() + self._timeout_s
+                wait_s = self._timeout_s if limit_s is None else min(limit_s, self._timeout_s)
+                deadline = time.monotonic() + wait_s
                 for w in self._works:
                     if isinstance(w, RingcommWork):
                         w.wait()
@@ -316,7 +319,11 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
 
     # -- torch's Work interface ------------------------------------------------------
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        self._settle()
+        """Block until done; raise the operation's error. ``timeout`` (torch's, a
+        timedelta; zero or None: the group's) bounds the wait: on expiry the operation
+        fails with ``CommTimeoutError``."""
+        limit_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
+        self._settle(limit_s if limit_s > 0 else None)
         if self._error is not None:
             raise self._error
         return True
@@ -1019,6 +1026,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 server.close()
 
     def abort(self) -> None:
+        """Shut down without waiting for the other ranks to check out."""
+        self._note_failure(RuntimeError("the process group was aborted"))
         self.shutdown()
 
     def __del__(self) -> None:  # best effort: never leave sockets or threads behind

@@ -489,6 +489,19 @@ def failure_job(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
             report[name] = "no error"
         except Exception as exc:  # noqa: BLE001
             report[name] = f"{type(exc).__name__}: {exc}"
+    # work.wait(timeout) bounds the wait: rank 1 never joins this all_reduce.
+    import datetime
+
+    g3 = dist.new_group(backend="ringcomm")
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(3), group=g3, async_op=True)
+        t1 = time.monotonic()
+        try:
+            work.wait(datetime.timedelta(seconds=0.5))
+            report["wait_timeout"] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            report["wait_timeout"] = f"{type(exc).__name__}: {exc}"
+        report["wait_timeout_s"] = time.monotonic() - t1
     model = _model()
     ddp = DDP(model)
     gen = torch.Generator().manual_seed(rank)
@@ -590,6 +603,8 @@ def test_failures_raise_instead_of_hanging(tmp_path: Path, no_child_processes: N
     assert rep["mismatch"].startswith("CollectiveMismatchError"), rep
     assert "CollectiveMismatchError" in rep["async_wait"], rep
     assert "CollectiveMismatchError" in rep["async_future"], rep
+    assert rep["wait_timeout"].startswith("CommTimeoutError"), rep
+    assert 0.4 < rep["wait_timeout_s"] < 10, rep
     assert rep["dead_peer"] != "no error", rep
     assert "CommTimeoutError" in rep["dead_peer"] or "timed out" in rep["dead_peer"], rep
     assert rep["step"] == 2, rep
