@@ -1,0 +1,1142 @@
+"""ringcomm as a ``torch.distributed`` backend (CPU tensors), in pure Python.
+
+    import torch.distributed as dist
+    import ringcomm.torch_backend  # registers the backend "ringcomm"
+    dist.init_process_group("ringcomm")          # env:// (torchrun), tcp://, file://, store=
+    model = torch.nn.parallel.DistributedDataParallel(model)   # or fully_shard(model)
+
+The only module of ringcomm that imports torch (an optional extra: ``pip install
+ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.13):
+
+* Registration: ``dist.Backend.register_backend("ringcomm", _create, devices=["cpu"])`` at
+  import. torch calls :func:`_create` ``(store, rank, world_size, timeout)`` once for the
+  default group and once more for every ``new_group`` this rank belongs to (only on
+  members); ``store`` is a ``PrefixStore`` unique to the group.
+* Rendezvous (one ringcomm group per torch group): rank 0 of the torch group starts a
+  ringcomm rendezvous store (:class:`~ringcomm.rendezvous.StoreServer`, a port from the OS,
+  a fresh random token) and publishes ``{addr, port, token}`` under ``ringcomm/store`` in the
+  torch store; every rank reads it and calls ``rc.init_process_group(...,
+  host_store=False)``. So ringcomm needs no port of its own (torchrun's ``MASTER_PORT``
+  belongs to torch's TCPStore), works under every torch ``init_method``, and the torch store
+  (which the job trusts already) carries the token. The address is ``RINGCOMM_MASTER_ADDR``,
+  else ``MASTER_ADDR`` (set by torchrun and ``env://``), else 127.0.0.1: on several hosts
+  with ``tcp://`` or ``file://`` initialisation, set one of them to rank 0's address.
+  Why not one ringcomm group and ``pg.new_group``: torch runs the creator only on a new
+  group's members, while ringcomm's ``new_group`` must be called by every rank of the
+  parent, in one order; an independent group per torch group needs neither (it costs a
+  store, sockets and a progress thread per group).
+* :class:`RingcommProcessGroup` subclasses ``dist.ProcessGroup`` (``super().__init__(rank,
+  size)``; ``dist._Backend`` cannot be subclassed from Python). Each call turns tensors into
+  NumPy views (``tensor.numpy()``: zero-copy for contiguous CPU tensors) and returns a
+  :class:`RingcommWork`. Where torch will wait at once (``opts.asyncOp`` False: plain
+  ``dist.all_reduce(t)`` and friends) the ringcomm call runs blocking on the caller's thread
+  (ringcomm's small-message fast lane, no thread hand-off). Otherwise (``async_op=True``,
+  DDP's bucket all-reduces from autograd's thread) it is started with ``async_op=True`` and
+  returns at once; ringcomm's progress engine moves the bytes.
+* Completion: ringcomm's ``Work`` has no completion callback. ``RingcommWork.wait()`` waits
+  on the calling thread. A torch ``Future`` (``get_future()``, what DDP's comm hooks chain
+  on) must complete with nobody waiting, so the first ``get_future()`` hands the work to
+  the group's completion thread, which waits on collectives in issue order (ringcomm
+  finishes a group's collectives in that order); point-to-point work, which may finish in
+  any order, is polled by a second thread. A failed operation makes ``wait()`` raise and
+  fails the future's C++ side (not ``Future.set_exception``, which only stores the
+  exception as the value: DDP would read it as tensors and crash), so under DDP the error
+  surfaces from ``loss.backward()``.
+
+Dtypes: the NumPy ones go as they are. bfloat16 reductions run in float32 on a copy (the
+result, rounded back, is the same bytes on every rank); complex SUM/AVG/PREMUL_SUM reduce the
+real and imaginary parts as pairs of floats; data movement (broadcast, gathers, all-to-all,
+p2p) moves any other dtype as raw bytes. Reduce ops: SUM, AVG, PRODUCT, MIN, MAX map to
+ringcomm's; PREMUL_SUM (``dist._make_nccl_premul_sum(f)``, used by FSDP2) multiplies the
+input by ``f`` (on a copy where the input is not the output) and sums; BAND and BOR work on
+bool tensors (logical AND, OR); other bitwise uses (BXOR, integer BAND/BOR) raise
+``ValueError``. ``recv_anysource`` is not supported.
+
+Mixed strings such as ``"cpu:ringcomm,cuda:nccl"`` register only one backend in torch
+2.13 (the creator returns a ProcessGroup, which replaces the whole group): use
+``"ringcomm"`` for CPU jobs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+from torch.futures import Future
+
+from .errors import RingcommError
+from .group import ProcessGroup as RcGroup
+from .group import init_process_group
+from .rendezvous import StoreServer
+from .work import Work as RcWork
+
+__all__ = ["BACKEND_NAME", "RingcommProcessGroup", "RingcommWork"]
+
+#: The name to pass to ``dist.init_process_group`` / ``dist.new_group(backend=...)``.
+BACKEND_NAME = "ringcomm"
+#: Key (in the group's torch store) where rank 0 publishes ringcomm's store address.
+_STORE_KEY = "ringcomm/store"
+#: Counter (in the group's torch store) of ranks done with ringcomm's store at shutdown.
+_CLOSED_KEY = "ringcomm/closed"
+#: Longest rank 0 keeps ringcomm's store up at shutdown for the others to check out.
+_CHECKOUT_MAX_S = 30.0
+#: The longest the point-to-point poller sleeps between looks (adaptive from 50 us).
+_P2P_POLL_MAX_S = 0.002
+
+_RC_OPS = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.AVG: "avg",
+    ReduceOp.PRODUCT: "prod",
+    ReduceOp.MIN: "min",
+    ReduceOp.MAX: "max",
+}
+# bool-only meanings of the bitwise ops (logical AND is MIN, OR is MAX on bool).
+_BOOL_BITWISE = {ReduceOp.BAND: "min", ReduceOp.BOR: "max"}
+# torch dtypes whose ``tensor.numpy()`` gives a dtype ringcomm carries.
+_NUMPY_DTYPES = {
+    torch.bool,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+}
+
+
+#: A step run once the ringcomm operations are done (copy results back, cast, ...).
+_Post = Callable[[], object]
+
+
+# -- tensors <-> arrays ------------------------------------------------------------------
+def _check_cpu(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{what}: the ringcomm backend takes CPU tensors, got one on {t.device} "
+            "(move it with .cpu(), or use nccl for CUDA tensors)"
+        )
+    if t.is_sparse:
+        raise ValueError(f"{what}: sparse tensors are not supported")
+    return t
+
+
+def _contig(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``t`` itself if contiguous, else a contiguous copy (and True: copy results back)."""
+    t = t.detach()
+    if t.is_contiguous():
+        return t, False
+    return t.contiguous(), True
+
+
+def _move_view(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of contiguous ``t`` for data movement: any dtype, as bytes if needed."""
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy()
+    if t.dtype.is_complex:
+        return torch.view_as_real(t).numpy()
+    if t.dtype == torch.bfloat16 or t.element_size() == 2:
+        return t.view(torch.int16).numpy()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _Reduction:
+    """How one tensor takes part in a reduction: the array to reduce, the ringcomm op,
+    and what to do before (pre-scaling) and after (copy back, cast back)."""
+
+    __slots__ = ("array", "op", "post", "scale", "tensor", "work_tensor")
+
+    def __init__(self, t: torch.Tensor, op: Any, what: str, *, in_place: bool) -> None:
+        t = _check_cpu(t, what)
+        rop, scale = _parse_op(op, t.dtype, what)
+        work, copied = _contig(t)
+        if t.dtype == torch.bfloat16:
+            work, copied = work.float(), True
+        elif t.dtype.is_complex:
+            if rop not in ("sum", "avg"):
+                raise ValueError(f"{what}: {rop.upper()} is not defined on complex tensors")
+        elif t.dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"{what}: dtype {t.dtype} cannot be reduced by ringcomm")
+        if scale is not None:
+            if not in_place and not copied:
+                work, copied = work.clone(), True
+            work.mul_(scale)
+        self.tensor = t
+        self.work_tensor = work
+        self.array = torch.view_as_real(work).numpy() if work.dtype.is_complex else work.numpy()
+        self.op = rop
+        self.scale = scale
+        self.post = copied and in_place
+
+    def copy_back(self) -> None:
+        """Results computed on a copy go back into the caller's tensor."""
+        if self.post:
+            self.tensor.copy_(self.work_tensor)
+
+
+def _parse_op(op: Any, dtype: torch.dtype, what: str) -> tuple[str, float | None]:
+    """(ringcomm op name, pre-scale factor or None) for a torch ReduceOp."""
+    kind = op.op if hasattr(op, "op") else op
+    if kind == ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError(f"{what}: PREMUL_SUM without a factor")
+        if isinstance(factor, torch.Tensor):
+            factor = float(factor.item())
+        return "sum", float(factor)
+    if kind in _RC_OPS:
+        return _RC_OPS[kind], None
+    if kind in _BOOL_BITWISE and dtype == torch.bool:
+        return _BOOL_BITWISE[kind], None
+    raise ValueError(
+        f"{what}: reduce op {kind} is not supported by the ringcomm backend for dtype {dtype} "
+        "(supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM; BAND/BOR on bool)"
+    )
+
+
+def _async(opts: Any) -> bool:
+    """Whether torch will come back for the result later (``asyncOp``, default True).
+
+    ``dist.all_reduce(t)`` and friends set it False and wait on the Work at once: those
+    calls run blocking on the caller's thread (ringcomm's fast lane for small messages, no
+    thread hand-off); everything else (DDP's hooks, ``async_op=True``) is started and left
+    to ringcomm's progress engine.
+    """
+    return bool(getattr(opts, "asyncOp", True))
+
+
+def _timeout_s(opts: Any, default_s: float) -> float:
+    """The call's timeout from torch options (unset: the group's)."""
+    t = getattr(opts, "timeout", None)
+    if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
+        return t.total_seconds()
+    return default_s
+
+
+# -- work ---------------------------------------------------------------------------------
+class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
+    """A torch Work over one or more ringcomm operations.
+
+    ``wait()`` blocks (driving ringcomm's progress on this thread) and raises the
+    operation's error; ``get_future()`` is completed with the output tensors (or the error)
+    by whichever comes first: a ``wait()`` or the group's completion thread.
+    """
+
+    def __init__(
+        self,
+        works: Sequence[RcWork | RingcommWork],
+        outputs: list[torch.Tensor],
+        post: _Post | None,
+        timeout_s: float,
+        desc: str,
+        on_error: Callable[[BaseException], None] | None = None,
+        watch: Callable[[RingcommWork], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._on_error = on_error
+        self._watch = watch
+        self._works = list(works)
+        self._outputs = outputs
+        self._post = post
+        self._timeout_s = timeout_s
+        self._desc = desc
+        self._source: Future[Any] = Future()
+        self._future: Future[Any] | None = None
+        self._lock = threading.Lock()
+        self._settled = False
+        self._error: BaseException | None = None
+
+    # -- completion (any thread) -----------------------------------------------------
+    def _settle(self, limit_s: float | None = None) -> None:
+        """Wait for the ringcomm work (at most the call's timeout, or ``limit_s`` if
+        shorter: expiry fails the operation), run the post step, complete the future
+        (once)."""
+        with self._lock:
+            if self._settled:
+                return
+            error: BaseException | None = None
+            try:
+                wait_s = self._timeout_s if limit_s is None else min(limit_s, self._timeout_s)
+                deadline = time.monotonic() + wait_s
+                for w in self._works:
+                    if isinstance(w, RingcommWork):
+                        w.wait()
+                    else:
+                        cast(RcWork, w).wait(max(deadline - time.monotonic(), 1e-3))
+                if self._post is not None:
+                    self._post()
+            except BaseException as exc:  # noqa: BLE001 (reported through the future)
+                error = exc
+            self._error = error
+            self._settled = True
+        if error is not None and self._on_error is not None:
+            self._on_error(error)
+        if error is None:
+            self._source.set_result(self._outputs)
+        else:
+            self._source.set_result(
+                _Failed(
+                    RuntimeError(f"ringcomm {self._desc} failed: {type(error).__name__}: {error}")
+                )
+            )
+
+    def _ready(self) -> bool:
+        """Non-blocking: are the ringcomm operations done (progress made if possible)?"""
+        return all(
+            w.is_completed() if isinstance(w, RingcommWork) else w.done() for w in self._works
+        )
+
+    # -- torch's Work interface ------------------------------------------------------
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until done; raise the operation's error. ``timeout`` (torch's, a
+        timedelta; zero or None: the group's) bounds the wait: on expiry the operation
+        fails with ``CommTimeoutError``."""
+        limit_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
+        self._settle(limit_s if limit_s > 0 else None)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> Future[Any]:
+        """The future of the output tensors. A failure is a real error of the future (its
+        C++ side), so DDP's reducer raises it from ``loss.backward()``: torch's
+        ``Future.set_exception`` only stores the exception as the *value* (DDP then reads
+        it as tensors and crashes), while an exception raised by a ``then`` callback fails
+        the chained future properly."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = self._source.then(_unwrap)
+            settled = self._settled
+        if not settled and self._watch is not None:
+            self._watch(self)  # someone must complete it without a wait(): the completer
+        return self._future
+
+    def is_completed(self) -> bool:
+        if not self._settled and self._ready():
+            self._settle()
+        return self._settled
+
+    def is_success(self) -> bool:
+        return self._settled and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._settled else ("failed" if self._error else "done")
+        return f"<RingcommWork {self._desc}: {state}>"
+
+
+class _Failed:
+    """The value a failed operation's source future carries (see ``get_future``)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(fut: Future[Any]) -> Any:
+    value = fut.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class _Completer:
+    """Completes the torch futures of one group without anyone calling ``wait()``.
+
+    Collectives: one thread waits on them in issue order (ringcomm finishes a group's
+    collectives in that order, so waiting on the oldest never holds up a younger one).
+    Point-to-point work may finish in any order: a second thread polls it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._colls: collections.deque[RingcommWork | None] = collections.deque()
+        self._coll_cv = threading.Condition()
+        self._p2p: list[RingcommWork] = []
+        self._p2p_cv = threading.Condition()
+        self._closed = False
+        self._coll_thread = threading.Thread(
+            target=self._coll_main, name=f"ringcomm-torch-{name}", daemon=True
+        )
+        self._p2p_thread: threading.Thread | None = None
+        self._name = name
+        self._coll_thread.start()
+
+    def add(self, work: RingcommWork, p2p: bool) -> None:
+        if p2p:
+            with self._p2p_cv:
+                self._p2p.append(work)
+                if self._p2p_thread is None:
+                    self._p2p_thread = threading.Thread(
+                        target=self._p2p_main, name=f"ringcomm-torch-p2p-{self._name}", daemon=True
+                    )
+                    self._p2p_thread.start()
+                self._p2p_cv.notify()
+        else:
+            with self._coll_cv:
+                self._colls.append(work)
+                self._coll_cv.notify()
+
+    def _coll_main(self) -> None:
+        while True:
+            with self._coll_cv:
+                while not self._colls:
+                    self._coll_cv.wait()
+                work = self._colls.popleft()
+            if work is None:
+                return
+            work._settle()
+
+    def _p2p_main(self) -> None:
+        sleep_s = 5e-5
+        while True:
+            with self._p2p_cv:
+                while not self._p2p and not self._closed:
+                    self._p2p_cv.wait()
+                if self._closed:
+                    return
+                pending = list(self._p2p)
+            ready = [w for w in pending if w._ready()]
+            for w in ready:
+                w._settle()
+            if ready:
+                with self._p2p_cv:
+                    self._p2p = [w for w in self._p2p if w not in ready]
+                sleep_s = 5e-5
+            else:
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, _P2P_POLL_MAX_S)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._coll_cv:
+            self._colls.append(None)
+            self._coll_cv.notify()
+        with self._p2p_cv:
+            self._closed = True
+            self._p2p_cv.notify()
+        self._coll_thread.join(timeout_s)
+        if self._p2p_thread is not None:
+            self._p2p_thread.join(timeout_s)
+
+
+# -- the process group --------------------------------------------------------------------
+class RingcommProcessGroup(dist.ProcessGroup):
+    """A torch ProcessGroup whose collectives run on a ringcomm group (CPU tensors)."""
+
+    def __init__(
+        self,
+        rc_group: RcGroup,
+        timeout_s: float,
+        *,
+        store_server: StoreServer | None = None,
+        torch_store: Any = None,
+    ) -> None:
+        super().__init__(rc_group.rank, rc_group.world_size)  # type: ignore[call-arg]
+        self._rc = rc_group
+        # Point-to-point collectives of ours (uneven all-to-all) use their own tag space.
+        p2p = rc_group.new_group(range(rc_group.world_size))
+        assert p2p is not None  # every rank is a member
+        self._rc_p2p: RcGroup = p2p
+        self._p2p_seq = 0
+        self._timeout_s = timeout_s
+        self._store_server = store_server
+        self._torch_store = torch_store
+        self._group_name = ""
+        self._group_desc = ""
+        self._completer = _Completer(f"r{rc_group.rank}")
+        self._shut = False
+        self._failure: BaseException | None = None  # the first failed operation's error
+
+    # -- identity (torch reads these through its C++ ProcessGroup) -------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def ringcomm_group(self) -> RcGroup:
+        """The ringcomm group underneath (for stats or ringcomm calls of your own)."""
+        return self._rc
+
+    def __repr__(self) -> str:
+        return (
+            f"<RingcommProcessGroup rank {self._rc.rank}/{self._rc.world_size} "
+            f"{self._group_name!r}>"
+        )
+
+    # -- helpers ---------------------------------------------------------------------
+    def _what(self, name: str) -> str:
+        return f"ringcomm backend rank {self._rc.rank}: {name}"
+
+    def _issue(
+        self,
+        works: Sequence[Any],
+        outputs: list[torch.Tensor],
+        post: _Post | None,
+        desc: str,
+        opts: Any = None,
+        p2p: bool = False,
+    ) -> RingcommWork:
+        # Blocking ringcomm calls returned their results instead of a Work: nothing to wait.
+        pending = [w for w in works if isinstance(w, (RcWork, RingcommWork))]
+        work = RingcommWork(
+            pending,
+            outputs,
+            post,
+            _timeout_s(opts, self._timeout_s),
+            desc,
+            self._note_failure,
+            lambda w: self._completer.add(w, p2p),
+        )
+        if not pending:  # ran blocking (torch will wait at once): done now
+            work._settle()
+        return work
+
+    def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"{what}: expected one tensor per call, got {len(tensors)}")
+        return _check_cpu(tensors[0], what)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ringcomm; note a failure raised at once (blocking calls) for shutdown."""
+        try:
+            return fn(*args, **kwargs)
+        except RingcommError as exc:
+            self._note_failure(exc)
+            raise
+
+    def _note_failure(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+
+    def _check_usable(self, what: str) -> None:
+        if self._shut:
+            raise RuntimeError(f"{what}: the process group was shut down")
+
+    # -- reductions -------------------------------------------------------------------
+    def allreduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("allreduce")
+        self._check_usable(what)
+        opts = opts if opts is not None else AllreduceOptions()
+        if isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):  # allreduce(tensors, op)
+            op, opts = opts, AllreduceOptions()
+        else:
+            op = opts.reduceOp
+        t = self._one([tensors] if isinstance(tensors, torch.Tensor) else tensors, what)
+        red = _Reduction(t, op, what, in_place=True)
+        w = self._call(
+            self._rc.all_reduce,
+            red.array,
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        return self._issue([w], [t], red.copy_back if red.post else None, "allreduce", opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+        what = self._what("allreduce_coalesced")
+        self._check_usable(what)
+        opts = opts if opts is not None else AllreduceCoalescedOptions()
+        reds = [
+            _Reduction(_check_cpu(t, what), opts.reduceOp, what, in_place=True) for t in tensors
+        ]
+        timeout_s = _timeout_s(opts, self._timeout_s)
+        works = [
+            self._call(
+                self._rc.all_reduce, r.array, op=r.op, async_op=_async(opts), timeout_s=timeout_s
+            )
+            for r in reds
+        ]
+
+        def post() -> None:
+            for r in reds:
+                r.copy_back()
+
+        return self._issue(works, list(tensors), post, "allreduce_coalesced", opts)
+
+    def reduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("reduce")
+        self._check_usable(what)
+        opts = opts if opts is not None else ReduceOptions()
+        t = self._one(tensors, what)
+        dst = opts.rootRank
+        # Only the root's tensor is written (a pre-scaled input elsewhere is a copy).
+        red = _Reduction(t, opts.reduceOp, what, in_place=self._rc.rank == dst)
+        w = self._call(
+            self._rc.reduce,
+            red.array,
+            dst=dst,
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        post = red.copy_back if red.post else None
+        return self._issue([w], [t], post, "reduce", opts)
+
+    def _reduce_scatter_into(
+        self, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str, opts: Any
+    ) -> tuple[RcWork, _Post | None]:
+        n = self._rc.world_size
+        if inp.numel() != out.numel() * n:
+            raise ValueError(
+                f"{what}: input has {inp.numel()} elements, expected world size {n} x "
+                f"output's {out.numel()}"
+            )
+        if inp.dtype != out.dtype:
+            raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+        red = _Reduction(inp, op, what, in_place=False)
+        rows = red.array.reshape(n, -1)
+        o, o_copied = _contig(out)
+        if out.dtype == torch.bfloat16:
+            o, o_copied = torch.empty(o.shape, dtype=torch.float32), True
+        o_arr = torch.view_as_real(o).numpy() if o.dtype.is_complex else o.numpy()
+        w = self._call(
+            self._rc.reduce_scatter,
+            rows,
+            out=o_arr.reshape(rows.shape[1:]),
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        if not o_copied:
+            return w, None
+        return w, lambda: out.detach().copy_(o.reshape(out.shape))
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("reduce_scatter_tensor")
+        self._check_usable(what)
+        opts = opts if opts is not None else ReduceScatterOptions()
+        out, inp = _check_cpu(output, what), _check_cpu(input, what)
+        w, post = self._reduce_scatter_into(out, inp, opts.reduceOp, what, opts)
+        return self._issue([w], [out], post, "reduce_scatter_tensor", opts)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("reduce_scatter_tensor_coalesced")
+        self._check_usable(what)
+        opts = opts if opts is not None else ReduceScatterOptions()
+        works, posts = [], []
+        for out, inp in zip(outputs, inputs, strict=True):
+            w, p = self._reduce_scatter_into(
+                _check_cpu(out, what), _check_cpu(inp, what), opts.reduceOp, what, opts
+            )
+            works.append(w)
+            if p is not None:
+                posts.append(p)
+        return self._issue(works, list(outputs), _run_all(posts), "reduce_scatter_coalesced", opts)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
+
+    def reduce_scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("reduce_scatter")
+        self._check_usable(what)
+        opts = opts if opts is not None else ReduceScatterOptions()
+        out = self._one(outputs, what)
+        if len(inputs) != 1 or len(inputs[0]) != self._rc.world_size:
+            raise ValueError(f"{what}: expected one list of world-size tensors as input")
+        parts = [_check_cpu(p, what) for p in inputs[0]]
+        for p in parts:
+            if p.shape != out.shape or p.dtype != out.dtype:
+                raise ValueError(f"{what}: every input must match the output's shape and dtype")
+        stacked = torch.stack([p.detach() for p in parts])  # one copy: a contiguous (n, ...)
+        w, post = self._reduce_scatter_into(out, stacked, opts.reduceOp, what, opts)
+        return self._issue([w], [out], post, "reduce_scatter", opts)
+
+    # -- data movement ----------------------------------------------------------------
+    def broadcast(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("broadcast")
+        self._check_usable(what)
+        opts = opts if opts is not None else BroadcastOptions()
+        t = self._one(tensors, what)
+        src = opts.rootRank
+        c, copied = _contig(t)
+        w = self._call(
+            self._rc.broadcast,
+            _move_view(c),
+            src=src,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        post = (lambda: t.detach().copy_(c)) if copied and self._rc.rank != src else None
+        return self._issue([w], [t], post, "broadcast", opts)
+
+    def _all_gather_into(
+        self, out: torch.Tensor, inp: torch.Tensor, what: str, opts: Any
+    ) -> tuple[RcWork, _Post | None]:
+        n = self._rc.world_size
+        if out.numel() != inp.numel() * n:
+            raise ValueError(
+                f"{what}: output has {out.numel()} elements, expected world size {n} x "
+                f"input's {inp.numel()}"
+            )
+        if inp.dtype != out.dtype:
+            raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+        i, _ = _contig(inp)
+        o, copied = _contig(out)
+        x = _move_view(i).reshape(-1)
+        o_arr = _move_view(o).reshape(n, -1)
+        w = self._call(
+            self._rc.all_gather,
+            x,
+            out=o_arr,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        return w, ((lambda: out.detach().copy_(o)) if copied else None)
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("all_gather_into_tensor")
+        self._check_usable(what)
+        opts = opts if opts is not None else AllgatherOptions()
+        out, inp = _check_cpu(output, what), _check_cpu(input, what)
+        w, post = self._all_gather_into(out, inp, what, opts)
+        return self._issue([w], [out], post, "all_gather_into_tensor", opts)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("allgather_into_tensor_coalesced")
+        self._check_usable(what)
+        opts = opts if opts is not None else AllgatherOptions()
+        works, posts = [], []
+        for out, inp in zip(outputs, inputs, strict=True):
+            w, p = self._all_gather_into(_check_cpu(out, what), _check_cpu(inp, what), what, opts)
+            works.append(w)
+            if p is not None:
+                posts.append(p)
+        return self._issue(works, list(outputs), _run_all(posts), "allgather_coalesced", opts)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
+
+    def allgather(  # type: ignore[override]
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("allgather")
+        self._check_usable(what)
+        opts = opts if opts is not None else AllgatherOptions()
+        inp = self._one(inputs, what)
+        if len(outputs) != 1 or len(outputs[0]) != self._rc.world_size:
+            raise ValueError(f"{what}: expected one list of world-size output tensors")
+        outs = [_check_cpu(o, what) for o in outputs[0]]
+        for o in outs:
+            if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                raise ValueError(f"{what}: every output must match the input's size and dtype")
+        gathered = torch.empty((self._rc.world_size, *inp.shape), dtype=inp.dtype)
+        w, _ = self._all_gather_into(gathered, inp, what, opts)
+
+        def post() -> None:
+            for o, g in zip(outs, gathered, strict=True):
+                o.detach().copy_(g.reshape(o.shape))
+
+        return self._issue([w], outs, post, "allgather", opts)
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("allgather_coalesced")
+        self._check_usable(what)
+        works = [
+            self.allgather([outs], [inp], opts) for outs, inp in zip(outputs, inputs, strict=True)
+        ]
+        flat = [o for outs in outputs for o in outs]
+        return self._issue(works, flat, None, "allgather_coalesced", opts)
+
+    def gather(  # type: ignore[override]
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("gather")
+        self._check_usable(what)
+        opts = opts if opts is not None else GatherOptions()
+        inp = self._one(inputs, what)
+        dst = opts.rootRank
+        i, _ = _contig(inp)
+        w = self._call(
+            self._rc.gather,
+            _move_view(i),
+            dst=dst,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        outs: list[torch.Tensor] = []
+        post = None
+        if self._rc.rank == dst:
+            if len(outputs) != 1 or len(outputs[0]) != self._rc.world_size:
+                raise ValueError(f"{what}: the root needs one list of world-size outputs")
+            outs = [_check_cpu(o, what) for o in outputs[0]]
+
+            def post() -> None:
+                got = w.wait(0.001) if isinstance(w, RcWork) else w
+                for o, row in zip(outs, got, strict=True):
+                    o.detach().copy_(_from_move_view(row, inp))
+
+        return self._issue([w], outs, post, "gather", opts)
+
+    def scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("scatter")
+        self._check_usable(what)
+        opts = opts if opts is not None else ScatterOptions()
+        out = self._one(outputs, what)
+        src = opts.rootRank
+        x = None
+        if self._rc.rank == src:
+            if len(inputs) != 1 or len(inputs[0]) != self._rc.world_size:
+                raise ValueError(f"{what}: the root needs one list of world-size inputs")
+            x = _move_view(torch.stack([_check_cpu(p, what).detach() for p in inputs[0]]))
+        o, copied = _contig(out)
+        w = self._call(
+            self._rc.scatter,
+            x,
+            src=src,
+            out=_move_view(o),
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        post = (lambda: out.detach().copy_(o)) if copied else None
+        return self._issue([w], [out], post, "scatter", opts)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> RingcommWork:
+        what = self._what("all_to_all_single")
+        self._check_usable(what)
+        opts = opts if opts is not None else AllToAllOptions()
+        out, inp = _check_cpu(output, what), _check_cpu(input, what)
+        n = self._rc.world_size
+        if inp.dtype != out.dtype:
+            raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+        if not output_split_sizes and not input_split_sizes:
+            if inp.shape[0] % n or out.shape != inp.shape:
+                raise ValueError(
+                    f"{what}: equal splits need dim 0 divisible by {n} and matching shapes"
+                )
+            i, _ = _contig(inp)
+            o, copied = _contig(out)
+            w = self._call(
+                self._rc.all_to_all,
+                _move_view(i).reshape(n, -1),
+                out=_move_view(o).reshape(n, -1),
+                async_op=_async(opts),
+                timeout_s=_timeout_s(opts, self._timeout_s),
+            )
+            post = (lambda: out.detach().copy_(o)) if copied else None
+            return self._issue([w], [out], post, "all_to_all_single", opts)
+        # Uneven splits: one message to and from each peer, in our own tag space.
+        in_rows = _splits(input_split_sizes, inp.shape[0], n, what, "input")
+        out_rows = _splits(output_split_sizes, out.shape[0], n, what, "output")
+        i, _ = _contig(inp)
+        o, copied = _contig(out)
+        row_in = i.reshape(i.shape[0], -1) if i.dim() else i.reshape(1, 1)
+        row_out = o.reshape(o.shape[0], -1) if o.dim() else o.reshape(1, 1)
+        self._p2p_seq += 1
+        tag = self._p2p_seq
+        me = self._rc.rank
+        works: list[RcWork] = []
+        for j in range(n):
+            a, b = out_rows[j]
+            c, d = in_rows[j]
+            if j == me:
+                if b - a != d - c:
+                    raise ValueError(
+                        f"{what}: rank {me} sends itself {d - c} rows, expects {b - a}"
+                    )
+                row_out[a:b].copy_(row_in[c:d])
+                continue
+            works.append(self._call(self._rc_p2p.irecv, _move_view(row_out[a:b]), src=j, tag=tag))
+        for j in range(n):
+            c, d = in_rows[j]
+            if j != me:
+                works.append(
+                    self._call(self._rc_p2p.isend, _move_view(row_in[c:d]), dst=j, tag=tag)
+                )
+        post = (lambda: out.detach().copy_(o)) if copied else None
+        return self._issue(works, [out], post, "all_to_all_single", opts, p2p=True)
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcommWork:
+        what = self._what("all_to_all")
+        self._check_usable(what)
+        opts = opts if opts is not None else AllToAllOptions()
+        n = self._rc.world_size
+        if len(outputs) != n or len(inputs) != n:
+            raise ValueError(f"{what}: expected {n} input and {n} output tensors")
+        ins = [_check_cpu(t, what).detach() for t in inputs]
+        outs = [_check_cpu(t, what) for t in outputs]
+        same = all(t.shape == ins[0].shape and t.dtype == ins[0].dtype for t in ins + outs)
+        if same:
+            x = torch.stack(ins)
+            y = torch.empty_like(x)
+            w = self._call(
+                self._rc.all_to_all,
+                _move_view(x).reshape(n, -1),
+                out=_move_view(y).reshape(n, -1),
+                async_op=_async(opts),
+                timeout_s=_timeout_s(opts, self._timeout_s),
+            )
+
+            def post() -> None:
+                for o, row in zip(outs, y, strict=True):
+                    o.detach().copy_(row)
+
+            return self._issue([w], outs, post, "all_to_all", opts)
+        flat_in = torch.cat([t.reshape(-1) for t in ins])
+        flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
+        inner = self.alltoall_base(
+            flat_out, flat_in, [t.numel() for t in outs], [t.numel() for t in ins], opts
+        )
+
+        def post_uneven() -> None:
+            for o, part in zip(outs, torch.split(flat_out, [t.numel() for t in outs]), strict=True):
+                o.detach().copy_(part.reshape(o.shape))
+
+        return self._issue([inner], outs, post_uneven, "all_to_all", opts, p2p=True)
+
+    def barrier(self, opts: Any = None) -> RingcommWork:
+        what = self._what("barrier")
+        self._check_usable(what)
+        opts = opts if opts is not None else BarrierOptions()
+        w = self._call(
+            self._rc.barrier, async_op=_async(opts), timeout_s=_timeout_s(opts, self._timeout_s)
+        )
+        return self._issue([w], [], None, "barrier", opts)
+
+    # -- point-to-point ----------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> RingcommWork:
+        what = self._what("send")
+        self._check_usable(what)
+        t = self._one(tensors, what)
+        c, _ = _contig(t)
+        w = self._call(self._rc.isend, _move_view(c), dst=dst, tag=tag)
+        return self._issue([w], [t], None, f"send to {dst} tag {tag}", None, p2p=True)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> RingcommWork:
+        what = self._what("recv")
+        self._check_usable(what)
+        t = self._one(tensors, what)
+        c, copied = _contig(t)
+        w = self._call(self._rc.irecv, _move_view(c), src=src, tag=tag)
+        post = (lambda: t.detach().copy_(c)) if copied else None
+        return self._issue([w], [t], post, f"recv from {src} tag {tag}", None, p2p=True)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> RingcommWork:
+        raise NotImplementedError(
+            f"{self._what('recv')}: receiving from any source is not supported by ringcomm"
+        )
+
+    # -- shutting down -------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Close the ringcomm group (called by ``dist.destroy_process_group``); idempotent."""
+        if self._shut:
+            return
+        self._shut = True
+        self._completer.close()
+        self._rc_p2p.close()
+        self._rc.close()
+        store, server = self._torch_store, self._store_server
+        if store is None or self._rc.world_size == 1:
+            return
+        try:
+            # Best effort: torch's store may be gone already (its host exited).
+            with contextlib.suppress(Exception):
+                store.add(_CLOSED_KEY, 1)
+                if server is not None and self._failure is None:
+                    # Keep serving until every rank is done with it (bounded; not after a
+                    # failure, when a rank may be gone for good).
+                    deadline = time.monotonic() + min(self._timeout_s, _CHECKOUT_MAX_S)
+                    while store.add(_CLOSED_KEY, 0) < self._rc.world_size:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(0.01)
+        finally:
+            if server is not None:
+                server.close()
+
+    def abort(self) -> None:
+        """Shut down without waiting for the other ranks to check out."""
+        self._note_failure(RuntimeError("the process group was aborted"))
+        self.shutdown()
+
+    def __del__(self) -> None:  # best effort: never leave sockets or threads behind
+        if getattr(self, "_shut", True):
+            return
+        self._shut = True
+        with contextlib.suppress(Exception):
+            self._completer.close(0.1)
+            self._rc.close()
+        if self._store_server is not None:
+            with contextlib.suppress(Exception):
+                self._store_server.close()
+
+
+def _run_all(posts: list[_Post]) -> _Post | None:
+    if not posts:
+        return None
+
+    def run() -> None:
+        for p in posts:
+            p()
+
+    return run
+
+
+def _from_move_view(row: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`_move_view` for one gathered row shaped like ``like``."""
+    t = torch.from_numpy(np.ascontiguousarray(row))
+    if like.dtype in _NUMPY_DTYPES:
+        return t.reshape(like.shape)
+    if like.dtype.is_complex:
+        return torch.view_as_complex(t).reshape(like.shape)
+    return t.reshape(-1).view(like.dtype).reshape(like.shape)
+
+
+def _splits(sizes: list[int], total: int, n: int, what: str, name: str) -> list[tuple[int, int]]:
+    """[start, end) rows per rank from torch's split sizes (empty: equal splits)."""
+    if not sizes:
+        if total % n:
+            raise ValueError(f"{what}: {name} dim 0 ({total}) is not divisible by {n}")
+        sizes = [total // n] * n
+    if len(sizes) != n or sum(sizes) != total or min(sizes) < 0:
+        raise ValueError(
+            f"{what}: {name} split sizes {sizes} do not split {total} rows among {n} ranks"
+        )
+    spans, at = [], 0
+    for s in sizes:
+        spans.append((at, at + s))
+        at += s
+    return spans
+
+
+# -- rendezvous ---------------------------------------------------------------------------
+def _master_addr() -> str:
+    return os.environ.get("RINGCOMM_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def _bind_host(addr: str) -> str:
+    """Where to listen: ``addr`` itself if it is one of ours, else every interface."""
+    try:
+        ip = socket.gethostbyname(addr)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+        return ip
+    except OSError:
+        return "0.0.0.0"
+
+
+def _create(
+    store: Any, rank: int, world_size: int, timeout: datetime.timedelta
+) -> RingcommProcessGroup:
+    """torch's creator: form a ringcomm group for this torch group (see the module doc)."""
+    timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
+    label = f"ringcomm backend rank {rank}"
+    if world_size == 1:
+        rc_group = init_process_group(0, 1, master_port=0, timeout_s=timeout_s, env={})
+        return RingcommProcessGroup(rc_group, timeout_s)
+    server: StoreServer | None = None
+    try:
+        if rank == 0:
+            addr = _master_addr()
+            token = os.environ.get("RINGCOMM_TOKEN") or secrets.token_hex(16)
+            server = StoreServer(_bind_host(addr), 0, token=token).start()
+            info: dict[str, Any] = {"addr": addr, "port": server.port, "token": token}
+            store.set(_STORE_KEY, json.dumps(info))
+        else:
+            info = json.loads(bytes(store.get(_STORE_KEY)).decode())
+        rc_group = init_process_group(
+            rank,
+            world_size,
+            master_addr=info["addr"],
+            master_port=int(info["port"]),
+            token=info["token"],
+            timeout_s=timeout_s,
+            host_store=False,
+            env=os.environ,
+        )
+    except BaseException as exc:
+        if server is not None:
+            server.close()
+        if isinstance(exc, RingcommError):
+            raise RingcommError(f"{label}: forming the ringcomm group failed: {exc}") from exc
+        raise
+    return RingcommProcessGroup(rc_group, timeout_s, store_server=server, torch_store=store)
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+
+
+_register()
