@@ -33,8 +33,8 @@ import numpy as np
 from ringcomm.schedule.partition import balance_stages, flat_layout, split_rows
 from ringcomm.schedule.pipeline import BACKWARD, FORWARD, stage_orders
 
-from .nn import backward_layers, forward_layers
 from .memory import device_used_bytes
+from .nn import backward_layers, forward_layers
 from .optim import make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
 from .strategy import Strategy, TrainConfig
