@@ -7,8 +7,8 @@ read at the end (DESIGN.md §2: ``peak_bytes`` is measured, not computed):
   tracemalloc peak within a step (reset at each step's start), ``held`` what is traced at
   the end. Host-staged runs count the stand-in's staging buffers too (they are NumPy).
 * :class:`CupyPoolMeter` (``cuda``): ``peak`` is the high-water of CuPy's default memory
-  pool's ``total_bytes()`` (device memory the pool holds: blocks in use and cached free
-  ones) over the steps, with the cached free blocks released right before the first step,
+  pool's ``total_bytes()`` on the rank's GPU (device memory the pool holds: blocks in use
+  and cached free ones) over the steps, with the cached free blocks released right before the first step,
   so what construction left behind does not count; ``held`` is ``used_bytes()`` (blocks in
   use) at the end. The pool only grows when no cached block fits, so its high-water is
   at least the true peak of live bytes and exceeds it only by the pool's rounding (512 B)
@@ -101,8 +101,8 @@ class CupyPoolMeter(MemoryMeter):
         gc.collect()  # arrays a finished collective kept alive sit in reference cycles
         self.pool.free_all_blocks()
 
-    def start(self) -> None:
-        self._release_cached()
+    # (Nothing at start: CuPy's pool methods act on the *current* device's pool, and the
+    # strategy makes the rank's GPU current when it is built, after start.)
 
     def begin_step(self, step: int) -> None:
         if step == 0:  # outside the timed region, and step 1 is the warm-up anyway
