@@ -150,3 +150,158 @@ def test_bench_cuda_vs_host_checks_clean(
     out = capsys.readouterr().out
     assert code == 0, out
     assert "ringcomm-cuda/ringcomm busbw ratio" in out
+
+
+# -- the training engine on CuPy (``ringcomm train --device cuda``) ---------------------
+#: Engine cases: a small model, uneven shards and micro-batches, several buckets.
+ENGINE_BASE = {
+    "steps": 5,
+    "dtype": "float64",
+    "in_features": 16,
+    "hidden": 24,
+    "depth": 2,
+    "classes": 5,
+    "batch_size": 26,
+    "bucket_bytes": 2000,
+    "export": True,
+    "timeout_s": 120.0,
+}
+#: CuPy against the NumPy ``single`` run. float64: cuBLAS and CuPy's reductions add in
+#: their own orders and CUDA's exp/tanh/log may differ by an ulp, so results differ from
+#: NumPy's at the 1e-16 level, as the ranks' partial sums do on the CPU (there: 1e-10,
+#: seen ~1e-16); Adam's elementwise normalisation keeps relative errors relative. 1e-9
+#: leaves room. float32: 1e-4 (the CPU oracle's 1e-5 across strategies, seen 2e-7, with
+#: a further 10x for a different BLAS and math library).
+ENGINE_TOL = {"float64": 1e-9, "float32": 1e-4}
+
+
+def _engine_cases(n: int, device: str = "cuda") -> list[Any]:
+    from ringcomm.engine.strategy import TrainConfig
+
+    cases = [
+        TrainConfig(strategy=s, world_size=n, device=device, **ENGINE_BASE)
+        for s in ("dp", "zero1", "zero2", "zero3")
+    ]
+    for schedule in ("gpipe", "1f1b"):
+        cases.append(
+            TrainConfig(
+                strategy="pipeline",
+                world_size=n,
+                device=device,
+                micro_batches=4,
+                schedule=schedule,
+                **ENGINE_BASE,
+            )
+        )
+    for s in ("dp", "zero3"):
+        cases.append(
+            TrainConfig(
+                strategy=s, world_size=n, device=device, **{**ENGINE_BASE, "dtype": "float32"}
+            )
+        )
+    return cases
+
+
+_ENGINE_KEEP = ("losses", "params", "loss_rank", "array_module", "device_id", "peak_bytes",
+                "traced_bytes_end", "param_bytes", "grad_bytes", "optim_bytes",
+                "staging_bytes", "staging_acquires")  # fmt: skip
+
+
+def _engine_row(r: dict[str, Any]) -> dict[str, Any]:
+    row = {k: r[k] for k in _ENGINE_KEEP}
+    row["activation_peak_bytes"] = r["extra"].get("activation_peak_bytes")
+    return row
+
+
+def job_engine_cupy(pg: rc.ProcessGroup, cases: list[Any]) -> dict[str, Any]:
+    """Every engine case on a fresh sub-group; on rank 0 also ``single`` on the device."""
+    from ringcomm.engine.strategy import TrainConfig
+    from ringcomm.engine.train import train_rank
+
+    single = None
+    if pg.rank == 0:
+        cfg = TrainConfig(strategy="single", device=cases[0].device, **ENGINE_BASE)
+        single = _engine_row(train_rank(None, cfg))
+    rows = []
+    for cfg in cases:
+        sub = pg.new_group(range(pg.world_size))
+        try:
+            rows.append(_engine_row(train_rank(sub, cfg)))
+        finally:
+            sub.close()
+    return {"single": single, "cases": rows}
+
+
+def check_engine_results(
+    per_rank: list[dict[str, Any]], cases: list[Any], module: str, gpus: int | None
+) -> list[str]:
+    """What :func:`test_engine_strategies_match_single_on_cupy` asserts, as failure lines:
+    losses and final parameters against NumPy's ``single`` (:data:`ENGINE_TOL`), arrays of
+    ``module`` on GPU ``rank % gpus``, the staged path used, memory readings that hold at
+    least the model state, activation peaks measured for the pipeline."""
+    from ringcomm.engine.strategy import TrainConfig
+    from ringcomm.engine.train import run_training
+
+    n = len(per_rank)
+    device = cases[0].device
+    refs: dict[str, dict[str, Any]] = {}
+    failures: list[str] = []
+    runs = [(TrainConfig(strategy="single", device=device, **ENGINE_BASE),
+             [per_rank[0]["single"]])]  # fmt: skip
+    runs += [(cfg, [per_rank[r]["cases"][k] for r in range(n)]) for k, cfg in enumerate(cases)]
+    for cfg, results in runs:
+        label = f"{cfg.strategy}-n{len(results)}-{cfg.dtype}"
+        if cfg.strategy == "pipeline":
+            label += f"-{cfg.schedule}"
+        if cfg.dtype not in refs:
+            ref_cfg = TrainConfig(strategy="single", **{**ENGINE_BASE, "dtype": cfg.dtype})
+            refs[cfg.dtype] = run_training(ref_cfg)[0]
+        ref, tol = refs[cfg.dtype], ENGINE_TOL[cfg.dtype]
+        for rank, res in enumerate(results):
+            want_id = None if gpus is None else rank % gpus
+            if res["array_module"] != module or res["device_id"] != want_id:
+                failures.append(
+                    f"{label}: rank {rank} on {res['array_module']}, device {res['device_id']}"
+                )
+            state = res["param_bytes"] + res["grad_bytes"] + res["optim_bytes"]
+            if not (res["traced_bytes_end"] >= state and res["peak_bytes"] >= state):
+                failures.append(f"{label}: rank {rank}: {res['traced_bytes_end']} bytes in use, "
+                                f"peak {res['peak_bytes']}, < model state {state}")  # fmt: skip
+            staged = res["staging_acquires"] > 0 and res["staging_bytes"] > 0
+            if cfg.strategy != "single" and not staged:
+                failures.append(f"{label}: rank {rank} staged nothing")
+            peaks = res["activation_peak_bytes"]
+            if cfg.strategy == "pipeline" and not (peaks and max(peaks) > 0):
+                failures.append(f"{label}: rank {rank} activation peaks {peaks}")
+        losses = results[results[0]["loss_rank"]]["losses"]
+        if len(losses) != cfg.steps:
+            failures.append(f"{label}: {len(losses)} losses")
+            continue
+        rel = float(np.max(np.abs(np.array(losses) - ref["losses"]) / np.abs(ref["losses"])))
+        if not rel <= tol:
+            failures.append(f"{label}: loss rel err {rel:.3g} > {tol}: {losses}")
+        params: dict[str, np.ndarray] = {}
+        for res in results:  # pipeline stages hold disjoint layers; others the whole model
+            params.update(res["params"])
+        if set(params) != set(ref["params"]):
+            failures.append(f"{label}: parameters {sorted(params)}")
+            continue
+        err = max(float(np.max(np.abs(params[key] - ref["params"][key]))) for key in params)
+        if not err <= tol:
+            failures.append(f"{label}: parameter error {err:.3g} > {tol}")
+    return failures
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_engine_strategies_match_single_on_cupy(world_size: int) -> None:
+    """Every strategy on CuPy arrays (params, grads, optimizer state on the GPU) equals
+    ``single`` on NumPy; the staged path carried the communication; the CuPy pool's
+    readings hold at least the model state."""
+    import cupy
+
+    cases = _engine_cases(world_size)
+    per_rank = rc.spawn(job_engine_cupy, world_size, args=(cases,), timeout_s=400)
+    gpus = int(cupy.cuda.runtime.getDeviceCount())
+    failures = check_engine_results(per_rank, cases, "cupy", gpus)
+    assert not failures, "\n".join(failures)

@@ -5,7 +5,12 @@ Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :func:`~ringcomm.engine.train.run_training` (``rc.spawn`` for N ranks; ``single`` in this
 process) -> a summary on stdout and the ``--json`` object (DESIGN.md §2). Exit status: 0;
 1 if a rank failed; 2 for a usage error, ``--strategy ps`` (not available in this build) or
-``--device cuda`` without CuPy.
+``--device cuda`` without CuPy or a GPU.
+
+Devices: ``cpu`` (NumPy), ``cuda`` (CuPy: model state and activations on the GPU, staged
+through pinned host buffers by ringcomm), ``host-staged`` (NumPy compute, every
+collective and p2p call through the staged device path with stand-in device arrays: the
+CPU check of the GPU path's bookkeeping). See :mod:`ringcomm.engine.strategy`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ from ringcomm.errors import RingcommError
 from ringcomm.schedule.pipeline import SCHEDULES
 
 from .optim import OPTIMIZERS
-from .strategy import STRATEGIES, STRATEGY_NAMES, StrategyUnavailable, TrainConfig, array_module
+from .strategy import (
+    DEVICES,
+    STRATEGIES,
+    STRATEGY_NAMES,
+    StrategyUnavailable,
+    TrainConfig,
+    array_module,
+)
 from .train import run_training, summarize
 
 __all__ = ["UsageError", "add_parser", "config_from_args", "main"]
@@ -51,7 +63,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--strategy", choices=STRATEGY_NAMES, required=True)
     p.add_argument("-n", "--nproc", type=int, default=1, metavar="N", help="number of ranks")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu (NumPy), cuda (CuPy on the GPU), or host-staged (NumPy compute, every "
+        "collective/p2p through the staged device path with stand-in device arrays)",
+    )
     p.add_argument("--micro-batches", type=int, default=4, metavar="M", help="pipeline only")
     p.add_argument("--schedule", choices=SCHEDULES, default="gpipe", help="pipeline only")
     p.add_argument("--json", metavar="FILE", help="write the result object to FILE")
@@ -145,19 +163,25 @@ def _mib(nbytes: float) -> str:
 
 
 def format_summary(result: dict[str, Any]) -> str:
+    staged = result.get("device", "cpu") != "cpu"
     lines = [
         (
             f"strategy {result['strategy']}, {result['world_size']} rank(s), "
-            f"{result['model']['params']:,} parameters; step time {result['step_time_s'] * 1e3:.1f} ms "
-            f"(median); final loss {result['losses'][-1]:.6f}"
+            f"{result['model']['params']:,} parameters, device {result.get('device', 'cpu')}; "
+            f"step time {result['step_time_s'] * 1e3:.1f} ms (median); "
+            f"final loss {result['losses'][-1]:.6f}"
         ),
-        " rank  param MiB   grad MiB  optim MiB   peak MiB  sent MiB/step",
+        " rank  param MiB   grad MiB  optim MiB   peak MiB  sent MiB/step"
+        + ("  staging MiB" if staged else ""),
     ]
     for r in result["per_rank"]:
         lines.append(
             f"{r['rank']:5d} {_mib(r['param_bytes'])} {_mib(r['grad_bytes'])} "
             f"{_mib(r['optim_bytes'])} {_mib(r['peak_bytes'])} {_mib(r['sent_bytes_per_step'])}"
+            + (f"    {_mib(r['staging_bytes'])}" if staged else "")
         )
+    if "peak_bytes_source" in result:
+        lines.append(f"peak: {result['peak_bytes_source']}")
     if "bubble_fraction" in result:
         lines.append(
             f"pipeline {result['schedule']}, {result['micro_batches']} micro-batches: bubble "

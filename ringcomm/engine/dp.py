@@ -55,7 +55,8 @@ class DataParallel(Strategy):
             return
         off, size = self.layout.segments[k]
         if size and self.n > 1:
-            self.works.append(self.pg.all_reduce(self.grads[off : off + size], async_op=True))
+            bucket = self.as_comm(self.grads[off : off + size])
+            self.works.append(self.pg.all_reduce(bucket, async_op=True))
 
     def step(self, step: int) -> float:
         x, labels = self.local_batch(step)

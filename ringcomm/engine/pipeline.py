@@ -15,9 +15,11 @@ optimizer. Each step runs the stage's action list from
 Sends are ``isend`` (so two stages sending to each other never wait on each other), waited
 at the end of the step. Measured per step: the time each stage spends computing (busy) and
 the step's span from a barrier to the stage's last action, from which the CLI computes the
-bubble fraction ``1 - sum(busy) / (N * max(span))``; the most micro-batches alive at once;
-and the peak of tracemalloc (when tracing) above the step's starting level, i.e. the
-activation memory.
+bubble fraction ``1 - sum(busy) / (N * max(span))`` (on a GPU the stream is synchronised
+around each compute span, so busy is kernel time, not launch time); the most
+micro-batches alive at once; and the activation memory: the peak of tracemalloc (when
+tracing) above the step's starting level, or on a GPU the most device bytes in use at an
+action boundary (CuPy's pool, sampled after each action) above the step's start.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 from ringcomm.schedule.partition import balance_stages, flat_layout, split_rows
 from ringcomm.schedule.pipeline import BACKWARD, FORWARD, stage_orders
 
+from .memory import device_used_bytes
 from .nn import backward_layers, forward_layers
 from .optim import make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
@@ -73,6 +76,8 @@ class Pipeline(Strategy):
         self.span_s: list[float] = []
         self.max_live = 0
         self.act_peak_bytes: list[int] = []
+        #: GPU: a probe of the device bytes in use (the activation peak is sampled).
+        self.used_bytes = device_used_bytes(xp)
 
     def step(self, step: int) -> float | None:
         xp, pg, s = self.xp, self.pg, self.rank
@@ -86,6 +91,8 @@ class Pipeline(Strategy):
         if tracing:
             base = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
+        elif self.used_bytes is not None:  # GPU: live bytes sampled after every action
+            base = live_peak = self.used_bytes()
         if pg is not None and self.n > 1:
             pg.barrier()
         t_start = time.perf_counter()
@@ -97,7 +104,8 @@ class Pipeline(Strategy):
                     x = x_all[r0:r1]
                 else:
                     x = xp.empty((r1 - r0, self.in_dim), self.dtype)
-                    pg.recv(x, src=s - 1, tag=2 * i)
+                    pg.recv(self.as_comm(x), src=s - 1, tag=2 * i)
+                self.sync()
                 t0 = time.perf_counter()
                 y, layer_caches = forward_layers(
                     self.layers, self.my_layers, x, self.pviews.__getitem__
@@ -106,20 +114,23 @@ class Pipeline(Strategy):
                 if self.last:
                     loss, loss_cache = self.loss.forward(y, labels_all[r0:r1])
                     total_loss += float(loss)
+                self.sync()
                 busy += time.perf_counter() - t0
                 if not self.last:
-                    sends.append(pg.isend(y, dst=s + 1, tag=2 * i))
+                    sends.append(pg.isend(self.as_comm(y), dst=s + 1, tag=2 * i))
                 caches[i] = (layer_caches, loss_cache)
                 self.max_live = max(self.max_live, len(caches))
             else:
                 assert act.kind == BACKWARD
                 layer_caches, loss_cache = caches.pop(i)
                 if self.last:
+                    self.sync()
                     t0 = time.perf_counter()
                     dy = self.loss.backward(loss_cache)
                 else:
                     dy = xp.empty((r1 - r0, self.out_dim), self.dtype)
-                    pg.recv(dy, src=s + 1, tag=2 * i + 1)
+                    pg.recv(self.as_comm(dy), src=s + 1, tag=2 * i + 1)
+                    self.sync()
                     t0 = time.perf_counter()
                 dx = backward_layers(
                     self.layers,
@@ -129,18 +140,23 @@ class Pipeline(Strategy):
                     self.pviews.__getitem__,
                     self.gviews.__getitem__,
                 )
+                self.sync()
                 busy += time.perf_counter() - t0
                 del layer_caches, loss_cache, dy
                 if not self.first:
-                    sends.append(pg.isend(dx, dst=s - 1, tag=2 * i + 1))
+                    sends.append(pg.isend(self.as_comm(dx), dst=s - 1, tag=2 * i + 1))
                 del dx
             sends = [w for w in sends if not w.done()]
+            if not tracing and self.used_bytes is not None:
+                live_peak = max(live_peak, self.used_bytes())
         for w in sends:
             w.wait()
         self.span_s.append(time.perf_counter() - t_start)
         self.busy_s.append(busy)
         if tracing:
             self.act_peak_bytes.append(tracemalloc.get_traced_memory()[1] - base)
+        elif self.used_bytes is not None:
+            self.act_peak_bytes.append(live_peak - base)
         self.opt.step([(self.params, self.grads, 0)])
         return total_loss if self.last else None
 

@@ -22,6 +22,16 @@ the CLI reports it as not available). Every strategy must reproduce ``single``: 
 global batch per step (:class:`~ringcomm.engine.data.SyntheticClassification`), the same
 seeded initialisation (:func:`~ringcomm.engine.params.init_layer`), the loss summed over
 the global batch and divided by its size.
+
+Devices (``cfg.device``, :data:`DEVICES`): ``cpu`` keeps everything in NumPy arrays;
+``cuda`` keeps parameters, gradients, optimizer state and activations in CuPy arrays on
+GPU ``rank % device_count`` (the batch is drawn on the host from the seed, as on the CPU,
+then copied over), and ringcomm stages them through pinned host buffers itself;
+``host-staged`` computes in NumPy but hands the group every model buffer as a
+:class:`~ringcomm.standin.StandinArray` view of the same memory, so every collective and
+p2p call on them takes the staged device path (the one CuPy arrays take) on a machine
+without a GPU. Strategies pass each buffer through :attr:`Strategy.as_comm` before giving
+it to the group, and call :meth:`Strategy.sync` before reading a clock.
 """
 
 from __future__ import annotations
@@ -34,17 +44,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ringcomm.schedule.partition import split_rows
+from ringcomm.standin import StandinArray
 from ringcomm.xp import cupy_or_none
 
 from .data import SyntheticClassification
 from .nn import Layer, SoftmaxCrossEntropy, mlp
 
 __all__ = [
+    "DEVICES",
     "STRATEGIES",
     "Strategy",
     "StrategyUnavailable",
     "TrainConfig",
     "array_module",
+    "select_device",
     "strategy_class",
 ]
 
@@ -59,6 +72,8 @@ STRATEGIES: dict[str, str] = {
 }
 #: Every name ``--strategy`` accepts (DESIGN.md §2), registered or not.
 STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline")
+#: What ``--device`` accepts: NumPy, CuPy on a GPU, NumPy through the staged device path.
+DEVICES = ("cpu", "cuda", "host-staged")
 
 
 class StrategyUnavailable(Exception):
@@ -98,8 +113,9 @@ class TrainConfig:
 
 
 def array_module(device: str) -> ModuleType:
-    """numpy for ``cpu``; cupy for ``cuda`` (StrategyUnavailable without CuPy or a GPU)."""
-    if device == "cpu":
+    """The array module computing on ``device``: numpy for ``cpu`` and ``host-staged``;
+    cupy for ``cuda`` (StrategyUnavailable without CuPy or a GPU)."""
+    if device in ("cpu", "host-staged"):
         return np
     if device == "cuda":
         cp = cupy_or_none()
@@ -113,7 +129,19 @@ def array_module(device: str) -> ModuleType:
         except Exception as exc:  # noqa: BLE001  (CUDA driver/runtime missing: any error)
             raise StrategyUnavailable(f"--device cuda: CUDA is not usable here ({exc})") from None
         return cp
-    raise StrategyUnavailable(f"unknown device {device!r}; expected cpu or cuda")
+    raise StrategyUnavailable(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
+
+
+def select_device(cp: Any, rank: int) -> int:
+    """Make GPU ``rank % device_count`` current in this process (ranks of ``ringcomm
+    train`` are local: several share a GPU when there are fewer GPUs than ranks)."""
+    device_id = rank % int(cp.cuda.runtime.getDeviceCount())
+    cp.cuda.Device(device_id).use()
+    return device_id
+
+
+def _as_is(a: Any) -> Any:
+    return a
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -142,6 +170,11 @@ class Strategy:
         self.rank = pg.rank if pg is not None else 0
         self.n = pg.world_size if pg is not None else 1
         self.xp = array_module(cfg.device)
+        #: The GPU this rank computes on (``cuda``), else None.
+        self.device_id = select_device(self.xp, self.rank) if cfg.device == "cuda" else None
+        #: ``as_comm(buffer)``: what the group is handed for a model buffer (see the module
+        #: docstring): the buffer itself, or a stand-in device view of it (``host-staged``).
+        self.as_comm: Any = StandinArray if cfg.device == "host-staged" else _as_is
         self.dtype = np.dtype(cfg.dtype)
         self.layers = cfg.build_model()
         self.data = SyntheticClassification(
@@ -168,8 +201,16 @@ class Strategy:
         x, y = self.data.batch(step, self.rows if rows is None else rows)
         return self.xp.asarray(x), self.xp.asarray(y)
 
+    def sync(self) -> None:
+        """Wait for the kernels this rank queued on its current stream (GPU; no-op on the
+        host, where NumPy computes synchronously)."""
+        if self.device_id is not None:
+            self.xp.cuda.get_current_stream().synchronize()
+
     def global_loss(self, local: Any) -> float:
-        """Sum of the ranks' partial losses (each already divided by the global batch)."""
+        """Sum of the ranks' partial losses (each already divided by the global batch).
+        The loss is a host number on every device (``float`` of a CuPy scalar waits for
+        it), so it is reduced as a host float64."""
         if self.pg is None or self.n == 1:
             return float(local)
         buf = np.array([float(local)], dtype=np.float64)

@@ -2,9 +2,12 @@
 
 :func:`train_rank` (``rc.spawn``'s target) builds the strategy, runs ``cfg.steps`` steps,
 prints the loss as it goes (on the strategy's ``loss_rank``, when ``cfg.verbose``) and
-returns this rank's measurements: losses, step times, model-state bytes held at the end of
-the last step, ``peak_bytes`` (tracemalloc's peak over the steps on CPU, the CuPy pool's
-total on GPU), bytes sent per step (the group's counter), the strategy's extras.
+returns this rank's measurements: losses, step times (on a GPU, after the step's kernels
+finished), model-state bytes held at the end of the last step, ``peak_bytes``
+(:mod:`.memory`: tracemalloc's peak over the steps on the host, the CuPy pool's high-water
+on a GPU), the pinned staging buffers' bytes (``staging_bytes``; device runs) and how many
+the run took from the staging pool, bytes sent per step (the group's counter), the
+strategy's extras.
 :func:`run_training` launches the ranks (in this process for ``single``) and
 :func:`summarize` turns the per-rank results into the DESIGN.md §2 JSON object.
 """
@@ -15,13 +18,13 @@ import gc
 import os
 import statistics
 import time
-import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
 from ringcomm.schedule.pipeline import gpipe_bubble
 
-from .strategy import TrainConfig, strategy_class
+from .memory import make_meter, staging_stats
+from .strategy import TrainConfig, array_module, strategy_class
 
 __all__ = ["describe_model", "run_training", "summarize", "train_rank"]
 
@@ -37,37 +40,39 @@ def describe_model(cfg: TrainConfig, numel: int) -> str:
     )
 
 
-def _pool_bytes(xp: Any) -> int:
-    return int(xp.get_default_memory_pool().total_bytes())
+def _staging_probe(strat: Any) -> Any:
+    """An empty array of the kind this rank hands the group (None: nothing is staged)."""
+    if strat.cfg.device == "cpu" or strat.pg is None:
+        return None
+    return strat.as_comm(strat.xp.empty(0, strat.dtype))
 
 
 def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank (``pg`` None: single process); return its measurements."""
-    cpu = cfg.device == "cpu"
-    started = cpu and not tracemalloc.is_tracing()
-    if started:
-        tracemalloc.start()
+    meter = make_meter(cfg.device, array_module(cfg.device))
+    meter.start()
     try:
         strat = strategy_class(cfg.strategy)(pg, cfg)
         rank = strat.rank
         if cfg.verbose and rank == 0:
+            where = cfg.device if strat.device_id is None else f"cuda:{strat.device_id}"
             print(
                 f"ringcomm train: strategy {cfg.strategy}, {strat.n} rank(s), device "
-                f"{cfg.device}, {describe_model(cfg, strat.numel)}; {cfg.optimizer} lr {cfg.lr}, "
+                f"{where}, {describe_model(cfg, strat.numel)}; {cfg.optimizer} lr {cfg.lr}, "
                 f"global batch {cfg.batch_size}, {cfg.steps} steps, seed {cfg.seed}",
                 flush=True,
             )
-        peak = 0
+        probe = _staging_probe(strat)
+        staging0 = staging_stats(probe)
         sent0 = pg.stats()["sent_bytes"] if pg is not None else 0
         losses, times = [], []
         for step in range(cfg.steps):
-            if cpu:  # (a strategy may reset the peak inside its step too: keep the max here)
-                tracemalloc.reset_peak()
+            meter.begin_step(step)
             t0 = time.perf_counter()
             loss = strat.step(step)
+            strat.sync()  # (GPU) the step's kernels are finished before the clock is read
             dt = time.perf_counter() - t0
-            if cpu:
-                peak = max(peak, tracemalloc.get_traced_memory()[1])
+            meter.end_step()
             # Buffers handed to ringcomm collectives are freed only by the cyclic garbage
             # collector (a completed operation sits in a reference cycle): collect between
             # steps, outside the timing, so one step's garbage does not weigh on the next.
@@ -82,10 +87,8 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
                         flush=True,
                     )
         sent = (pg.stats()["sent_bytes"] - sent0) if pg is not None else 0
-        if cpu:
-            held = tracemalloc.get_traced_memory()[0]
-        else:
-            held = peak = _pool_bytes(strat.xp)
+        staging = staging_stats(probe)
+        meter.stop()
         result: dict[str, Any] = {
             "rank": rank,
             "loss_rank": strat.loss_rank,
@@ -93,8 +96,13 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             "losses": losses,
             "step_times_s": times,
             **strat.state_nbytes(),
-            "peak_bytes": int(peak),
-            "traced_bytes_end": int(held),
+            "peak_bytes": int(meter.peak),
+            "traced_bytes_end": int(meter.held),
+            "peak_bytes_source": meter.source,
+            "staging_bytes": staging["bytes"],
+            "staging_acquires": staging["acquires"] - staging0["acquires"],
+            "device_id": strat.device_id,
+            "array_module": strat.xp.__name__,
             "sent_bytes_per_step": sent / max(cfg.steps, 1),
             "extra": strat.extra(),
         }
@@ -102,8 +110,7 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             result["params"] = strat.export_params()
         return result
     finally:
-        if started:
-            tracemalloc.stop()
+        meter.stop()
 
 
 def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -158,6 +165,8 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
                 "optim_bytes": r["optim_bytes"],
                 "peak_bytes": r["peak_bytes"],
                 "sent_bytes_per_step": r["sent_bytes_per_step"],
+                "staging_bytes": r["staging_bytes"],
+                **({"device_id": r["device_id"]} if r["device_id"] is not None else {}),
                 **{
                     k: v
                     for k, v in r["extra"].items()
@@ -167,6 +176,7 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
             for r in per_rank
         ],
         "device": cfg.device,
+        "peak_bytes_source": per_rank[0]["peak_bytes_source"],
         "dtype": cfg.dtype,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,

@@ -73,7 +73,7 @@ class _BucketedZero(Strategy):
         works = []
         for k, (_, size) in enumerate(self.layout.segments):
             if size:
-                rows = self._rows(self.params, k)
+                rows = self.as_comm(self._rows(self.params, k))
                 works.append(self.pg.all_gather(rows[self.rank], out=rows, async_op=True))
         for w in works:
             w.wait()
@@ -121,7 +121,7 @@ class Zero1(_BucketedZero):
         k = self.launch_at.get(i)
         if k is None or not self.layout.segments[k][1]:
             return
-        rows = self._rows(self.grads, k)
+        rows = self.as_comm(self._rows(self.grads, k))
         self.works.append((self.pg.reduce_scatter(rows, out=rows[self.rank], async_op=True), None))
 
     def step(self, step: int) -> float:
@@ -170,7 +170,9 @@ class Zero2(_BucketedZero):
             self._retire()
         q = self.pieces[k]
         out = self.gshard[q.shard_offset : q.shard_offset + q.size]
-        work = self.pg.reduce_scatter(buf.reshape(self.n, -1), out=out, async_op=True)
+        work = self.pg.reduce_scatter(
+            self.as_comm(buf.reshape(self.n, -1)), out=self.as_comm(out), async_op=True
+        )
         self.works.append((work, buf))
 
     def _retire(self) -> None:
@@ -231,7 +233,9 @@ class Zero3(Strategy):
             return
         buf = self.param_pool.acquire(self.layout.segments[i][1])
         work = self.pg.all_gather(
-            self._own(self.pshard, i), out=buf.reshape(self.n, -1), async_op=True
+            self.as_comm(self._own(self.pshard, i)),
+            out=self.as_comm(buf.reshape(self.n, -1)),
+            async_op=True,
         )
         self.gathered[i] = (work, buf)
         self.peak_gathered = max(self.peak_gathered, len(self.gathered))
@@ -269,7 +273,9 @@ class Zero3(Strategy):
         while len(self.grad_works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
             self._retire_grad()
         work = self.pg.reduce_scatter(
-            buf.reshape(self.n, -1), out=self._own(self.gshard, i), async_op=True
+            self.as_comm(buf.reshape(self.n, -1)),
+            out=self.as_comm(self._own(self.gshard, i)),
+            async_op=True,
         )
         self.grad_works.append((work, buf))
 
@@ -315,7 +321,8 @@ class Zero3(Strategy):
         for i in self.with_params:
             off, size = self.layout.segments[i]
             self.pg.all_gather(
-                self._own(self.pshard, i), out=full[off : off + size].reshape(self.n, -1)
+                self.as_comm(self._own(self.pshard, i)),
+                out=self.as_comm(full[off : off + size].reshape(self.n, -1)),
             )
         return export_params(self.layers, self.layout, full)
 

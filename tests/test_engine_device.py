@@ -1,0 +1,289 @@
+"""The engine on device arrays, checked without a GPU: ``--device host-staged``.
+
+``host-staged`` computes in NumPy but hands the group every model buffer as a stand-in
+device array (``ringcomm.standin``) viewing the same memory, so every collective and p2p
+call of every strategy takes the staged path CuPy arrays take: pinned staging buffers, a
+stream whose copies and reductions run lazily (only when an event after them is waited
+for), events, the pool. A strategy that reads a buffer before its collective finished, or
+a staged path that hands back a buffer early, gives stale bytes here and misses the
+oracle, as it would race on a GPU. What this cannot check is CUDA itself
+(``tests/test_gpu.py``, ``scripts/gpu_check.sh``).
+
+* Oracle: every strategy (dp, zero1, zero2, zero3, pipeline GPipe/1F1B at M = 1, 4) with
+  host-staged equals ``single`` (float64: losses to 1e-10 relative, parameters to 1e-10
+  absolute, as ``test_engine_oracle``), at W = 2 and 3 (uneven shards), with 512-byte
+  pieces so every message is many staged pieces. Each run must have taken buffers from the
+  staging pool (the staged path really ran), and sent exactly the bytes the same strategy
+  sends on ``cpu``, where nothing is staged.
+* The CLI: ``ringcomm train --device host-staged`` end to end, its JSON.
+* The GPU-only bookkeeping that can run on the host: the CuPy-pool meter against a fake
+  pool, device selection, the array modules of the devices.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ringcomm as rc
+from ringcomm.engine.memory import CupyPoolMeter, device_used_bytes, make_meter, staging_stats
+from ringcomm.engine.strategy import (
+    DEVICES,
+    StrategyUnavailable,
+    TrainConfig,
+    array_module,
+    select_device,
+    strategy_class,
+)
+from ringcomm.engine.train import run_training, train_rank
+from ringcomm.standin import StandinArray
+
+BASE = {
+    "steps": 5,
+    "dtype": "float64",
+    "in_features": 16,
+    "hidden": 24,
+    "depth": 2,
+    "classes": 5,
+    "batch_size": 26,  # uneven over 3 ranks and over 4 micro-batches
+    "bucket_bytes": 2000,  # several buckets (each Linear its own)
+    "export": True,
+    "timeout_s": 60.0,
+}
+TOL = 1e-10
+#: Pieces of at most this many bytes: a 24x24 float64 layer is ~9 pieces per message.
+CHUNK_BYTES = 512
+#: Strategies also run on ``cpu`` in the same job, to compare the bytes sent.
+ALSO_ON_CPU = ("dp", "zero2", "zero3", "pipeline")
+
+
+def _cases(n: int) -> list[TrainConfig]:
+    cases = []
+    for device in ("host-staged", "cpu"):
+        for strategy in ("dp", "zero1", "zero2", "zero3"):
+            if device == "host-staged" or strategy in ALSO_ON_CPU:
+                cases.append(TrainConfig(strategy=strategy, world_size=n, device=device, **BASE))
+        for m, schedule in ((1, "gpipe"), (4, "gpipe"), (4, "1f1b")):
+            if device == "cpu" and (m, schedule) != (4, "1f1b"):
+                continue
+            cases.append(
+                TrainConfig(
+                    strategy="pipeline",
+                    world_size=n,
+                    device=device,
+                    micro_batches=m,
+                    schedule=schedule,
+                    **BASE,
+                )
+            )
+    # SGD with momentum through the staged path too (different optimizer state).
+    cases.append(
+        TrainConfig(
+            strategy="zero3",
+            world_size=n,
+            device="host-staged",
+            **{**BASE, "optimizer": "sgd", "lr": 0.05},
+        )
+    )
+    return cases
+
+
+def staged_job(pg: Any, cases: list[TrainConfig]) -> list[dict[str, Any]]:
+    """Every case on a fresh sub-group (own tag space), with small pieces."""
+    out = []
+    for cfg in cases:
+        sub = pg.new_group(range(pg.world_size))
+        sub.chunk_bytes = CHUNK_BYTES
+        try:
+            r = train_rank(sub, cfg)
+        finally:
+            sub.close()
+        out.append({k: r[k] for k in ("losses", "params", "loss_rank", "staging_acquires",
+                                      "staging_bytes", "sent_bytes_per_step", "array_module")})  # fmt: skip
+    return out
+
+
+def _label(cfg: TrainConfig) -> str:
+    s = f"{cfg.strategy}-n{cfg.world_size}-{cfg.device}-{cfg.optimizer}"
+    if cfg.strategy == "pipeline":
+        s += f"-{cfg.schedule}-m{cfg.micro_batches}"
+    return s
+
+
+_SINGLE: dict[tuple[str, float], dict[str, Any]] = {}
+
+
+def _single(cfg: TrainConfig) -> dict[str, Any]:
+    key = (cfg.optimizer, cfg.lr)
+    if key not in _SINGLE:
+        ref = TrainConfig(strategy="single", **{**BASE, "optimizer": cfg.optimizer, "lr": cfg.lr})
+        _SINGLE[key] = run_training(ref)[0]
+    return _SINGLE[key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [2, 3])
+def test_host_staged_strategies_match_single(n: int, no_child_processes: None) -> None:
+    cases = _cases(n)
+    per_rank = rc.spawn(staged_job, n, args=(cases,), timeout_s=200)
+    failures: list[str] = []
+    sent: dict[tuple[str, str, int], list[float]] = {}
+    worst = 0.0
+    for k, cfg in enumerate(cases):
+        label = _label(cfg)
+        results = [per_rank[r][k] for r in range(n)]
+        staged = cfg.device == "host-staged"
+        for r, res in enumerate(results):
+            # The staged path ran (host-staged) or was never touched (cpu).
+            if staged and not (res["staging_acquires"] > 0 and res["staging_bytes"] > 0):
+                failures.append(f"{label}: rank {r} took no staging buffer: {res}")
+            if not staged and res["staging_acquires"] != 0:
+                failures.append(f"{label}: rank {r} staged on cpu ({res['staging_acquires']})")
+            if res["array_module"] != "numpy":
+                failures.append(f"{label}: computed with {res['array_module']}")
+        sent[(cfg.strategy, cfg.schedule, cfg.micro_batches, cfg.optimizer, cfg.device)] = [
+            res["sent_bytes_per_step"] for res in results
+        ]
+        ref = _single(cfg)
+        losses = results[results[0]["loss_rank"]]["losses"]
+        if len(losses) != cfg.steps:
+            failures.append(f"{label}: {len(losses)} losses")
+            continue
+        rel = float(np.max(np.abs(np.array(losses) - ref["losses"]) / np.abs(ref["losses"])))
+        if not rel <= TOL:
+            failures.append(f"{label}: loss rel err {rel:.3g} > {TOL}")
+        params: dict[str, np.ndarray] = {}
+        for res in results:  # pipeline stages hold disjoint layers; others the whole model
+            params.update(res["params"])
+        if set(params) != set(ref["params"]):
+            failures.append(f"{label}: parameters {sorted(params)}")
+            continue
+        err = max(float(np.max(np.abs(params[key] - ref["params"][key]))) for key in params)
+        if not err <= TOL:
+            failures.append(f"{label}: param err {err:.3g} > {TOL}")
+        worst = max(worst, rel, err)
+    # The staged path puts the same bytes on the wire as the host path.
+    compared = 0
+    for key, staged_sent in sent.items():
+        if key[-1] == "host-staged" and (*key[:-1], "cpu") in sent:
+            compared += 1
+            cpu_sent = sent[(*key[:-1], "cpu")]
+            if staged_sent != cpu_sent:
+                failures.append(f"{key[:-1]}: sent per step staged {staged_sent}, cpu {cpu_sent}")
+    assert compared == len(ALSO_ON_CPU)
+    print(f"n={n}: worst relative loss / absolute parameter error {worst:.3g}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(200)
+def test_train_cli_host_staged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_child_processes: None
+) -> None:
+    from ringcomm.cli import main
+
+    small = ["--steps", "4", "--dtype", "float64", "--hidden", "16", "--layers", "2",
+             "--in-features", "8", "--classes", "3", "--batch-size", "12", "-q"]  # fmt: skip
+    assert main(["train", "--strategy", "single", *small, "--json", str(tmp_path / "s.json")]) == 0
+    code = main(["train", "--strategy", "zero1", "-n", "2", "--device", "host-staged",
+                 "--bucket-bytes", "1K", *small, "--json", str(tmp_path / "z.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    single = json.loads((tmp_path / "s.json").read_text())
+    zero1 = json.loads((tmp_path / "z.json").read_text())
+    assert zero1["device"] == "host-staged" and single["device"] == "cpu"
+    assert zero1["peak_bytes_source"] == "tracemalloc"
+    assert zero1["losses"] == pytest.approx(single["losses"], rel=1e-10)
+    assert [r["rank"] for r in zero1["per_rank"]] == [0, 1]
+    for row in zero1["per_rank"]:
+        assert row["staging_bytes"] > 0 and row["peak_bytes"] > 0 and row["sent_bytes_per_step"] > 0
+    assert single["per_rank"][0]["staging_bytes"] == 0
+    assert "device host-staged" in out and "staging MiB" in out
+
+
+# -- the GPU-only bookkeeping, on the host ----------------------------------------------
+def test_device_array_modules() -> None:
+    assert DEVICES == ("cpu", "cuda", "host-staged")
+    assert array_module("cpu") is np and array_module("host-staged") is np
+    with pytest.raises(StrategyUnavailable, match="cpu, cuda, host-staged"):
+        array_module("tpu")
+
+
+def test_host_staged_hands_the_group_views_of_the_model_buffers() -> None:
+    """``as_comm`` wraps, never copies: what a collective writes lands in the model."""
+    cfg = TrainConfig(strategy="single", device="host-staged", **{**BASE, "export": False})
+    strat = strategy_class("single")(None, cfg)
+    view = strat.as_comm(strat.params[3:9])
+    assert isinstance(view, StandinArray)
+    view.set(np.arange(6.0))
+    assert np.array_equal(strat.params[3:9], np.arange(6.0))
+    cpu = strategy_class("single")(None, TrainConfig(strategy="single", **BASE))
+    assert cpu.as_comm(cpu.params) is cpu.params and cpu.device_id is None
+    assert staging_stats(None) == {"bytes": 0, "acquires": 0}
+
+
+class _FakePool:
+    """CuPy's MemoryPool surface the meter reads: a pool that caches freed blocks."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.cached = 0
+        self.freed_all = 0
+
+    def malloc(self, nbytes: int) -> None:
+        take = min(self.cached, nbytes)
+        self.cached -= take
+        self.used += nbytes
+
+    def free(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self.cached += nbytes
+
+    def total_bytes(self) -> int:
+        return self.used + self.cached
+
+    def used_bytes(self) -> int:
+        return self.used
+
+    def free_all_blocks(self) -> None:
+        self.freed_all += 1
+        self.cached = 0
+
+
+def test_cupy_pool_meter_bookkeeping() -> None:
+    pool = _FakePool()
+    fake_cp = SimpleNamespace(get_default_memory_pool=lambda: pool)
+    meter = make_meter("cuda", fake_cp)
+    assert isinstance(meter, CupyPoolMeter)
+    meter.start()
+    pool.malloc(1000)  # the model, built after start
+    pool.malloc(5000)
+    pool.free(5000)  # construction's temporary: cached, released before step 1
+    for step, temp in enumerate((300, 700, 200)):
+        meter.begin_step(step)
+        pool.malloc(temp)
+        pool.free(temp)
+        meter.end_step()
+    pool.malloc(50)  # still held at the end (from a cached block: the pool does not grow)
+    meter.stop()
+    meter.stop()  # idempotent
+    assert pool.freed_all == 1  # before the first step only
+    assert meter.peak == 1000 + 700  # the pool's high-water over the steps
+    assert meter.held == 1050
+    probe = device_used_bytes(fake_cp)
+    assert probe is not None and probe() == 1050
+    assert device_used_bytes(np) is None
+
+
+def test_select_device_round_robin() -> None:
+    used: list[int] = []
+    runtime = SimpleNamespace(getDeviceCount=lambda: 3)
+    device = lambda i: SimpleNamespace(use=lambda: used.append(i))
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Device=device))
+    assert [select_device(fake_cp, r) for r in range(5)] == [0, 1, 2, 0, 1]
+    assert used == [0, 1, 2, 0, 1]
