@@ -219,6 +219,7 @@ def test_ps_training_matches_single_and_trains(tmp_path: Path, no_child_processe
     print(f"bsp vs single: worst relative loss / absolute parameter error: {worst}")
     # bsp == dp over the same number of workers (the same rows per worker)
     dp_res = results[len(oracle) + len(training) :][: len(dp)]
+    compared = set()
     for dcfg, dres in zip(dp, dp_res):
         dlosses = np.array(summarize(dcfg, dres)["losses"])
         for cfg, res in zip(oracle, results):
@@ -228,9 +229,14 @@ def test_ps_training_matches_single_and_trains(tmp_path: Path, no_child_processe
                 and cfg.optimizer == "adam"
             ):
                 losses = np.array(summarize(cfg, res)["losses"])
+                compared.add((cfg.ps_servers, dcfg.world_size, cfg.ps_update))
                 rel = float(np.max(np.abs(losses - dlosses) / np.abs(dlosses)))
                 if not rel <= 1e-10:
                     failures.append(f"{_label(cfg)} vs dp -n {dcfg.world_size}: {rel:.3g}")
+    # both update modes; S=1 against dp -n 2 and -n 3, S=2 against dp -n 2
+    assert compared == {
+        (s, w, u) for s, w in ((1, 2), (1, 3), (2, 2)) for u in ("server", "worker")
+    }
     # asp and ssp still train; ssp's bound holds on every pull
     for cfg, res in zip(training, results[len(oracle) :]):
         out = summarize(cfg, res)
@@ -266,6 +272,10 @@ def test_ps_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--ps-servers" in capsys.readouterr().err
     assert main(["train", "--strategy", "ps", "-n", "3", "--staleness", "-1"]) == 2
     assert "--staleness" in capsys.readouterr().err
+    assert main(["train", "--strategy", "ps", "-n", "3", "--checkpoint-interval", "2"]) == 2
+    assert "--checkpoint-dir" in capsys.readouterr().err
+    assert main(["train", "--strategy", "ps", "-n", "3", "--device", "cuda"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(200)

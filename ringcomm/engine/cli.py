@@ -116,8 +116,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise UsageError(f"--ps-servers must be in [1, {n - 1}] at -n {n} (>= 1 worker)")
         if args.device != "cpu":
             raise UsageError("--strategy ps runs on --device cpu")
-        if args.staleness < 0 or args.checkpoint_interval < 0:
-            raise UsageError("--staleness and --checkpoint-interval must be >= 0")
+        if args.staleness < 0 or args.checkpoint_interval < 0 or args.ps_split_min_bytes < 1:
+            raise UsageError(
+                "--staleness, --checkpoint-interval must be >= 0, --ps-split-min-bytes > 0"
+            )
+        if args.checkpoint_interval and not args.checkpoint_dir:
+            raise UsageError("--checkpoint-interval needs --checkpoint-dir")
     array_module(args.device)  # StrategyUnavailable without CuPy / a GPU
     return TrainConfig(
         strategy=args.strategy,

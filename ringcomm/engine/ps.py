@@ -103,6 +103,8 @@ class ParameterServer(Strategy):
         if cfg.device != "cpu":
             raise StrategyUnavailable("--strategy ps runs on --device cpu (NumPy parameter server)")
         n, s = self.n, cfg.ps_servers
+        if cfg.steps < 1:  # servers serve until the last step, workers close after it
+            raise ValueError(f"rank {self.rank}: ps: steps must be >= 1, got {cfg.steps}")
         if pg is None or not 1 <= s < n:
             raise ValueError(
                 f"rank {self.rank}: ps: --ps-servers must be in [1, {n - 1}] for {n} ranks, got {s}"
