@@ -189,6 +189,7 @@ class ParameterServer(Strategy):
                     f"{self.cfg.timeout_s:g} s (done: {sorted(self.server.byes)})"
                 )
             self._check_serving()
+            self.group.close()
         return total
 
     # -- workers -------------------------------------------------------------------------
@@ -275,6 +276,7 @@ class ParameterServer(Strategy):
                 w.wait(timeout_s=self.cfg.timeout_s)
             self.loss_sends = []
             self.kv.close()
+            self.group.close()
 
     # -- the interface -----------------------------------------------------------------
     def step(self, step: int) -> float | None:
