@@ -54,7 +54,8 @@ def test_every_contract_option_parses() -> None:
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--strategy", "ps", "-n", "2"], "not available"),
+        (["--strategy", "ps", "-n", "2", "--ps-servers", "2"], "--ps-servers"),
+        (["--strategy", "ps", "-n", "3", "--batch-size", "1"], "without rows"),
         (["--strategy", "single", "-n", "2"], "-n 1"),
         (["--strategy", "dp", "-n", "0"], "-n must be"),
         (["--strategy", "pipeline", "-n", "2", "--micro-batches", "0"], "--micro-batches"),

@@ -176,8 +176,7 @@ def test_single_learns_the_task() -> None:
 
 def test_registry_and_devices() -> None:
     assert strategy_class("zero3").name == "zero3"
-    with pytest.raises(StrategyUnavailable, match="not available"):
-        strategy_class("ps")
+    assert strategy_class("ps").name == "ps"
     with pytest.raises(StrategyUnavailable):
         strategy_class("nope")
     assert array_module("cpu") is np

@@ -4,8 +4,9 @@ Layers (:mod:`.nn`) define forward and backward side by side over ``xp``; a mode
 parameters and gradients live in flat contiguous buffers (:mod:`.params`), so buckets and
 shards are views; optimizers (:mod:`.optim`) are elementwise over flat pieces; the data is
 a seeded synthetic classification task (:mod:`.data`). Strategies (``single``, ``dp``,
-``zero1``/``zero2``/``zero3``, ``pipeline``) share one interface and registry
-(:mod:`.strategy`) and talk only to a ``ProcessGroup``. ``ringcomm train`` is :mod:`.cli`.
+``zero1``/``zero2``/``zero3``, ``pipeline``, and ``ps`` over :mod:`ringcomm.ps`) share one
+interface and registry (:mod:`.strategy`) and talk only to a ``ProcessGroup`` (``ps``
+through the parameter-server client, a sibling layer built on the same group). ``ringcomm train`` is :mod:`.cli`.
 """
 
 from .strategy import STRATEGIES, Strategy, TrainConfig

@@ -4,7 +4,7 @@ Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :class:`~ringcomm.engine.strategy.TrainConfig`; ``UsageError`` for what cannot run) ->
 :func:`~ringcomm.engine.train.run_training` (``rc.spawn`` for N ranks; ``single`` in this
 process) -> a summary on stdout and the ``--json`` object (DESIGN.md §2). Exit status: 0;
-1 if a rank failed; 2 for a usage error, ``--strategy ps`` (not available in this build) or
+1 if a rank failed; 2 for a usage error or
 ``--device cuda`` without CuPy or a GPU.
 
 Devices: ``cpu`` (NumPy), ``cuda`` (CuPy: model state and activations on the GPU, staged
@@ -27,7 +27,6 @@ from ringcomm.schedule.pipeline import SCHEDULES
 from .optim import OPTIMIZERS
 from .strategy import (
     DEVICES,
-    STRATEGIES,
     STRATEGY_NAMES,
     StrategyUnavailable,
     TrainConfig,
@@ -55,7 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``train`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "train",
-        help="train a small MLP with a parallel strategy (dp, zero1/2/3, pipeline)",
+        help="train a small MLP with a parallel strategy (dp, ps, zero1/2/3, pipeline)",
         description="Train an MLP on a seeded synthetic classification task with one "
         "strategy over N local ranks. Every strategy computes the same losses as "
         "--strategy single for the same seed and global batch.",
@@ -93,6 +92,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default="bsp")
     s.add_argument("--staleness", type=int, default=0, metavar="K")
     s.add_argument("--ps-update", choices=("server", "worker"), default="server")
+    s.add_argument("--checkpoint-dir", metavar="DIR", help="servers checkpoint here (and resume)")
+    s.add_argument("--checkpoint-interval", type=int, default=0, metavar="STEPS",
+                   help="steps between server checkpoints (0: only at the end)")  # fmt: skip
+    s.add_argument("--ps-split-min-bytes", type=_size, default=1 << 20, metavar="SIZE",
+                   help="layers this big are split over every server (1M)")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=300.0, help="bound on the whole job")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
     p.set_defaults(main=main)
@@ -125,11 +129,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         bucket = int((25.0 if args.bucket_mb is None else args.bucket_mb) * 2**20)
     if bucket < 1:
         raise UsageError("bucket size must be > 0")
-    if args.strategy not in STRATEGIES:
-        raise StrategyUnavailable(
-            f"--strategy {args.strategy} is not available in this build "
-            f"(available: {', '.join(STRATEGIES)})"
-        )
+    if args.strategy == "ps":
+        if not 1 <= args.ps_servers < n:
+            raise UsageError(f"--ps-servers must be in [1, {n - 1}] at -n {n} (>= 1 worker)")
+        if args.device != "cpu":
+            raise UsageError("--strategy ps runs on --device cpu")
+        if args.staleness < 0 or args.checkpoint_interval < 0 or args.ps_split_min_bytes < 1:
+            raise UsageError(
+                "--staleness, --checkpoint-interval must be >= 0, --ps-split-min-bytes > 0"
+            )
+        if args.checkpoint_interval and not args.checkpoint_dir:
+            raise UsageError("--checkpoint-interval needs --checkpoint-dir")
     array_module(args.device)  # StrategyUnavailable without CuPy / a GPU
     return TrainConfig(
         strategy=args.strategy,
@@ -155,6 +165,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         consistency=args.consistency,
         staleness=args.staleness,
         ps_update=args.ps_update,
+        ps_checkpoint_dir=args.checkpoint_dir,
+        ps_checkpoint_interval=args.checkpoint_interval,
+        ps_split_min_bytes=args.ps_split_min_bytes,
     )
 
 
@@ -187,6 +200,15 @@ def format_summary(result: dict[str, Any]) -> str:
             f"pipeline {result['schedule']}, {result['micro_batches']} micro-batches: bubble "
             f"{result['bubble_fraction']:.3f} measured, {result['bubble_fraction_theory']:.3f} "
             "= (p-1)/(m+p-1)"
+        )
+    if "ps" in result:
+        ps = result["ps"]
+        lines.append(
+            f"ps: {ps['servers']} server(s) (ranks 0..{ps['servers'] - 1}), {ps['workers']} "
+            f"worker(s); {ps['consistency']}"
+            + (f" K={ps['staleness']}" if ps["consistency"] == "ssp" else "")
+            + f", update on the {ps['update']}; max pull gap {ps['max_pull_gap']} "
+            f"over {ps['pulls']} pulls"
         )
     return "\n".join(lines)
 

@@ -15,10 +15,9 @@ interface, so the training loop (:mod:`ringcomm.engine.train`) and the CLI never
 
 and is registered by name in :data:`STRATEGIES` (``name -> "module:Class"``, imported on
 use). A strategy talks only to its ``ProcessGroup``; it may split it (``pg.new_group``),
-e.g. a parameter-server strategy would make server and worker sub-groups from
-``cfg.ps_servers`` and read ``cfg.consistency``, ``cfg.staleness`` and ``cfg.ps_update``
-(already parsed by ``ringcomm train``; ``ps`` itself is not implemented in this package:
-the CLI reports it as not available). Every strategy must reproduce ``single``: the same
+as the parameter-server strategy (:mod:`~ringcomm.engine.ps`, ``ps``) does for its
+servers and workers from ``cfg.ps_servers``, ``cfg.consistency``, ``cfg.staleness`` and
+``cfg.ps_update``. Every strategy must reproduce ``single``: the same
 global batch per step (:class:`~ringcomm.engine.data.SyntheticClassification`), the same
 seeded initialisation (:func:`~ringcomm.engine.params.init_layer`), the loss summed over
 the global batch and divided by its size.
@@ -61,10 +60,11 @@ __all__ = [
     "strategy_class",
 ]
 
-#: name -> "module:Class". ``ps`` belongs to the parameter-server package (not here yet).
+#: name -> "module:Class".
 STRATEGIES: dict[str, str] = {
     "single": "ringcomm.engine.single:Single",
     "dp": "ringcomm.engine.dp:DataParallel",
+    "ps": "ringcomm.engine.ps:ParameterServer",
     "zero1": "ringcomm.engine.zero:Zero1",
     "zero2": "ringcomm.engine.zero:Zero2",
     "zero3": "ringcomm.engine.zero:Zero3",
@@ -102,11 +102,14 @@ class TrainConfig:
     timeout_s: float = 300.0
     verbose: bool = False
     export: bool = False  # return the final parameters (tests)
-    # Parameter-server options (parsed, for a `ps` strategy to use).
+    # Parameter-server options (strategy ps, ringcomm/engine/ps.py).
     ps_servers: int = 1
     consistency: str = "bsp"
     staleness: int = 0
     ps_update: str = "server"
+    ps_checkpoint_dir: str | None = None
+    ps_checkpoint_interval: int = 0  # steps between server checkpoints (0: only at the end)
+    ps_split_min_bytes: int = 1 << 20  # layers this big are split over every server
 
     def build_model(self) -> list[Layer]:
         return mlp(self.in_features, self.hidden, self.depth, self.classes, self.act)
@@ -146,10 +149,6 @@ def _as_is(a: Any) -> Any:
 
 def strategy_class(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
-        if name == "ps":
-            raise StrategyUnavailable(
-                "--strategy ps: the parameter-server strategy is not available in this build"
-            )
         raise StrategyUnavailable(
             f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)}"
         )

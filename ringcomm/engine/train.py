@@ -194,6 +194,10 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
     }
     if cfg.strategy in ("dp", "zero1", "zero2"):
         out["bucket_bytes"] = cfg.bucket_bytes
+    if cfg.strategy == "ps":
+        from .ps import ps_summary
+
+        out["ps"] = ps_summary(per_rank)
     if cfg.strategy == "pipeline":
         bubbles = pipeline_bubble(per_rank)
         measured = bubbles[1:] if len(bubbles) > 1 else bubbles

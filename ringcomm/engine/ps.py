@@ -1,0 +1,377 @@
+"""``ps``: data-parallel training over the parameter server (:mod:`ringcomm.ps`).
+
+Roles: ranks ``0..S-1`` of the job are servers (``cfg.ps_servers``), ranks ``S..N-1`` the
+``W = N - S`` workers, which split the global batch by rows among themselves (the same
+global batch as ``single``; a worker's loss and gradients are divided by the *global* batch
+size, as in ``dp``, so the servers *sum* the workers' gradients: ``PSConfig.reduce="sum"``).
+
+Keys: one per layer that has parameters (key = the layer's index), the layer's parameters
+as one contiguous slice of a flat buffer. Keys are placed by the parameter server's slicer
+(:class:`~ringcomm.ps.slicer.HashSlicer`; layers of ``cfg.ps_split_min_bytes`` or more are
+split over every server). As soon as backward has finished a layer, its gradient goes out
+with ``push_pull`` (overlapping the layers below, as ``dp``'s buckets do):
+
+* ``--ps-update server``: the servers sum the step's gradients and apply the optimizer (its
+  state on the servers); ``push_pull`` writes the new parameters straight into the
+  worker's parameter buffer (that layer's parameters are not read again this step).
+* ``--ps-update worker``: the servers only sum; ``push_pull`` returns the summed gradient
+  and every worker applies its own optimizer (the engine's) to its full replica.
+
+The server-side updaters (:mod:`ringcomm.ps.updaters`) repeat the engine's optimizer
+formulas operation by operation, their hyper-parameters are taken from the engine's
+optimizer here, and bsp sums the pushes in worker order: ``bsp`` reproduces ``single`` to
+rounding (the workers' partial gradients are summed in another order than one full-batch
+product; float64 agrees to ~1e-16 relative). ``ssp``/``asp`` apply each push on arrival (a
+worker's partial gradient counts whole, one optimizer step per push): they train, but do not
+follow ``single``.
+
+The loss: a server holds no data, so each worker sends its partial loss of each step (a
+float64 over the PS sub-group, tag :data:`TAG_LOSS`, without waiting for it) to every
+server; a server's ``step(s)`` receives them, sums them in worker order and returns the
+global mean loss, and ends when every worker has finished step ``s``. Rank 0 (server 0)
+is the ``loss_rank``, as for ``dp``. Workers never wait for each other's losses, so ``ssp``
+and ``asp`` stay asynchronous. The servers' request loops run in a background thread
+from construction to the last step, which ends when every worker has closed its client.
+
+Layering: ``engine`` and ``ps`` are sibling packages on top of the collectives
+(DESIGN.md §3); this strategy is the one place where the engine imports ``ringcomm.ps``,
+and like every strategy it talks only to its ``ProcessGroup`` (the parameter server runs
+over a sub-group of it). CPU (NumPy) only: the parameter server holds NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ringcomm.errors import CommTimeoutError, GroupClosedError
+from ringcomm.ps import HashSlicer, KVWorker, PSConfig, PSServer
+from ringcomm.schedule.partition import flat_layout, split_rows
+
+from .nn import backward_layers, forward_layers
+from .optim import SGD, Adam, make_optimizer
+from .params import export_params, init_layer, layer_views, param_shapes
+from .strategy import Strategy, StrategyUnavailable, TrainConfig
+
+__all__ = ["TAG_LOSS", "ParameterServer", "ps_config", "ps_summary", "updater_args"]
+
+#: Tag of the workers' partial losses on the parameter server's sub-group (the PS protocol
+#: uses 0x5053_0001 and 0x5053_0002 there).
+TAG_LOSS = 0x5053_0100
+#: How long a server waits for a loss between checks that its request loops still run.
+_POLL_S = 1.0
+
+
+def updater_args(cfg: TrainConfig) -> dict[str, Any]:
+    """The server updater's hyper-parameters: those of the engine's optimizer for ``cfg``
+    (so that both update modes compute the same numbers)."""
+    opt = make_optimizer(cfg.optimizer, np, 0, np.dtype(cfg.dtype), cfg.lr)
+    if isinstance(opt, SGD):
+        return {"lr": opt.lr, "momentum": opt.momentum}
+    if isinstance(opt, Adam):
+        return {"lr": opt.lr, "betas": (opt.b1, opt.b2), "eps": opt.eps}
+    raise ValueError(f"ps: no server updater for optimizer {cfg.optimizer!r}")
+
+
+def ps_config(cfg: TrainConfig, num_workers: int) -> PSConfig:
+    """The parameter-server configuration of a training run."""
+    return PSConfig(
+        num_workers=num_workers,
+        consistency=cfg.consistency,
+        staleness=cfg.staleness,
+        update=cfg.ps_update,
+        optimizer=cfg.optimizer,
+        optimizer_args=updater_args(cfg),
+        checkpoint_dir=cfg.ps_checkpoint_dir,
+        checkpoint_every_steps=cfg.ps_checkpoint_interval if cfg.ps_checkpoint_dir else 0,
+        timeout_s=cfg.timeout_s,
+        reduce="sum",
+    )
+
+
+class ParameterServer(Strategy):
+    name = "ps"
+    splits_batch = False  # the workers split it among themselves, below
+
+    def __init__(self, pg: Any, cfg: TrainConfig) -> None:
+        super().__init__(pg, cfg)
+        if cfg.device != "cpu":
+            raise StrategyUnavailable("--strategy ps runs on --device cpu (NumPy parameter server)")
+        n, s = self.n, cfg.ps_servers
+        if cfg.steps < 1:  # servers serve until the last step, workers close after it
+            raise ValueError(f"rank {self.rank}: ps: steps must be >= 1, got {cfg.steps}")
+        if pg is None or not 1 <= s < n:
+            raise ValueError(
+                f"rank {self.rank}: ps: --ps-servers must be in [1, {n - 1}] for {n} ranks, got {s}"
+            )
+        self.num_servers, self.num_workers = s, n - s
+        self.server_ranks = list(range(s))
+        self.worker_ranks = list(range(s, n))
+        self.is_server = self.rank < s
+        self.loss_rank = 0
+        self.config = ps_config(cfg, self.num_workers)
+        L = len(self.layers)
+        self.layout = flat_layout(param_shapes(self.layers), [(0, L)], 1)
+        self.keys: list[tuple[int, int, int]] = []  # (key = layer, offset, size)
+        for i in range(L):
+            slots = self.layout.layer_slots(i)
+            if slots:
+                self.keys.append((i, slots[0].offset, sum(sl.size for sl in slots)))
+        self.key_of = {k[0]: k for k in self.keys}
+        # Every rank makes the sub-group (collective); the PS traffic and losses use it.
+        self.group = pg.new_group(list(range(n)))
+        self.start_step = 0
+        if self.is_server:
+            self._init_server()
+        else:
+            self._init_worker()
+
+    # -- servers -------------------------------------------------------------------------
+    def _init_server(self) -> None:
+        self.rows = (0, 0)
+        self.server = PSServer(self.config, self.rank)
+        self._serve_error: BaseException | None = None
+        self._serve_ok = False
+        self._thread = threading.Thread(
+            target=self._serve, name=f"ps-train-server{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._serve_ok = self.server.serve(self.group, self.worker_ranks)
+            if not self._serve_ok:
+                raise GroupClosedError(
+                    f"rank {self.rank}: ps server {self.rank}: the group ended before every "
+                    f"worker closed its client (workers done: {sorted(self.server.byes)})"
+                )
+        except BaseException as exc:  # noqa: BLE001 (raised by step in the main thread)
+            self._serve_error = exc
+        finally:
+            self.server.close()  # flushes the final checkpoint
+
+    def _check_serving(self) -> None:
+        if self._serve_error is not None:
+            raise self._serve_error
+
+    def _recv_loss(self, buf: np.ndarray, src: int, step: int) -> None:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.group.recv(buf, src, TAG_LOSS, timeout_s=max(min(_POLL_S, remaining), 1e-3))
+                return
+            except CommTimeoutError:
+                self._check_serving()
+                if time.monotonic() >= deadline:
+                    raise CommTimeoutError(
+                        f"rank {self.rank}: ps server: op recv loss of step {step}, peer {src}, "
+                        f"tag {TAG_LOSS:#x}: nothing after {self.cfg.timeout_s:g} s"
+                    ) from None
+
+    def _server_step(self, step: int) -> float:
+        """Wait until every worker finished ``step``; return the global loss."""
+        buf = np.zeros(1, np.float64)
+        total = 0.0
+        for src in self.worker_ranks:  # summed in worker order
+            self._recv_loss(buf, src, step)
+            total += float(buf[0])
+        if step == self.cfg.steps - 1:  # the workers close their clients after this step
+            self._thread.join(self.cfg.timeout_s)
+            if self._thread.is_alive():
+                raise CommTimeoutError(
+                    f"rank {self.rank}: ps server: workers did not close within "
+                    f"{self.cfg.timeout_s:g} s (done: {sorted(self.server.byes)})"
+                )
+            self._check_serving()
+            self.group.close()
+        return total
+
+    # -- workers -------------------------------------------------------------------------
+    def _init_worker(self) -> None:
+        cfg, xp = self.cfg, self.xp
+        self.index = self.rank - self.num_servers
+        self.rows = split_rows(cfg.batch_size, self.num_workers)[self.index]
+        total = self.layout.total
+        self.params = xp.zeros(total, self.dtype)
+        self.grads = xp.zeros(total, self.dtype)
+        L = len(self.layers)
+        self.pviews = [layer_views(self.layout, self.params, i) for i in range(L)]
+        self.gviews = [layer_views(self.layout, self.grads, i) for i in range(L)]
+        for i in range(L):
+            init_layer(self.layers, i, self.pviews[i], cfg.seed)
+        self.worker_update = cfg.ps_update == "worker"
+        if self.worker_update:
+            self.summed = xp.zeros(total, self.dtype)  # the servers' sum of the gradients
+            self.opt = make_optimizer(cfg.optimizer, xp, total, self.dtype, cfg.lr)
+        self.kv = KVWorker(
+            self.group,
+            self.index,
+            self.server_ranks,
+            slicer=HashSlicer(split_min_bytes=cfg.ps_split_min_bytes),
+            timeout_s=cfg.timeout_s,
+        )
+        handles = [self.kv.init(k, self.params[off : off + size]) for k, off, size in self.keys]
+        for h in handles:
+            h.wait()
+        # Servers restored from a checkpoint put our clock at their progress: resume there.
+        self.start_step = self.kv.clock
+        if self.start_step:
+            if self.worker_update:
+                raise ValueError(
+                    f"rank {self.rank}: ps: the servers restored step {self.start_step} from "
+                    f"{cfg.ps_checkpoint_dir}, but with --ps-update worker the parameters and "
+                    "optimizer state live on the workers and are not checkpointed: resume "
+                    "needs --ps-update server (or an empty --checkpoint-dir)"
+                )
+            handles = [self.kv.pull(k, self.params[off : off + size]) for k, off, size in self.keys]
+            for h in handles:
+                h.wait()
+        self.handles: list[Any] = []
+        self.loss_sends: list[Any] = []
+
+    def _layer_done(self, i: int) -> None:
+        """Backward finished layer ``i``: its gradient is complete; send it."""
+        key = self.key_of.get(i)
+        if key is None:
+            return
+        _, off, size = key
+        out = self.summed if self.worker_update else self.params
+        self.handles.append(
+            self.kv.push_pull(i, self.grads[off : off + size], out[off : off + size])
+        )
+
+    def _worker_step(self, step: int) -> None:
+        x, labels = self.local_batch(self.start_step + step)
+        self.grads[...] = 0
+        idx = range(len(self.layers))
+        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
+        loss, cache = self.loss.forward(logits, labels)
+        backward_layers(
+            self.layers,
+            idx,
+            caches,
+            self.loss.backward(cache),
+            self.pviews.__getitem__,
+            self.gviews.__getitem__,
+            done=self._layer_done,
+        )
+        for h in self.handles:
+            h.wait()
+        self.handles.clear()
+        self.kv.advance()
+        if self.worker_update:
+            self.opt.step([(self.params, self.summed, 0)])
+        for w in self.loss_sends:  # the previous step's (long done: tiny messages)
+            w.wait(timeout_s=self.cfg.timeout_s)
+        msg = np.array([float(loss)], np.float64)
+        self.loss_sends = [self.group.isend(msg, dst, TAG_LOSS) for dst in self.server_ranks]
+        if step == self.cfg.steps - 1:
+            for w in self.loss_sends:
+                w.wait(timeout_s=self.cfg.timeout_s)
+            self.loss_sends = []
+            self.kv.close()
+            self.group.close()
+
+    # -- the interface -----------------------------------------------------------------
+    def step(self, step: int) -> float | None:
+        if self.is_server:
+            return self._server_step(step)
+        self._worker_step(step)
+        return None
+
+    def state_nbytes(self) -> dict[str, int]:
+        if not self.is_server:
+            grad = int(self.grads.nbytes) + (int(self.summed.nbytes) if self.worker_update else 0)
+            return {
+                "param_bytes": int(self.params.nbytes),
+                "grad_bytes": grad,
+                "optim_bytes": self.opt.state_nbytes() if self.worker_update else 0,
+            }
+        param = grad = optim = 0
+        with self.server.cond:
+            for sh in self.server.state.shards.values():
+                param += int(sh.param.nbytes)
+                # per-element state only (not the 0-d step counters)
+                optim += sum(int(a.nbytes) for a in sh.opt_state.values() if a.ndim)
+                held = [g for d in sh.pending.values() for g in d.values()]
+                held += list(sh.averages.values()) + list(sh.inbox.values())
+                grad += sum(int(g.nbytes) for g in held)
+        return {"param_bytes": param, "grad_bytes": grad, "optim_bytes": optim}
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        """A worker's replica (after the last step: the final parameters); servers: none."""
+        if self.is_server:
+            return {}
+        return export_params(self.layers, self.layout, self.params)
+
+    def extra(self) -> dict[str, Any]:
+        common = {
+            "consistency": self.cfg.consistency,
+            "staleness": self.cfg.staleness,
+            "update": self.cfg.ps_update,
+            "servers": self.num_servers,
+            "workers": self.num_workers,
+        }
+        if self.is_server:
+            with self.server.cond:
+                st = self.server.state.stats()
+            shards = [
+                {"key": s["key"], "start": s["start"], "stop": s["stop"], "applied": s["applied"]}
+                for s in st["shards"]
+            ]
+            info = {
+                "role": "server",
+                "index": self.rank,
+                **common,
+                "pulls": st["pulls"],
+                "max_pull_gap": st["max_gap"],
+                "min_pull_gap": st["min_gap"],
+                "gap_counts": st["gap_counts"],
+                "dropped_pushes": st["dropped_pushes"],
+                "checkpoints_written": st["checkpoints_written"],
+                "restored_progress": st["restored_progress"],
+                "shards": shards,
+            }
+        else:
+            gaps = Counter(self.kv.pull_gaps)
+            info = {
+                "role": "worker",
+                "index": self.index,
+                **common,
+                "pulls": sum(gaps.values()),
+                "max_pull_gap": self.kv.max_pull_gap,
+                "gap_hist": {str(g): c for g, c in sorted(gaps.items())},
+                "lost_pulls": self.kv.lost_pulls,
+                "start_step": self.start_step,
+                "rows": list(self.rows),
+            }
+        return {"ps": info}
+
+
+def ps_summary(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The job-wide ``"ps"`` object of ``train --json``: roles, modes, the largest clock gap
+    any pull was served at (over every server's record), pulls per gap."""
+    infos = [r["extra"]["ps"] for r in per_rank]
+    servers = [i for i in infos if i["role"] == "server"]
+    gaps: Counter[int] = Counter()
+    for s in servers:
+        for k, c in enumerate(s["gap_counts"]):
+            gaps[s["min_pull_gap"] + k] += c
+    first = infos[0]
+    return {
+        "servers": first["servers"],
+        "workers": first["workers"],
+        "consistency": first["consistency"],
+        "staleness": first["staleness"],
+        "update": first["update"],
+        "max_pull_gap": max((s["max_pull_gap"] for s in servers), default=0),
+        "pulls": sum(gaps.values()),
+        "pulls_by_gap": {str(g): c for g, c in sorted(gaps.items())},
+        "checkpoints_written": sum(s["checkpoints_written"] for s in servers),
+    }
