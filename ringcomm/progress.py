@@ -686,8 +686,12 @@ class Engine:
         return "where each rank was:\n" + "\n".join(lines)
 
     # -- liveness and failure ----------------------------------------------------------
-    def _check_health(self) -> None:
-        """Look at connection events; declare peers failed (driver lock held)."""
+    def _check_health(self, drain: bool = True) -> None:
+        """Look at connection events; declare peers failed (driver lock held).
+
+        ``drain=False``: from inside a dispatch (a wait for a zero-copy release), where
+        the socket must not be read; a goodbye still waiting there is then not seen.
+        """
         now = time.monotonic()
         self._next_health = now + HEALTH_CHECK_S
         for peer, event in self.transport.poll_events():
@@ -701,7 +705,8 @@ class Engine:
         due = [p for p, t in self._suspects.items() if now - t >= SUSPECT_GRACE_S]
         if not due:
             return
-        self._drain()  # a goodbye may be waiting on the socket
+        if drain:
+            self._drain()  # a goodbye may be waiting on the socket
         for peer in due:
             if self._suspects.pop(peer, None) is not None and peer not in self._departed:
                 self._peer_failed(peer)

@@ -414,13 +414,21 @@ class CollectiveOp(Op):
 
         Only libzmq's I/O thread (and pyzmq's gc thread) can finish this, and they never
         wait on us, so waiting here under the driver lock cannot deadlock; it is bounded
-        by the call's deadline all the same.
+        by the call's deadline all the same, and by the engine's failure detection.
         """
         if tracker is None or tracker.done:
             return
+        engine = self.engine
         deadline = time.monotonic() + self.comm.timeout_s
         while not tracker.done:
-            if time.monotonic() > deadline:
+            # libzmq keeps a message for a dead peer (waiting for a reconnection), so
+            # liveness is watched here too: a failure ends the wait.
+            if engine.failure is not None:
+                raise engine.failed_error(self.desc)
+            now = time.monotonic()
+            if now >= engine._next_health:
+                engine._check_health(drain=False)
+            if now > deadline:
                 raise CommTimeoutError(
                     f"rank {self.rank}: {self.desc}: the transport did not release a sent "
                     f"piece within {self.comm.timeout_s:g} s"
