@@ -241,6 +241,7 @@ class Engine:
         # Progress queries (a timed-out op asking its peers where they are).
         self._query_ids = itertools.count(1)
         self._query: tuple[int, dict[int, str]] | None = None
+        self._known_src = set(transport.peers()) | {rank}
         #: Log every op's start and end (RINGCOMM_LOG=debug).
         self.log_ops = False
 
@@ -548,6 +549,9 @@ class Engine:
                 q.popleft()
                 if not q:
                     del self._posted[key]
+            return
+        if header.src not in self._known_src:  # nobody will ever receive it
+            self.dropped_frames += 1
             return
         if header.kind == KIND_CTRL:  # never posted for: handled here
             self._on_ctrl(header)

@@ -107,9 +107,10 @@ class _CurveKeyCheck:
     """ZAP credentials provider: admit exactly the job's derived client key."""
 
     def __init__(self, public_z85: bytes) -> None:
-        self._public = z85.decode(public_z85)
+        self._public = public_z85
 
     def callback(self, domain: str, key: bytes) -> bool:
+        """``key``: the client's public key, Z85 (as pyzmq's authenticator passes it)."""
         return hmac.compare_digest(key, self._public)
 
 
