@@ -115,7 +115,7 @@ def _no_forged_control(head: bytes) -> bytes:
     """A well-formed control message from a job rank becomes one from rank 1000 (see the
     module docstring)."""
     try:
-        header, inline = unpack_header(head)
+        header, _ = unpack_header(head)
     except WireError:
         return head
     if header.kind == KIND_CTRL and header.src in (0, 1):
