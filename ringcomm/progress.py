@@ -903,7 +903,7 @@ class Engine:
                 return
             note = op.progress_note()
             where = ""
-            if not self._closed and self.failure is None and self._live_peers():
+            if not self._closed and self.failure is None and self.transport.peers():
                 where = "\n" + self.progress_map()
                 if op.done:  # it finished while we asked around
                     return
