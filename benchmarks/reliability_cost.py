@@ -70,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     lines = [
-        f"# Reliability/security cost, all_reduce W={args.world_size}, medians of "
-        f"{args.reps} interleaved reps",
+        (
+            f"# Reliability/security cost, all_reduce W={args.world_size}, medians of "
+            f"{args.reps} interleaved reps"
+        ),
         "",
-        f"`python benchmarks/reliability_cost.py --before {args.before} -n {args.world_size} "
-        f"--reps {args.reps} --out {args.out}`",
+        (
+            f"`python benchmarks/reliability_cost.py --before {args.before} "
+            f"-n {args.world_size} --reps {args.reps} --out {args.out}`"
+        ),
         "",
         "| setup | 8 B time (us) | vs before | 64 MiB busbw (GB/s) | vs before |",
         "|---|---|---|---|---|",
