@@ -142,3 +142,18 @@ def test_data_socket_binds_the_interface_peers_use() -> None:
             assert tcp is not None and tcp.startswith("tcp://127.0.0.1:"), tcp
         finally:
             pg.close()
+
+
+def test_no_pickle_on_the_wire() -> None:
+    """Only the local launcher (parent <-> child pipes of one host) may use pickle; nothing
+    that reads from a socket does (wire: msgpack and raw buffers)."""
+    import pathlib
+
+    root = pathlib.Path(rc.__file__).parent
+    users = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if any(w in p.read_text() for w in ("import pickle", "cPickle", "ForkingPickler",
+                                             "recv_pyobj", "send_pyobj", "dill"))  # fmt: skip
+    )
+    assert all(u.startswith("launch/") for u in users), users
