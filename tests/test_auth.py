@@ -150,10 +150,10 @@ def test_no_pickle_on_the_wire() -> None:
     import pathlib
 
     root = pathlib.Path(rc.__file__).parent
+    words = ("import pickle", "cPickle", "ForkingPickler", "recv_pyobj", "send_pyobj", "dill")
     users = sorted(
         str(p.relative_to(root))
         for p in root.rglob("*.py")
-        if any(w in p.read_text() for w in ("import pickle", "cPickle", "ForkingPickler",
-                                             "recv_pyobj", "send_pyobj", "dill"))  # fmt: skip
+        if any(w in p.read_text() for w in words)
     )
     assert all(u.startswith("launch/") for u in users), users
