@@ -96,6 +96,8 @@ QUERY_WAIT_S = 0.25
 #: Defaults of the per-peer cap on buffered unexpected messages.
 MAX_UNEXPECTED_MESSAGES = 65536
 MAX_UNEXPECTED_BYTES = 1 << 30
+#: Shortest wait for goodbyes to be written out at close (even with no linger).
+GOODBYE_MIN_S = 0.5
 #: Longest text a rank puts in a control message.
 _CTRL_TEXT_MAX = 2000
 
@@ -948,6 +950,43 @@ class Engine:
                     self._lock.release()
 
     # -- closing -----------------------------------------------------------------------
+    def _say_goodbye(self, linger_s: float) -> None:
+        """Tell every live peer we are leaving (so our disconnection is no failure) and
+        wait, up to ``linger_s``, until each goodbye (and so everything queued before it)
+        is written out, or the peer left or failed itself. A peer that closed first can
+        never take our goodbye: waiting for it (libzmq's linger) would cost the whole
+        ``linger_s``, so the wait ends for it as soon as its own goodbye is read."""
+        self._read_control()
+        linger_s = max(linger_s, GOODBYE_MIN_S)  # even a failed group says goodbye
+        frame = pack_header(Header(KIND_CTRL, self.rank, 0, CTRL_BYE), b"")
+        pending = {}
+        for peer in self._live_peers():
+            try:
+                pending[peer] = self.transport.send_tracked(peer, frame)
+            except Exception as exc:  # noqa: BLE001 (best effort, as every control message)
+                log.debug("rank %d: goodbye to rank %d not sent: %r", self.rank, peer, exc)
+        give_up_at = time.monotonic() + linger_s
+        while True:
+            gone = self.failed_peers | self._departed
+            pending = {p: t for p, t in pending.items() if not t.done and p not in gone}
+            remaining = give_up_at - time.monotonic()
+            if not pending or remaining <= 0:
+                return
+            if self.transport.poll(min(remaining, 0.005)):
+                self._read_control()
+
+    def _read_control(self) -> None:
+        """Take what arrived off the socket, acting on control messages only (the
+        group is closing: nothing may reach a receiver any more)."""
+        for _ in range(MAX_DISPATCH_PER_ROUND):
+            message = self._recv()
+            if message is None:
+                return
+            if message is not False and message[0].kind == KIND_CTRL:
+                header = message[0]
+                if header.src in self._known_src and header.tag == CTRL_BYE:
+                    self._on_ctrl(header)
+
     def abort(self, error_for: Callable[[Op], BaseException], group: int | None = None) -> None:
         """Fail every unfinished operation (all, or those of one group id)."""
         with self._lock:
@@ -969,9 +1008,8 @@ class Engine:
         with self._lock:
             for op in list(self._live):
                 op.finish(GroupClosedError(f"rank {self.rank}: {op.desc}: the process group was closed"))
-            for peer in self._live_peers():  # so that our disconnection is not a failure
-                self._send_ctrl(peer, CTRL_BYE, None)
-            self.transport.close(linger_s)
+            self._say_goodbye(self.transport.linger_s if linger_s is None else linger_s)
+            self.transport.close(0.0)
             self._posted.clear()
             self._unexpected.clear()
             self._loopback.clear()

@@ -313,6 +313,13 @@ class ZmqTransport:
         self.sent_bytes += nbytes
         self.sent_messages += 1
 
+    def send_tracked(self, peer: int, frame: bytes) -> Tracker:
+        """Queue a one-frame message; its tracker is done once libzmq wrote it out (and
+        with it every earlier message to ``peer``: one connection keeps their order)."""
+        sock = self._tx.get(peer) or self._socket_to(peer)
+        tracker: Tracker = sock.send(frame, _NOBLOCK, copy=False, track=True)
+        return tracker
+
     # -- receiving ---------------------------------------------------------------------
     def poll(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for an incoming message (or a wake-up)."""
