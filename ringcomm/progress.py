@@ -952,8 +952,9 @@ class Engine:
     # -- closing -----------------------------------------------------------------------
     def _say_goodbye(self, linger_s: float) -> None:
         """Tell every live peer we are leaving (so our disconnection is no failure) and
-        wait, up to ``linger_s``, until each goodbye (and so everything queued before it)
-        is written out, or the peer left or failed itself. A peer that closed first can
+        wait, up to ``linger_s``, until libzmq took each goodbye (and so everything queued
+        before it) off its queue, or the peer left or failed itself (the close then
+        lingers briefly on live peers' sockets to flush libzmq's last write batch). A peer that closed first can
         never take our goodbye: waiting for it (libzmq's linger) would cost the whole
         ``linger_s``, so the wait ends for it as soon as its own goodbye is read."""
         self._read_control()
@@ -1008,8 +1009,10 @@ class Engine:
         with self._lock:
             for op in list(self._live):
                 op.finish(GroupClosedError(f"rank {self.rank}: {op.desc}: the process group was closed"))
+            # Goodbyes written out (tracked) leave libzmq's batch buffer only on a
+            # lingering close: live peers get a short linger, gone ones none.
             self._say_goodbye(self.transport.linger_s if linger_s is None else linger_s)
-            self.transport.close(0.0)
+            self.transport.close(GOODBYE_MIN_S, abandon=self.failed_peers | self._departed)
             self._posted.clear()
             self._unexpected.clear()
             self._loopback.clear()

@@ -40,6 +40,7 @@ import hmac
 import math
 import os
 import struct
+from collections.abc import Collection
 from typing import Any
 
 import zmq
@@ -380,15 +381,16 @@ class ZmqTransport:
                 raise
 
     # -- closing -----------------------------------------------------------------------
-    def close(self, linger_s: float | None = None) -> None:
-        """Close every socket; pending outgoing messages get ``linger_s`` to flush."""
+    def close(self, linger_s: float | None = None, abandon: Collection[int] = ()) -> None:
+        """Close every socket; pending outgoing messages get ``linger_s`` to flush, but
+        those to the peers in ``abandon`` (gone: nothing can reach them) none."""
         if self._closed:
             return
         self._closed = True
         linger_ms = int(1000 * (self.linger_s if linger_s is None else linger_s))
         for peer, sock in self._tx.items():
             _close_monitor(sock, self._monitors.get(peer))
-            sock.close(linger=linger_ms)
+            sock.close(linger=0 if peer in abandon else linger_ms)
         self._tx.clear()
         self._monitors.clear()
         _close_monitor(self._rx, getattr(self, "_rx_monitor", None))
