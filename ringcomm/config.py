@@ -132,6 +132,13 @@ class InitConfig:
     log: str | None = None
     store_external: bool = False
     source: str = "singleton"
+    #: Data-plane authentication when a token is set: "handshake" or "curve"
+    #: (``RINGCOMM_SECURITY``; see ringcomm.transport.zmq_transport).
+    security: str = "handshake"
+    #: Per-peer cap on buffered unexpected messages (``RINGCOMM_MAX_UNEXPECTED_MESSAGES``,
+    #: ``RINGCOMM_MAX_UNEXPECTED_BYTES``); None: the engine's defaults.
+    max_unexpected_messages: int | None = None
+    max_unexpected_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -404,6 +411,23 @@ def resolve_init_config(
     if token is None:
         token = env.get("RINGCOMM_TOKEN") or None
 
+    security = (env.get("RINGCOMM_SECURITY") or "handshake").strip().lower()
+    if security not in ("handshake", "curve"):
+        raise RendezvousError(f"RINGCOMM_SECURITY must be handshake or curve, got {security!r}")
+    caps: list[int | None] = []
+    for name in ("RINGCOMM_MAX_UNEXPECTED_MESSAGES", "RINGCOMM_MAX_UNEXPECTED_BYTES"):
+        text = (env.get(name) or "").strip()
+        if not text:
+            caps.append(None)
+            continue
+        try:
+            value = parse_size(text)
+        except ValueError as exc:
+            raise RendezvousError(f"{name}={text!r}: {exc}") from None
+        if value <= 0:
+            raise RendezvousError(f"{name} must be > 0, got {text!r}")
+        caps.append(value)
+
     if host_store is not None:
         store_external = not host_store
     else:
@@ -423,6 +447,9 @@ def resolve_init_config(
         log=(env.get("RINGCOMM_LOG") or "").strip() or None,
         store_external=store_external,
         source=source,
+        security=security,
+        max_unexpected_messages=caps[0],
+        max_unexpected_bytes=caps[1],
     )
 
 

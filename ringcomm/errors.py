@@ -10,6 +10,7 @@ The tree (every public error is a ``RingcommError``)::
     ├── AuthenticationError       wrong or missing job token
     ├── RendezvousError           could not form the group (store unreachable, bad config)
     ├── GroupClosedError          the group was closed, or failed earlier and stays failed
+    ├── QueueLimitError           a peer has more unreceived messages buffered than the cap
     └── RankFailedError           a rank of a spawned job failed (launchers)
 
 Messages name rank, peer, op and tag where they apply, built with :func:`where`.
@@ -25,6 +26,7 @@ __all__ = [
     "GroupClosedError",
     "MessageMismatchError",
     "PeerFailedError",
+    "QueueLimitError",
     "RankFailedError",
     "RendezvousError",
     "RingcommError",
@@ -85,6 +87,10 @@ class RendezvousError(RingcommError):
 
 class GroupClosedError(RingcommError):
     """The group is closed, or saw a failure earlier and stays failed."""
+
+
+class QueueLimitError(RingcommError):
+    """A peer sent more messages nobody received than the per-peer cap allows."""
 
 
 class RankFailedError(RingcommError):

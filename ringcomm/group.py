@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -128,6 +129,9 @@ class ProcessGroup:
     def _check_usable(self, what: str) -> None:
         if self._closed or self._shared.closed:
             raise GroupClosedError(f"rank {self._rank}: {what}: the process group is closed")
+        engine = self._engine
+        if engine.failure is not None:  # a peer failed: this and every later call raise
+            raise engine.failed_error(what)
         if self._failed is not None:
             raise GroupClosedError(
                 f"rank {self._rank}: {what}: the process group failed earlier and stays "
@@ -346,12 +350,19 @@ class ProcessGroup:
         """Counters of this process's transport (shared by all its groups)."""
         e = self._engine
         t = e.transport
+        e.check_health()  # reads pending connection events (auth failures, drops)
         return {
             "sent_bytes": t.sent_bytes,
             "sent_messages": t.sent_messages,
             "dropped_frames": e.dropped_frames,
             "unexpected_messages": e.unexpected_count,
+            "auth_failures": t.auth_failures,
+            "failed_peers": len(e.failed_peers),
         }
+
+    def failed_peers(self) -> list[int]:
+        """Global ranks this process saw fail (empty while the group is healthy)."""
+        return sorted(self._engine.failed_peers)
 
     # -- closing -----------------------------------------------------------------------
     def close(self) -> None:
@@ -372,8 +383,11 @@ class ProcessGroup:
         )
         store, server = shared.store, shared.server
         checkout_s = min(self.timeout_s, 60.0)
+        failed = engine.failure is not None or self._failed is not None
         try:
-            if store is not None:
+            # A failed group skips the checkout: the dead rank never checks out, and the
+            # store itself may have died with it.
+            if store is not None and not failed:
                 try:
                     n = store.add("__closed__", 1)
                     if server is not None and n < self._world_size:
@@ -385,7 +399,7 @@ class ProcessGroup:
                 except RingcommError:
                     pass
         finally:
-            linger_s = 0.0 if self._failed is not None else min(3.0, self.timeout_s)
+            linger_s = 0.0 if failed else min(3.0, self.timeout_s)
             engine.close(linger_s)
             if store is not None:
                 store.close()
@@ -404,6 +418,16 @@ class ProcessGroup:
                 self._shared.engine.close(0.0)
         except Exception:
             pass
+
+
+def _enable_debug_log() -> None:
+    """RINGCOMM_LOG=debug: op start/end lines on stderr (unless the app set up logging)."""
+    logger = logging.getLogger("ringcomm")
+    logger.setLevel(logging.DEBUG)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("ringcomm %(asctime)s %(message)s"))
+        logger.addHandler(handler)
 
 
 def _bind_host(addr: str) -> str:
@@ -478,7 +502,13 @@ def init_process_group(
                 ) from exc
             port = server.port
         tcp_host = local_address_towards(cfg.master_addr, port or 9)
-        net = ZmqTransport(cfg.rank, tcp_host=tcp_host, use_ipc=mode != "tcp")
+        net = ZmqTransport(
+            cfg.rank,
+            tcp_host=tcp_host,
+            use_ipc=mode != "tcp",
+            token=cfg.token,
+            security=cfg.security,
+        )
         me = EndpointInfo(
             rank=cfg.rank,
             host_id=host_identity(),
@@ -505,7 +535,15 @@ def init_process_group(
                     net.set_peer_endpoint(r, choose_endpoint(me, info, mode))
                 except ValueError as exc:
                     raise RendezvousError(str(exc)) from exc
+        net.connect_all()  # every peer, now: liveness is watched on these connections
         engine = Engine(net, cfg.rank)
+        if cfg.max_unexpected_messages is not None:
+            engine.max_unexpected_messages = cfg.max_unexpected_messages
+        if cfg.max_unexpected_bytes is not None:
+            engine.max_unexpected_bytes = cfg.max_unexpected_bytes
+        if (cfg.log or "").lower() == "debug":
+            _enable_debug_log()
+            engine.log_ops = True
         shared = _Shared(cfg, engine, store, server, chunk)
         return ProcessGroup(shared, range(cfg.world_size), _WORLD_GROUP_ID)
     except BaseException:

@@ -19,19 +19,46 @@ Fast lane (:meth:`Engine.exchange`): a blocking one-step exchange of one-piece m
 takes its peers' messages off the socket (dispatching everyone else's) and hands the call
 over to its regular op on anything unusual. Per call, the Python around two zmq calls is
 what a small message costs; measured: 8 B all_reduce W=4 ~360 -> ~210 us, W=2 ~85 -> ~55 us.
+
+Liveness and failure (:meth:`Engine._check_health`, at most every ``HEALTH_CHECK_S``, from
+the driving thread's rounds, never per message): the transport reports connections that
+dropped (a peer killed, crashed, or silent past the heartbeat timeout). A peer that said
+goodbye (``close()`` sends one to everyone) is not a failure; one whose connection dropped
+without it is declared failed after ``SUSPECT_GRACE_S`` (its goodbye may still be in
+flight). A failure is final for the engine: every unfinished operation of every group
+fails with :class:`PeerFailedError` naming the peer and where the operation was, every
+later one fails at submission, and the news goes to every other peer as a control
+message, so ranks that never talk to the dead one fail as promptly.
+
+Control messages (``KIND_CTRL``, group 0; never matched to receivers, handled at dispatch):
+goodbye, peer-failed, and the progress query and its answer: a rank whose operation times
+out asks every peer where it is and puts the answers in its error ("progress map").
+
+Bounded buffering: messages that arrive before their receive is posted wait in an
+unexpected queue, capped per sending peer (``max_unexpected_messages``/``_bytes``); a peer
+over the cap fails the engine with :class:`QueueLimitError` instead of exhausting memory.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
-from .errors import CommTimeoutError, GroupClosedError, RingcommError
+from .errors import (
+    CommTimeoutError,
+    GroupClosedError,
+    PeerFailedError,
+    QueueLimitError,
+    RingcommError,
+)
 from .transport.wire import (
     INLINE_MAX_BYTES,
+    KIND_CTRL,
     ZERO_COPY_MIN_BYTES,
     Header,
     HeaderTemplate,
@@ -39,9 +66,46 @@ from .transport.wire import (
     pack_header,
     unpack_header,
 )
-from .transport.zmq_transport import Tracker, ZmqTransport, tracker_wait
+from .transport.zmq_transport import (
+    EVENT_DISCONNECTED,
+    EVENT_HANDSHAKE_OK,
+    Tracker,
+    ZmqTransport,
+    tracker_wait,
+)
 
-__all__ = ["POLL_SLICE_S", "Engine", "Op", "Receiver", "SerialQueue"]
+__all__ = [
+    "HEALTH_CHECK_S",
+    "POLL_SLICE_S",
+    "QUERY_WAIT_S",
+    "SUSPECT_GRACE_S",
+    "Engine",
+    "Op",
+    "Receiver",
+    "SerialQueue",
+]
+
+log = logging.getLogger("ringcomm")
+
+#: How often a driving thread looks at connection events (a time check per round).
+HEALTH_CHECK_S = 0.05
+#: How long a peer whose connection dropped has for its goodbye to arrive.
+SUSPECT_GRACE_S = 0.3
+#: How long a timed-out operation waits for its peers' answers to "where are you?".
+QUERY_WAIT_S = 0.25
+#: Defaults of the per-peer cap on buffered unexpected messages.
+MAX_UNEXPECTED_MESSAGES = 65536
+MAX_UNEXPECTED_BYTES = 1 << 30
+#: Shortest wait for goodbyes to be written out at close (even with no linger).
+GOODBYE_MIN_S = 0.5
+#: Longest text a rank puts in a control message.
+_CTRL_TEXT_MAX = 2000
+
+# Control messages: their tag says what they are (module docstring).
+CTRL_BYE = 1
+CTRL_PEER_FAILED = 2
+CTRL_QUERY = 3
+CTRL_STATE = 4
 
 #: Longest a driver blocks in one poll before re-checking deadlines and its operation.
 POLL_SLICE_S = 0.05
@@ -166,12 +230,30 @@ class Engine:
         self.dropped_frames = 0
         self.unexpected_count = 0
         self.listeners: list[Callable[[Header], None]] = []
+        # Liveness and failure (module docstring).
+        self.failure: RingcommError | None = None
+        self.failed_peers: set[int] = set()
+        self._departed: set[int] = set()  # peers that said goodbye
+        self._suspects: dict[int, float] = {}  # peer -> when its connection dropped
+        self._next_health = time.monotonic() + HEALTH_CHECK_S
+        # Per-peer accounting of the unexpected queues: src -> [messages, bytes].
+        self.max_unexpected_messages = MAX_UNEXPECTED_MESSAGES
+        self.max_unexpected_bytes = MAX_UNEXPECTED_BYTES
+        self._unexpected_by_src: dict[int, list[int]] = {}
+        # Progress queries (a timed-out op asking its peers where they are).
+        self._query_ids = itertools.count(1)
+        self._query: tuple[int, dict[int, str]] | None = None
+        self._known_src = set(transport.peers()) | {rank}
+        #: Log every op's start and end (RINGCOMM_LOG=debug).
+        self.log_ops = False
 
     # -- entry points (any thread) -----------------------------------------------------
     def submit(self, op: Op) -> Op:
         """Hand ``op`` to the engine; it starts now if this thread can drive."""
         if self._closed:
             raise GroupClosedError(f"rank {self.rank}: {op.desc}: the process group is closed")
+        if self.failure is not None:
+            raise self.failed_error(op.desc)
         if op.async_op:
             with self._cv:
                 self._async_pending += 1
@@ -278,6 +360,10 @@ class Engine:
                 or nbytes >= ZERO_COPY_MIN_BYTES
             ):  # fmt: skip
                 return False
+            if time.monotonic() >= self._next_health:
+                self._check_health()
+            if self.failure is not None:
+                return False  # the regular path raises
             got: dict[Key, tuple[Header, memoryview]] = {}
             try:
                 return self._exchange(
@@ -322,12 +408,15 @@ class Engine:
             if waiting:
                 h, data = got[key] = waiting.popleft()
                 self.unexpected_count -= 1
+                self._unaccount(h.src, data)
                 if not waiting:
                     del self._unexpected[key]
                 if h.fp != fp or h.npieces != 1 or len(data) != nbytes:
                     return self._give_back(op, got)
         give_up_at = min(deadline, time.monotonic() + POLL_SLICE_S)
         while len(got) < len(keys):
+            if self.failure is not None:
+                return self._give_back(op, got, self.failed_error(op.desc))
             if self._closed or self._submitted or self._loopback or self._tracking:
                 return self._give_back(op, got)
             remaining = give_up_at - time.monotonic()
@@ -378,6 +467,7 @@ class Engine:
                 self._unexpected[key] = waiting = collections.deque()
             waiting.appendleft(message)
             self.unexpected_count += 1
+            self._account(message[0].src, message[1])
         got.clear()
 
     def test(self, op: Op) -> bool:
@@ -427,6 +517,7 @@ class Engine:
         while waiting:
             header, payload = waiting.popleft()
             self.unexpected_count -= 1
+            self._unaccount(header.src, payload)
             if not waiting:
                 del self._unexpected[key]
             if receiver.on_piece(header, payload):
@@ -461,6 +552,15 @@ class Engine:
                 if not q:
                     del self._posted[key]
             return
+        if header.src not in self._known_src:  # nobody will ever receive it
+            self.dropped_frames += 1
+            return
+        if header.kind == KIND_CTRL:  # never posted for: handled here
+            self._on_ctrl(header)
+            return
+        if not self._account(header.src, payload):
+            self.dropped_frames += 1  # over the cap: the engine failed already
+            return
         waiting = self._unexpected.get(key)
         if waiting is None:
             self._unexpected[key] = waiting = collections.deque()
@@ -468,6 +568,208 @@ class Engine:
         self.unexpected_count += 1
         for listener in self.listeners:
             listener(header)
+
+    # -- bounded unexpected queues -----------------------------------------------------
+    def _account(self, src: int, payload: memoryview) -> bool:
+        """Count a message queued as unexpected; False (and fail) when over the cap."""
+        counts = self._unexpected_by_src.get(src)
+        if counts is None:
+            self._unexpected_by_src[src] = counts = [0, 0]
+        if src in self.failed_peers:
+            return False
+        counts[0] += 1
+        counts[1] += len(payload)
+        if counts[0] > self.max_unexpected_messages or counts[1] > self.max_unexpected_bytes:
+            counts[0] -= 1
+            counts[1] -= len(payload)
+            self._fail_engine(
+                QueueLimitError(
+                    f"rank {self.rank}: peer rank {src} has {counts[0]} messages "
+                    f"({counts[1]} bytes) waiting that no receive was posted for, and sent "
+                    f"another: over the cap of {self.max_unexpected_messages} messages / "
+                    f"{self.max_unexpected_bytes} bytes per peer "
+                    "(RINGCOMM_MAX_UNEXPECTED_MESSAGES / RINGCOMM_MAX_UNEXPECTED_BYTES); "
+                    "its sends have no matching receives (or it floods this rank)"
+                ),
+                peer=src,
+                tell_peers=False,
+            )
+            return False
+        return True
+
+    def _unaccount(self, src: int, payload: memoryview) -> None:
+        counts = self._unexpected_by_src.get(src)
+        if counts is not None:
+            counts[0] -= 1
+            counts[1] -= len(payload)
+
+    def unexpected_by_peer(self) -> dict[int, tuple[int, int]]:
+        """``{peer: (messages, bytes)}`` waiting in the unexpected queues (non-empty only)."""
+        return {p: (c[0], c[1]) for p, c in self._unexpected_by_src.items() if c[0]}
+
+    # -- control messages --------------------------------------------------------------
+    def _send_ctrl(self, peer: int, tag: int, fp: Any) -> None:
+        """Queue a control message to global rank ``peer`` (best effort)."""
+        frame = pack_header(Header(KIND_CTRL, self.rank, 0, tag, fp=fp), b"")
+        try:
+            self.transport.send_one(peer, frame, 0)
+        except Exception as exc:  # noqa: BLE001 (a control message never fails the caller)
+            log.debug("rank %d: control message to rank %d not sent: %r", self.rank, peer, exc)
+
+    def _live_peers(self) -> list[int]:
+        gone = self.failed_peers | self._departed
+        return [p for p in self.transport.peers() if p not in gone and p != self.rank]
+
+    def _on_ctrl(self, header: Header) -> None:
+        """Handle a control message (its contents came off the wire: check everything)."""
+        src, tag, fp = header.src, header.tag, header.fp
+        if tag == CTRL_BYE:
+            self._departed.add(src)
+            self._suspects.pop(src, None)
+        elif tag == CTRL_PEER_FAILED and _is_list(fp, 2) and type(fp[0]) is int:
+            dead = fp[0]
+            if dead != self.rank and dead not in self.failed_peers:
+                self._peer_failed(dead, reporter=src, text=str(fp[1])[:_CTRL_TEXT_MAX])
+        elif tag == CTRL_QUERY and _is_list(fp, 1) and type(fp[0]) is int:
+            self._send_ctrl(src, CTRL_STATE, [fp[0], self.where()[:_CTRL_TEXT_MAX]])
+        elif tag == CTRL_STATE and _is_list(fp, 2) and type(fp[0]) is int:
+            query = self._query
+            if query is not None and query[0] == fp[0]:
+                query[1][src] = str(fp[1])[:_CTRL_TEXT_MAX]
+        else:
+            self.dropped_frames += 1
+
+    def where(self) -> str:
+        """Where this rank is: each unfinished operation and its progress."""
+        ops = sorted(self._live, key=id)
+        if not ops:
+            return "no operation in progress"
+        parts = []
+        for op in ops[:8]:
+            note = op.progress_note() if op.started else "queued"
+            parts.append(op.desc + (f" [{note}]" if note else ""))
+        if len(ops) > 8:
+            parts.append(f"... {len(ops) - 8} more")
+        return "; ".join(parts)
+
+    def progress_map(self, wait_s: float = QUERY_WAIT_S) -> str:
+        """Ask every live peer where it is (answers within ``wait_s``); lines per rank.
+
+        Driver lock held. Peers answer from their own driving thread, so a peer busy
+        outside ringcomm (or hung, or dead) shows as not answering.
+        """
+        peers = self._live_peers()
+        qid = next(self._query_ids)
+        answers: dict[int, str] = {}
+        self._query = (qid, answers)
+        try:
+            for peer in peers:
+                self._send_ctrl(peer, CTRL_QUERY, [qid])
+            give_up_at = time.monotonic() + wait_s
+            while len(answers) < len(peers):
+                remaining = give_up_at - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    break
+                if self.transport.poll(remaining):
+                    self._drain(ready=True)
+        finally:
+            self._query = None
+        lines = [f"  rank {self.rank} (this rank): {self.where()}"]
+        for peer in self.transport.peers():
+            if peer == self.rank:
+                continue
+            if peer in answers:
+                lines.append(f"  rank {peer}: {answers[peer]}")
+            elif peer in self.failed_peers:
+                lines.append(f"  rank {peer}: failed")
+            elif peer in self._departed:
+                lines.append(f"  rank {peer}: closed its process group")
+            else:
+                lines.append(
+                    f"  rank {peer}: no answer within {wait_s:g} s (busy outside ringcomm, "
+                    "hung, or unreachable)"
+                )
+        return "where each rank was:\n" + "\n".join(lines)
+
+    # -- liveness and failure ----------------------------------------------------------
+    def _check_health(self, drain: bool = True) -> None:
+        """Look at connection events; declare peers failed (driver lock held).
+
+        ``drain=False``: from inside a dispatch (a wait for a zero-copy release), where
+        the socket must not be read; a goodbye still waiting there is then not seen.
+        """
+        now = time.monotonic()
+        self._next_health = now + HEALTH_CHECK_S
+        for peer, event in self.transport.poll_events():
+            if event == EVENT_DISCONNECTED:
+                if peer not in self._departed and peer not in self.failed_peers:
+                    self._suspects.setdefault(peer, now)
+            elif event == EVENT_HANDSHAKE_OK:
+                self._suspects.pop(peer, None)  # reconnected: alive after all
+        if not self._suspects:
+            return
+        due = [p for p, t in self._suspects.items() if now - t >= SUSPECT_GRACE_S]
+        if not due:
+            return
+        if drain:
+            self._drain()  # a goodbye may be waiting on the socket
+        for peer in due:
+            if self._suspects.pop(peer, None) is not None and peer not in self._departed:
+                self._peer_failed(peer)
+
+    def check_health(self) -> None:
+        """:meth:`_check_health` from any thread, if the driver lock is free."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._check_health()
+            finally:
+                self._lock.release()
+
+    def _peer_failed(self, peer: int, reporter: int | None = None, text: str = "") -> None:
+        if reporter is None:
+            why = (
+                f"peer rank {peer} failed: its connection dropped without a goodbye "
+                f"(killed, crashed, or silent for {self.transport.heartbeat_timeout_s:g} s)"
+            )
+        else:
+            why = f"peer rank {peer} failed (reported by rank {reporter}: {text})"
+        self._fail_engine(PeerFailedError(f"rank {self.rank}: {why}", peer=peer), peer=peer)
+
+    def _fail_engine(self, error: RingcommError, peer: int, tell_peers: bool = True) -> None:
+        """The engine fails for good: every unfinished op and every later one raise."""
+        self.failed_peers.add(peer)
+        if self.failure is not None:
+            return
+        self.failure = error
+        log.warning("%s", error)
+        if tell_peers:
+            for q in self._live_peers():
+                self._send_ctrl(q, CTRL_PEER_FAILED, [peer, str(error)[:_CTRL_TEXT_MAX]])
+        for op in list(self._live):
+            if op.done:
+                continue
+            if op.serial is not None and op in op.serial.pending:
+                op.serial.pending.remove(op)
+            note = op.progress_note() if op.started else "queued"
+            err = self.failed_error(op.desc + (f" [{note}]" if note else ""))
+            if op.started:
+                try:
+                    op.on_timeout(err)  # detach receivers: later pieces are discarded
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("rank %d: %s: detaching failed: %r", self.rank, op.desc, exc)
+            op.finish(err)
+
+    def failed_error(self, what: str) -> RingcommError:
+        """A fresh error for ``what`` (an op) after the engine failed."""
+        failure = self.failure
+        assert failure is not None
+        text = f"rank {self.rank}: {what}: the process group failed: {failure}"
+        if isinstance(failure, PeerFailedError):
+            return PeerFailedError(text, peer=failure.peer)
+        err = type(failure)(text)
+        err.__cause__ = failure
+        return err
 
     # -- the round ---------------------------------------------------------------------
     def _round(self, timeout_s: float, until: Op | None = None) -> None:
@@ -480,6 +782,8 @@ class Engine:
             self._admit(self._submitted.popleft())
         while self._loopback:
             self.dispatch(*self._loopback.popleft())
+        if time.monotonic() >= self._next_health:
+            self._check_health()
         if self._tracking:
             still = []
             for op in self._tracking:
@@ -564,6 +868,8 @@ class Engine:
 
     def _start(self, op: Op) -> None:
         op.started = True
+        if self.log_ops:
+            log.debug("rank %d: start %s", self.rank, op.desc)
         try:
             op.start()
         except RingcommError as exc:
@@ -575,6 +881,11 @@ class Engine:
 
     def _on_finished(self, op: Op) -> None:
         self._live.discard(op)
+        if self.log_ops:
+            if op.error is None:
+                log.debug("rank %d: end %s", self.rank, op.desc)
+            else:
+                log.debug("rank %d: failed %s: %s", self.rank, op.desc, op.error)
         if op.async_op:
             with self._cv:
                 self._async_pending -= 1
@@ -593,9 +904,15 @@ class Engine:
             if op.done:
                 return
             note = op.progress_note()
+            where = ""
+            if not self._closed and self.failure is None and self.transport.peers():
+                where = "\n" + self.progress_map()
+                if op.done:  # it finished while we asked around
+                    return
             err = CommTimeoutError(
                 f"rank {self.rank}: {op.desc} timed out after {timeout_s:g} s"
                 + (f" ({note})" if note else "")
+                + where
             )
             if not op.started:
                 # Still queued behind another collective: remove it from its queue.
@@ -633,6 +950,44 @@ class Engine:
                     self._lock.release()
 
     # -- closing -----------------------------------------------------------------------
+    def _say_goodbye(self, linger_s: float) -> None:
+        """Tell every live peer we are leaving (so our disconnection is no failure) and
+        wait, up to ``linger_s``, until libzmq took each goodbye (and so everything queued
+        before it) off its queue, or the peer left or failed itself (the close then
+        lingers briefly on live peers' sockets to flush libzmq's last write batch). A peer that closed first can
+        never take our goodbye: waiting for it (libzmq's linger) would cost the whole
+        ``linger_s``, so the wait ends for it as soon as its own goodbye is read."""
+        self._read_control()
+        linger_s = max(linger_s, GOODBYE_MIN_S)  # even a failed group says goodbye
+        frame = pack_header(Header(KIND_CTRL, self.rank, 0, CTRL_BYE), b"")
+        pending = {}
+        for peer in self._live_peers():
+            try:
+                pending[peer] = self.transport.send_tracked(peer, frame)
+            except Exception as exc:  # noqa: BLE001 (best effort, as every control message)
+                log.debug("rank %d: goodbye to rank %d not sent: %r", self.rank, peer, exc)
+        give_up_at = time.monotonic() + linger_s
+        while True:
+            gone = self.failed_peers | self._departed
+            pending = {p: t for p, t in pending.items() if not t.done and p not in gone}
+            remaining = give_up_at - time.monotonic()
+            if not pending or remaining <= 0:
+                return
+            if self.transport.poll(min(remaining, 0.005)):
+                self._read_control()
+
+    def _read_control(self) -> None:
+        """Take what arrived off the socket, acting on control messages only (the
+        group is closing: nothing may reach a receiver any more)."""
+        for _ in range(MAX_DISPATCH_PER_ROUND):
+            message = self._recv()
+            if message is None:
+                return
+            if message is not False and message[0].kind == KIND_CTRL:
+                header = message[0]
+                if header.src in self._known_src and header.tag == CTRL_BYE:
+                    self._on_ctrl(header)
+
     def abort(self, error_for: Callable[[Op], BaseException], group: int | None = None) -> None:
         """Fail every unfinished operation (all, or those of one group id)."""
         with self._lock:
@@ -654,7 +1009,14 @@ class Engine:
         with self._lock:
             for op in list(self._live):
                 op.finish(GroupClosedError(f"rank {self.rank}: {op.desc}: the process group was closed"))
-            self.transport.close(linger_s)
+            # Goodbyes written out (tracked) leave libzmq's batch buffer only on a
+            # lingering close: live peers get a short linger, gone ones none.
+            self._say_goodbye(self.transport.linger_s if linger_s is None else linger_s)
+            self.transport.close(GOODBYE_MIN_S, abandon=self.failed_peers | self._departed)
             self._posted.clear()
             self._unexpected.clear()
             self._loopback.clear()
+
+
+def _is_list(value: Any, n: int) -> bool:
+    return type(value) is list and len(value) == n

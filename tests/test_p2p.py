@@ -382,6 +382,12 @@ def case_junk_frames_are_dropped_and_counted(pg: rc.ProcessGroup) -> None:
         try:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 5000)
+            if pg.config.token:  # the data plane admits only the job's credential
+                from ringcomm.transport.zmq_transport import data_plane_credentials
+
+                creds = data_plane_credentials(pg.config.token)
+                sock.setsockopt(zmq.PLAIN_USERNAME, b"ringcomm")
+                sock.setsockopt(zmq.PLAIN_PASSWORD, creds["password"])
             sock.connect(endpoint)
             for frames in junk:
                 sock.send_multipart(frames)

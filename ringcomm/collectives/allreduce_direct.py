@@ -66,6 +66,8 @@ def _make_plan(x: np.ndarray, op: ReduceOp, chunk_bytes: int, me: int, n: int) -
 class AllReduceDirect(CollectiveOp):
     name = "all_reduce"
     algo = "direct"
+    gate_writes = False  # reduces only once every peer's buffer is in
+    fp_messages = False
 
     #: run_now sent our message already (then gave up and handed us to the engine).
     _sent_early = False

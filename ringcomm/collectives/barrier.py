@@ -19,6 +19,8 @@ __all__ = ["BarrierDissemination"]
 class BarrierDissemination(CollectiveOp):
     name = "barrier"
     algo = "dissemination"
+    gate_writes = False  # no buffers
+    fp_messages = False
 
     def fingerprint_chunk_bytes(self) -> int | None:
         return None  # empty messages: the piece size does not matter

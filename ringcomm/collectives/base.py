@@ -34,9 +34,24 @@ abort that reaches a rank with no inbox for us stays in its unexpected queue (a 
 only after a failure). Inboxes of a failed collective stay posted and keep swallowing the
 rest of their streams, so no stale piece ever reaches another call.
 
-Not detectable: calls that never send to each other, e.g. two ranks that both believe they
-are a broadcast's source (each only sends). Such a call completes on both; the deadline of
-whoever waits on them is the backstop.
+Agreement before any write (``gate_writes``). A pairwise check is not enough for user
+buffers: in a ring, rank 1 hears only from rank 0 and would reduce rank 0's data into its
+buffer before anyone noticed that rank 2 called something else. So an op holds every
+matching piece back (payloads stay in their received frames) until it has heard from
+*every* other rank of the group, and only then hands them to the algorithm in arrival
+order. Algorithms in which some rank does not hear from every peer at start also send a
+*fingerprint message* (``step == FP_STEP``, no payload) to every other rank when they start
+(``fp_messages``): n - 1 one-frame messages per rank per call, sent at once, never waited
+for before the first send, so the pipeline keeps its shape and only the first write waits
+for the slowest fingerprint (one one-way latency). With it, any disagreement (shape, dtype,
+op, root, algorithm, or the order of calls: the sequence numbers then pair different
+calls) raises on every rank, with every rank's user buffers untouched, and even two ranks
+that both believe they are a broadcast's source find out. No extra round trip: nothing is
+sent in reply. Exceptions: the direct all_reduce (its fast lane is the 8-byte path; it
+reduces only once every peer's whole buffer arrived, so it needs no gate), barrier (no
+buffers), and scatter (non-roots may legitimately pass ``x=None``, so their fingerprints
+differ by design; a non-root's ``out`` can be written before another non-root's mismatch is
+seen).
 
 Zero-copy sends. Pieces go out through the engine (``send_piece``: their headers packed
 from templates kept per call shape, :class:`ShapeCache`); large ones are zero-copy, i.e.
@@ -61,6 +76,7 @@ from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL, Header, HeaderTemplate
 
 __all__ = [
     "ABORT",
+    "FP_STEP",
     "Call",
     "CollectiveOp",
     "Comm",
@@ -74,6 +90,8 @@ __all__ = [
 ABORT = "!abort"
 #: Longest abort reason put on the wire.
 _ABORT_TEXT_MAX = 2000
+#: ``step`` of a fingerprint message (module docstring): never a real algorithm step.
+FP_STEP = 0xFFFFFFFF
 
 
 # Comm and Call are immutable NamedTuples rather than frozen dataclasses: one of each is
@@ -226,10 +244,19 @@ class _Inbox:
                 op.on_foreign(self.peer, fp)
             return False
         if op is not None:
-            try:
-                op.on_data(self.peer, header, payload)
-            except Exception as exc:  # noqa: BLE001 (a late error: fail the op, not the rank)
-                op.fail_from(exc)
+            if op._fp_missing:  # not every peer heard from yet: hold the piece back
+                op.heard_from(self.peer)
+                op = self.op  # releasing held pieces may have failed the op
+                if op is not None and header.step != FP_STEP:
+                    if op._fp_missing:
+                        op._held.append((self.peer, header, payload))
+                    else:
+                        op.deliver(self.peer, header, payload)
+            elif header.step != FP_STEP:
+                try:
+                    op.on_data(self.peer, header, payload)
+                except Exception as exc:  # noqa: BLE001 (a late error: fail the op, not the rank)
+                    op.fail_from(exc)
         if header.piece + 1 == header.npieces:
             self.got += 1
             if self.got >= self.expected:
@@ -247,6 +274,11 @@ class CollectiveOp(Op):
     #: The public collective this implements (``"all_reduce"``) and the algorithm name.
     name: ClassVar[str] = ""
     algo: ClassVar[str] = ""
+    #: Hold pieces back until every peer has been heard from (module docstring).
+    gate_writes: ClassVar[bool] = True
+    #: Send a fingerprint message to every peer at start (needed unless every rank
+    #: hears from every peer at start anyway).
+    fp_messages: ClassVar[bool] = True
 
     def __init__(self, comm: Comm, call: Call, *, async_op: bool = False) -> None:
         super().__init__(comm.engine, async_op=async_op)
@@ -278,6 +310,9 @@ class CollectiveOp(Op):
         self._unsent = 0  # messages declared with will_send and not fully queued yet
         self._posted = False
         self.touched = False  # set by algorithms when they first write a user buffer
+        self._fp_missing = 0  # peers not heard from yet (gate_writes)
+        self._fp_heard: set[int] = set()
+        self._held: list[tuple[int, Header, memoryview]] = []
 
     # -- description -------------------------------------------------------------------
     def fingerprint_chunk_bytes(self) -> int | None:
@@ -315,7 +350,21 @@ class CollectiveOp(Op):
 
     def post_inboxes(self) -> None:
         """Post every inbox. Call after the first sends: queued pieces are fed right away
-        and may trigger later steps' sends, which must follow the first ones on the wire."""
+        and may trigger later steps' sends, which must follow the first ones on the wire.
+
+        Sends the fingerprint messages first and sets up the write gate (module
+        docstring)."""
+        if self.n > 1 and self.gate_writes:
+            if self.fp_messages:
+                peers = [p for p in range(self.n) if p != self.rank]
+                self.send_to_each(peers, FP_STEP, b"", "|u1", track=False)
+                for p in peers:
+                    inbox = self._inboxes.get(p)
+                    if inbox is None:
+                        self.expect(p, 1)
+                    else:
+                        inbox.expected += 1
+            self._fp_missing = len(self._inboxes)
         post = self.engine.post
         for inbox in list(self._inboxes.values()):
             post(inbox.key, inbox)
@@ -414,13 +463,21 @@ class CollectiveOp(Op):
 
         Only libzmq's I/O thread (and pyzmq's gc thread) can finish this, and they never
         wait on us, so waiting here under the driver lock cannot deadlock; it is bounded
-        by the call's deadline all the same.
+        by the call's deadline all the same, and by the engine's failure detection.
         """
         if tracker is None or tracker.done:
             return
+        engine = self.engine
         deadline = time.monotonic() + self.comm.timeout_s
         while not tracker.done:
-            if time.monotonic() > deadline:
+            # libzmq keeps a message for a dead peer (waiting for a reconnection), so
+            # liveness is watched here too: a failure ends the wait.
+            if engine.failure is not None:
+                raise engine.failed_error(self.desc)
+            now = time.monotonic()
+            if now >= engine._next_health:
+                engine._check_health(drain=False)
+            if now > deadline:
                 raise CommTimeoutError(
                     f"rank {self.rank}: {self.desc}: the transport did not release a sent "
                     f"piece within {self.comm.timeout_s:g} s"
@@ -453,6 +510,28 @@ class CollectiveOp(Op):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         """A piece from group rank ``peer`` whose fingerprint matched."""
         raise NotImplementedError
+
+    def heard_from(self, peer: int) -> None:
+        """A matching message came from ``peer``; open the gate once all peers have."""
+        heard = self._fp_heard
+        if peer in heard:
+            return
+        heard.add(peer)
+        self._fp_missing -= 1
+        if self._fp_missing:
+            return
+        held, self._held = self._held, []
+        for p, header, payload in held:  # in arrival order
+            if self.done:
+                return
+            self.deliver(p, header, payload)
+
+    def deliver(self, peer: int, header: Header, payload: memoryview) -> None:
+        """``on_data``, failing the op (not the rank) on an error."""
+        try:
+            self.on_data(peer, header, payload)
+        except Exception as exc:  # noqa: BLE001 (a late error: fail the op, not the rank)
+            self.fail_from(exc)
 
     def accepts(self, inbox: _Inbox, fp: Any) -> bool:
         """Whether a fingerprint that differs from ours is acceptable (wildcards)."""
@@ -525,6 +604,7 @@ class CollectiveOp(Op):
         """
         if self.done:
             return
+        self._held = []
         for inbox in self._inboxes.values():
             inbox.op = None
         # Every other rank, not only this algorithm's partners: a rank that called

@@ -23,6 +23,7 @@ __all__ = ["GatherDirect"]
 class GatherDirect(CollectiveOp):
     name = "gather"
     algo = "direct"
+    fp_messages = False  # the root hears from every peer; others write nothing
 
     def start(self) -> None:
         x, root = self.call.x, self.call.root

@@ -29,6 +29,8 @@ _WIRE_DTYPES = {dt.str: dt for dt in SUPPORTED_DTYPES}
 class ScatterDirect(CollectiveOp):
     name = "scatter"
     algo = "direct"
+    gate_writes = False  # non-roots' fingerprints differ by design (base docstring)
+    fp_messages = False
 
     def start(self) -> None:
         root = self.call.root

@@ -8,6 +8,24 @@ Not thread-safe by design: ZeroMQ sockets must be used by one thread at a time, 
 progress engine calls everything here under its driver lock. Only :meth:`wake` may be
 called from any thread.
 
+Liveness (no thread, no wake-up on the message path): every rank connects a PUSH socket to
+every peer when the group forms (:meth:`connect_all`), with ZMTP heartbeats handled by
+libzmq's I/O thread (``heartbeat_ivl_s``/``heartbeat_timeout_s``) and a socket monitor. A
+peer that dies (its kernel closes its sockets) or goes silent (no heartbeat answer) shows
+up as a ``DISCONNECTED`` event on our socket towards it; :meth:`poll_events` hands those
+to the engine, which looks at them every few tens of milliseconds, not per message.
+
+Authentication (a job token): the receive socket is a ZMTP server and every send socket
+presents a credential derived from the token (HMAC-SHA256 of a fixed label, so the token
+itself never travels). A ZAP handler (pyzmq's authenticator thread, which wakes only for
+connection handshakes) admits a connection only with that credential; frames on a refused
+connection never reach the socket, and refusals are counted (``auth_failures``). Two
+mechanisms, chosen by ``security`` (see benchmarks/results/README.md, "data-plane
+authentication", for the measured cost): ``"handshake"`` (ZMTP PLAIN carrying the derived
+credential: one check per connection, nothing per message; the credential can be replayed
+by someone who can sniff the network, never the token) and ``"curve"`` (CurveZMQ with key
+pairs derived from the token: authenticated and encrypted, every byte through libsodium).
+
 Copies on the hot path: a large payload is sent zero-copy (libzmq reads the caller's
 buffer from its I/O thread; the returned tracker says when it is done with it), so sending
 costs one kernel copy; receiving costs one kernel copy into a libzmq message, which the
@@ -17,17 +35,85 @@ caller consumes in place (copy or reduce straight from ``frame.buffer``).
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import math
 import os
+import struct
+from collections.abc import Collection
 from typing import Any
 
 import zmq
+from zmq.utils import z85
 
 from ..errors import RingcommError
 from .endpoints import ipc_path
 from .wire import ZERO_COPY_MIN_BYTES
 
-__all__ = ["ZERO_COPY_MIN_BYTES", "Tracker", "ZmqTransport", "tracker_wait"]
+__all__ = [
+    "EVENT_DISCONNECTED",
+    "EVENT_HANDSHAKE_OK",
+    "SECURITY_MODES",
+    "ZERO_COPY_MIN_BYTES",
+    "Tracker",
+    "ZmqTransport",
+    "data_plane_credentials",
+    "tracker_wait",
+]
+
+#: Data-plane authentication mechanisms when the job has a token (module docstring).
+SECURITY_MODES = ("handshake", "curve")
+_ZAP_DOMAIN = "ringcomm"
+_PLAIN_USER = "ringcomm"
+#: Most events read off one monitor socket per look (the rest wait for the next look).
+_MAX_EVENTS_PER_LOOK = 256
+#: Connection events :meth:`ZmqTransport.poll_events` reports.
+EVENT_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+EVENT_HANDSHAKE_OK = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_EVENTS_AUTH_FAILED = (
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH),
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL),
+)
+_TX_EVENTS = EVENT_DISCONNECTED | EVENT_HANDSHAKE_OK | int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_RX_EVENTS = 0
+for _e in _EVENTS_AUTH_FAILED:
+    _RX_EVENTS |= _e
+
+
+def data_plane_credentials(token: str) -> dict[str, bytes]:
+    """What a token turns into on the data plane (pure; the token itself never travels).
+
+    ``password``: the PLAIN credential; ``server_secret``/``server_public`` and
+    ``client_secret``/``client_public``: CurveZMQ key pairs (Z85), all derived with
+    HMAC-SHA256 under fixed labels, so every rank of a job derives the same ones.
+    """
+    key = token.encode()
+
+    def derive(label: bytes) -> bytes:
+        return hmac.new(key, b"ringcomm data plane v1: " + label, hashlib.sha256).digest()
+
+    server_secret = z85.encode(derive(b"curve server"))
+    client_secret = z85.encode(derive(b"curve client"))
+    return {
+        "password": derive(b"plain").hex().encode(),
+        "server_secret": server_secret,
+        "server_public": zmq.curve_public(server_secret),
+        "client_secret": client_secret,
+        "client_public": zmq.curve_public(client_secret),
+    }
+
+
+class _CurveKeyCheck:
+    """ZAP credentials provider: admit exactly the job's derived client key."""
+
+    def __init__(self, public_z85: bytes) -> None:
+        self._public = public_z85
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """``key``: the client's public key, Z85 (as pyzmq's authenticator passes it)."""
+        return hmac.compare_digest(key, self._public)
+
 
 
 Tracker = zmq.MessageTracker
@@ -57,18 +143,37 @@ class ZmqTransport:
         tcp_host: str | None = "127.0.0.1",
         use_ipc: bool = True,
         linger_s: float = 3.0,
+        token: str | None = None,
+        security: str = "handshake",
+        heartbeat_ivl_s: float = 1.0,
+        heartbeat_timeout_s: float = 4.0,
+        rcv_hwm: int = 0,
     ) -> None:
+        if security not in SECURITY_MODES:
+            raise ValueError(f"security must be one of {SECURITY_MODES}, got {security!r}")
         self.rank = rank
         self.linger_s = linger_s
+        self.security = security if token else None
+        self.heartbeat_ivl_s = heartbeat_ivl_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         # One I/O thread: a rank's traffic is one socket in and a few out, and on small
         # hosts extra I/O threads only compete with the ranks for cores.
         self._ctx = zmq.Context(io_threads=1)
         self._closed = False
+        self._auth: Any = None
+        self._creds = data_plane_credentials(token) if token else None
+        self.auth_failures = 0
+        self._monitors: dict[int, zmq.Socket[Any]] = {}  # peer -> monitor of our socket to it
         self._rx = self._ctx.socket(zmq.PULL)
+        if self._creds is not None:
+            self._start_authenticator()
+        self._rx_monitor = self._rx.get_monitor_socket(_RX_EVENTS)
         # Unlimited receive queue: the protocol bounds what peers send (every message
         # answers a call the user made), and a full queue would stall a ring in which every
         # rank sends before it receives. Unexpected-message caps live in the engine.
-        self._rx.setsockopt(zmq.RCVHWM, 0)
+        # ``rcv_hwm`` (messages per connection, 0 = unlimited) bounds what libzmq holds for
+        # a peer we are not reading from; the engine caps what it buffers per peer.
+        self._rx.setsockopt(zmq.RCVHWM, rcv_hwm)
         self._rx.setsockopt(zmq.LINGER, 0)  # the receive side never has anything to flush
         self.ipc_endpoint: str | None = None
         self.tcp_endpoint: str | None = None
@@ -95,9 +200,60 @@ class ZmqTransport:
         self.sent_bytes = 0
         self.sent_messages = 0
 
+    def _start_authenticator(self) -> None:
+        """Make ``_rx`` a ZMTP server whose connections a ZAP handler checks."""
+        from zmq.auth.thread import ThreadAuthenticator  # only jobs with a token need it
+
+        creds = self._creds
+        assert creds is not None
+        auth = ThreadAuthenticator(self._ctx, log=_QuietLog())
+        auth.start()
+        self._auth = auth
+        rx = self._rx
+        rx.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN.encode())
+        if self.security == "curve":
+            auth.configure_curve_callback(_ZAP_DOMAIN, _CurveKeyCheck(creds["client_public"]))
+            rx.setsockopt(zmq.CURVE_SERVER, 1)
+            rx.setsockopt(zmq.CURVE_SECRETKEY, creds["server_secret"])
+        else:
+            auth.configure_plain(_ZAP_DOMAIN, {_PLAIN_USER: creds["password"].decode()})
+            rx.setsockopt(zmq.PLAIN_SERVER, 1)
+
     # -- peers -------------------------------------------------------------------------
     def set_peer_endpoint(self, peer: int, endpoint: str) -> None:
         self._peer_endpoints[peer] = endpoint
+
+    def peers(self) -> list[int]:
+        """Every peer with a known endpoint (global ranks, ascending)."""
+        return sorted(self._peer_endpoints)
+
+    def connect_all(self) -> None:
+        """Connect (asynchronously) to every known peer now, so a peer's death is seen
+        even by ranks that never send to it (module docstring)."""
+        for peer in self._peer_endpoints:
+            self._socket_to(peer)
+
+    def poll_events(self) -> list[tuple[int, int]]:
+        """Connection events since the last look, as ``(peer, event)``; never blocks.
+
+        Events: ``DISCONNECTED`` (the connection to that peer dropped: the peer died, shut
+        down or stopped answering heartbeats) and ``HANDSHAKE_SUCCEEDED``. Failed
+        handshakes on our receive socket are counted in ``auth_failures``.
+        """
+        found: list[tuple[int, int]] = []
+        for peer, mon in self._monitors.items():
+            for _ in range(_MAX_EVENTS_PER_LOOK):
+                event = _read_event(mon)
+                if event is None:
+                    break
+                found.append((peer, event))
+        for _ in range(_MAX_EVENTS_PER_LOOK):
+            event = _read_event(self._rx_monitor)
+            if event is None:
+                break
+            if event in _EVENTS_AUTH_FAILED:
+                self.auth_failures += 1
+        return found
 
     def _socket_to(self, peer: int) -> zmq.Socket[Any]:
         sock = self._tx.get(peer)
@@ -115,6 +271,20 @@ class ZmqTransport:
             # Queue messages for a peer whose connection is still being set up (the default,
             # made explicit): connect is asynchronous and we send right after it.
             sock.setsockopt(zmq.IMMEDIATE, 0)
+            # Liveness: libzmq's I/O thread pings the peer; no answer within the timeout
+            # drops the connection (a DISCONNECTED event, as when the peer dies).
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_ivl_s * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.heartbeat_timeout_s * 1000)))
+            creds = self._creds
+            if creds is not None:
+                if self.security == "curve":
+                    sock.setsockopt(zmq.CURVE_SERVERKEY, creds["server_public"])
+                    sock.setsockopt(zmq.CURVE_PUBLICKEY, creds["client_public"])
+                    sock.setsockopt(zmq.CURVE_SECRETKEY, creds["client_secret"])
+                else:
+                    sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER.encode())
+                    sock.setsockopt(zmq.PLAIN_PASSWORD, creds["password"])
+            self._monitors[peer] = sock.get_monitor_socket(_TX_EVENTS)
             sock.connect(endpoint)
             self._tx[peer] = sock
         return sock
@@ -143,6 +313,13 @@ class ZmqTransport:
         sock.send(frame, _NOBLOCK, copy=True)
         self.sent_bytes += nbytes
         self.sent_messages += 1
+
+    def send_tracked(self, peer: int, frame: bytes) -> Tracker:
+        """Queue a one-frame message; its tracker is done once libzmq wrote it out (and
+        with it every earlier message to ``peer``: one connection keeps their order)."""
+        sock = self._tx.get(peer) or self._socket_to(peer)
+        tracker: Tracker = sock.send(frame, _NOBLOCK, copy=False, track=True)
+        return tracker
 
     # -- receiving ---------------------------------------------------------------------
     def poll(self, timeout_s: float) -> bool:
@@ -204,16 +381,23 @@ class ZmqTransport:
                 raise
 
     # -- closing -----------------------------------------------------------------------
-    def close(self, linger_s: float | None = None) -> None:
-        """Close every socket; pending outgoing messages get ``linger_s`` to flush."""
+    def close(self, linger_s: float | None = None, abandon: Collection[int] = ()) -> None:
+        """Close every socket; pending outgoing messages get ``linger_s`` to flush, but
+        those to the peers in ``abandon`` (gone: nothing can reach them) none."""
         if self._closed:
             return
         self._closed = True
         linger_ms = int(1000 * (self.linger_s if linger_s is None else linger_s))
-        for sock in self._tx.values():
-            sock.close(linger=linger_ms)
+        for peer, sock in self._tx.items():
+            _close_monitor(sock, self._monitors.get(peer))
+            sock.close(linger=0 if peer in abandon else linger_ms)
         self._tx.clear()
+        self._monitors.clear()
+        _close_monitor(self._rx, getattr(self, "_rx_monitor", None))
         self._rx.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
         for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if fd is not None:
@@ -226,3 +410,38 @@ class ZmqTransport:
                 os.unlink(self._ipc_file)
             except OSError:
                 pass
+
+
+def _read_event(mon: zmq.Socket[Any]) -> int | None:
+    """The next event number on a monitor socket, or None (never blocks)."""
+    try:
+        frames = mon.recv_multipart(_NOBLOCK)
+    except zmq.Again:
+        return None
+    if not frames or len(frames[0]) < 6:
+        return None
+    return int(struct.unpack_from("=H", frames[0])[0])
+
+
+def _close_monitor(sock: zmq.Socket[Any], mon: zmq.Socket[Any] | None) -> None:
+    if mon is None:
+        return
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    mon.close(linger=0)
+
+
+class _QuietLog:
+    """A logger for pyzmq's authenticator: refusals are counted, not printed."""
+
+    def debug(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    info = warning = debug
+
+    def error(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    exception = error
