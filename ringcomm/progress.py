@@ -134,6 +134,8 @@ class Op:
     """An operation the engine carries out; completion is observed through ``done``."""
 
     serial: SerialQueue | None = None
+    #: Completion callbacks (``Work.add_done_callback``); None until one is added.
+    _callbacks: list[Callable[[Op], None]] | None = None
 
     def __init__(self, engine: Engine, desc: str = "", *, async_op: bool = False) -> None:
         self.engine = engine
@@ -199,7 +201,35 @@ class Op:
         event = self._event
         if event is not None:
             event.set()
-        self.engine._on_finished(self)
+        engine = self.engine
+        engine._on_finished(self)
+        self.release()
+        if self._callbacks is not None:
+            engine._run_callbacks(self)
+
+    def release(self) -> None:
+        """Drop what a finished op no longer needs (called once, by :meth:`finish`).
+
+        A finished op must hold no reference cycle and nothing of the caller's but its
+        ``result``, so the caller's arrays are freed as soon as the caller drops them
+        (by reference counting: without waiting for the cyclic garbage collector).
+        Subclasses extend it (and call it).
+        """
+        self._trackers.clear()
+
+    def add_callback(self, fn: Callable[[Op], None]) -> bool:
+        """Call ``fn(op)`` once the op finishes; False (nothing added) if it is done.
+
+        Safe from any thread: the check and the append happen under the engine's callback
+        lock, and :meth:`finish` sets ``done`` before it takes the list under that lock.
+        """
+        with self.engine._callback_lock:
+            if self.done:
+                return False
+            if self._callbacks is None:
+                self._callbacks = []
+            self._callbacks.append(fn)
+            return True
 
     def wait_event(self, timeout_s: float) -> None:
         # Safe without a lock: finish() sets ``done`` before it reads ``_event``, and we
@@ -246,6 +276,7 @@ class Engine:
         self._known_src = set(transport.peers()) | {rank}
         #: Log every op's start and end (RINGCOMM_LOG=debug).
         self.log_ops = False
+        self._callback_lock = threading.Lock()
 
     # -- entry points (any thread) -----------------------------------------------------
     def submit(self, op: Op) -> Op:
@@ -792,6 +823,7 @@ class Engine:
                 elif not op.done:
                     still.append(op)
             self._tracking = still
+            op = None  # a finished op must not outlive the loop in this (polling) frame
             if still:
                 # Trackers finish on pyzmq's gc thread, which cannot wake a poll: look again
                 # every millisecond (zmq poll's resolution) rather than spin and starve it.
@@ -898,6 +930,18 @@ class Engine:
                     continue
                 serial.active = nxt
                 self._start(nxt)
+
+    def _run_callbacks(self, op: Op) -> None:
+        """Run ``op``'s completion callbacks (once; on the thread that finished it).
+
+        A callback's exception is logged, never raised into the engine."""
+        with self._callback_lock:
+            callbacks, op._callbacks = op._callbacks, None
+        for fn in callbacks or ():
+            try:
+                fn(op)
+            except Exception:  # a user callback never breaks the engine
+                log.exception("rank %d: a completion callback of %s failed", self.rank, op.desc)
 
     def _expire(self, op: Op, timeout_s: float | None) -> None:
         with self._lock:

@@ -624,6 +624,16 @@ class CollectiveOp(Op):
                 pass  # best effort: the peer's deadline still bounds its wait
         self.finish(err)
 
+    def release(self) -> None:
+        """Break the op <-> inbox cycle and drop held pieces (the op is finished).
+
+        Inboxes still posted (after a failure) keep swallowing their streams, detached.
+        """
+        super().release()
+        for inbox in self._inboxes.values():
+            inbox.op = None
+        self._held = []
+
     def on_timeout(self, error: CommTimeoutError) -> bool:
         # Detach: pieces still in flight are swallowed by the inboxes, never written.
         for inbox in self._inboxes.values():
