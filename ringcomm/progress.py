@@ -6,7 +6,9 @@ so a small message costs no thread hand-off (8 B round trip over ipc:// measured
 driven by the caller vs 63 us handed to a progress thread and back). A progress thread
 runs only while asynchronous work (``isend``/``irecv``/``async_op=True``) is pending, so
 that such work moves while the caller computes; a caller that finds the lock taken waits
-on its operation's event and the thread completes it.
+on its operation's event and the thread completes it. A driver that leaves (its operation
+done) hands the engine over at once: it wakes one waiting thread, which drives next
+(:meth:`Engine._hand_over`); the waiters' 5 ms sleep slice is only a backstop.
 
 Operations are small state machines (:class:`Op`): ``start()`` queues the first sends and
 posts receivers; receivers are fed pieces in arrival order by :meth:`Engine.dispatch`, so a
@@ -79,6 +81,7 @@ __all__ = [
     "POLL_SLICE_S",
     "QUERY_WAIT_S",
     "SUSPECT_GRACE_S",
+    "WAIT_SLICE_S",
     "Engine",
     "Op",
     "Receiver",
@@ -109,6 +112,9 @@ CTRL_STATE = 4
 
 #: Longest a driver blocks in one poll before re-checking deadlines and its operation.
 POLL_SLICE_S = 0.05
+#: Longest a thread waiting for the driver sleeps before looking again (a backstop: a
+#: driver that leaves hands over at once, and an op's completion wakes its thread).
+WAIT_SLICE_S = 0.005
 #: Most messages dispatched in one round before new submissions are admitted.
 MAX_DISPATCH_PER_ROUND = 4096
 
@@ -277,6 +283,8 @@ class Engine:
         #: Log every op's start and end (RINGCOMM_LOG=debug).
         self.log_ops = False
         self._callback_lock = threading.Lock()
+        #: Ops whose threads wait for the driver lock (:meth:`_wait_turn`).
+        self._waiting: list[Op] = []
 
     # -- entry points (any thread) -----------------------------------------------------
     def submit(self, op: Op) -> Op:
@@ -298,6 +306,8 @@ class Engine:
                 self._admit(op)
             finally:
                 self._lock.release()
+                if self._waiting:
+                    self._hand_over()
         else:
             self._submitted.append(op)
             self.transport.wake()
@@ -328,6 +338,8 @@ class Engine:
                         self._round(0.0)
                     finally:
                         self._lock.release()
+                        if self._waiting:
+                            self._hand_over()
                 continue
             if self._lock.acquire(blocking=False):
                 try:
@@ -335,11 +347,44 @@ class Engine:
                         self._round(min(remaining, POLL_SLICE_S), until=op)
                 finally:
                     self._lock.release()
+                    if self._waiting and op.done:  # leaving: someone else drives now
+                        self._hand_over()
             else:
-                op.wait_event(min(remaining, 0.005))
+                self._wait_turn(op, min(remaining, WAIT_SLICE_S))
         if op.error is not None:
             raise op.error
         return op.result
+
+    def _wait_turn(self, op: Op, timeout_s: float) -> None:
+        """Another thread drives: sleep until ``op`` is done or the driver hands over.
+
+        The waiter registers first and only then looks at the lock again, so a driver
+        that leaves in between finds it registered (no missed hand-over). ``timeout_s``
+        is only a backstop.
+        """
+        event = op._event
+        if event is None:
+            event = op._event = threading.Event()
+        waiting = self._waiting
+        waiting.append(op)
+        try:
+            if self._lock.locked() and not op.done:
+                event.wait(timeout_s)
+        finally:
+            waiting.remove(op)
+        if not op.done:
+            # Woken to drive (or timed out); ``finish`` sets ``done`` before the event,
+            # and the caller looks at ``done`` before it waits again.
+            event.clear()
+
+    def _hand_over(self) -> None:
+        """The driver lock was just released: wake one thread waiting to drive."""
+        for op in list(self._waiting):
+            if not op.done:
+                event = op._event
+                if event is not None:
+                    event.set()
+                return
 
     def exchange(
         self,
@@ -414,6 +459,8 @@ class Engine:
                 raise
         finally:
             self._lock.release()
+            if self._waiting:
+                self._hand_over()
 
     def _exchange(
         self,
@@ -508,6 +555,8 @@ class Engine:
                 self._round(0.0)
             finally:
                 self._lock.release()
+                if self._waiting:
+                    self._hand_over()
         return op.done
 
     # -- used by ops (driver lock held) ------------------------------------------------
@@ -992,6 +1041,8 @@ class Engine:
                     traceback.print_exc()
                 finally:
                     self._lock.release()
+                    if self._waiting and self._async_pending <= 0:  # going to sleep
+                        self._hand_over()
 
     # -- closing -----------------------------------------------------------------------
     def _say_goodbye(self, linger_s: float) -> None:
