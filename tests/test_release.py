@@ -10,6 +10,7 @@ spawned job runs every case; a case reports the names of arrays still alive.
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +30,17 @@ def _mk(kind: str, a: np.ndarray) -> Any:
     return a if kind == "host" else standin_array(a)
 
 
-def _alive(refs: dict[str, weakref.ref[Any]]) -> list[str]:
-    return sorted(name for name, r in refs.items() if r() is not None)
+def _alive(refs: dict[str, weakref.ref[Any]], grace_s: float = 2.0) -> list[str]:
+    """Names still alive after ``grace_s``. Not zero: the thread that completed an op
+    (the progress thread, or another caller) may still be returning up its stack, whose
+    frames refer to the op, when the waiting caller wakes. A cycle or a leftover
+    reference (with the cyclic collector disabled) never goes."""
+    give_up_at = time.monotonic() + grace_s
+    while True:
+        left = sorted(name for name, r in refs.items() if r() is not None)
+        if not left or time.monotonic() >= give_up_at:
+            return left
+        time.sleep(0.001)
 
 
 def _collective_cases(pg: rc.ProcessGroup, kind: str, n: int) -> list[tuple[str, Callable[..., Any]]]:
@@ -129,12 +139,12 @@ def _release_job(pg: rc.ProcessGroup) -> list[str]:
             work = pg.isend(x, peer, tag=90) if pg.rank == 0 else pg.irecv(x, peer, tag=90)
             work.wait()
             del x
-            if pg.rank == 0 and ref() is not None:
+            if pg.rank == 0 and _alive({"x": ref}):
                 failures.append("a kept isend Work still holds its buffer")
             if pg.rank == 1 and ref() is None:
                 failures.append("a kept irecv Work lost its result")
             del work
-            if ref() is not None:
+            if _alive({"x": ref}):
                 failures.append("the buffer outlived its Work")
     finally:
         gc.enable()
@@ -158,7 +168,7 @@ def _p2p_cases(pg: rc.ProcessGroup, kind: str, n: int) -> list[str]:
                 if asynchronous:
                     work.wait()
                 del x, work
-                if ref() is not None:
+                if _alive({"x": ref}):
                     what = ("isend" if asynchronous else "send") if rank == sender else (
                         "irecv" if asynchronous else "recv")  # fmt: skip
                     failures.append(f"{kind} n={n} {what}: buffer alive")
