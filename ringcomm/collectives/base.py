@@ -48,10 +48,9 @@ op, root, algorithm, or the order of calls: the sequence numbers then pair diffe
 calls) raises on every rank, with every rank's user buffers untouched, and even two ranks
 that both believe they are a broadcast's source find out. No extra round trip: nothing is
 sent in reply. Exceptions: the direct all_reduce (its fast lane is the 8-byte path; it
-reduces only once every peer's whole buffer arrived, so it needs no gate), barrier (no
-buffers), and scatter (non-roots may legitimately pass ``x=None``, so their fingerprints
-differ by design; a non-root's ``out`` can be written before another non-root's mismatch is
-seen).
+reduces only once every peer's whole buffer arrived, so it needs no gate) and barrier (no
+buffers). Scatter gates too, comparing only what its ranks legitimately share (non-roots
+may pass ``x=None``: see its ``accepts``).
 
 Zero-copy sends. Pieces go out through the engine (``send_piece``: their headers packed
 from templates kept per call shape, :class:`ShapeCache`); large ones are zero-copy, i.e.
