@@ -41,6 +41,9 @@ class AllGatherRing(CollectiveOp):
     name = "all_gather"
     algo = "ring"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 (our row) goes right at once
+
     def start(self) -> None:
         x, out = self.call.x, self.call.out
         assert x is not None and out is not None

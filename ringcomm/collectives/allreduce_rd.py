@@ -55,6 +55,12 @@ class AllReduceRd(CollectiveOp):
     name = "all_reduce"
     algo = "rd"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        # Every piece runs its plan at start up to the first receive: a first step that
+        # sends (or exchanges) goes out at once.
+        plan = rd_allreduce_plan(rank, self.n)
+        return (plan[0].peer,) if plan and plan[0].kind in ("send", "exchange") else ()
+
     def start(self) -> None:
         x, op = self.call.x, self.call.op
         assert x is not None and op is not None

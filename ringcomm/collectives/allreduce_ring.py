@@ -55,6 +55,9 @@ class AllReduceRing(CollectiveOp):
     name = "all_reduce"
     algo = "ring"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+
     def start(self) -> None:
         x = self.call.x
         op = self.call.op

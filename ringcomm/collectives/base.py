@@ -40,10 +40,13 @@ buffer before anyone noticed that rank 2 called something else. So an op holds e
 matching piece back (payloads stay in their received frames) until it has heard from
 *every* other rank of the group, and only then hands them to the algorithm in arrival
 order. Algorithms in which some rank does not hear from every peer at start also send a
-*fingerprint message* (``step == FP_STEP``, no payload) to every other rank when they start
-(``fp_messages``): n - 1 one-frame messages per rank per call, sent at once, never waited
-for before the first send, so the pipeline keeps its shape and only the first write waits
-for the slowest fingerprint (one one-way latency). With it, any disagreement (shape, dtype,
+*fingerprint message* (``step == FP_STEP``, no payload) when they start (``fp_messages``)
+to every other rank but those they send data to at start anyway (``start_peers``: the
+ring's right neighbour, the first partner of recursive doubling, a broadcast source's
+first receivers; so none at all in a ring of two): at most n - 1 one-frame messages per
+rank per call, sent at once, never waited for before the first send, so the pipeline
+keeps its shape and only the first write waits for the slowest fingerprint (one one-way
+latency). With it, any disagreement (shape, dtype,
 op, root, algorithm, or the order of calls: the sequence numbers then pair different
 calls) raises on every rank, with every rank's user buffers untouched, and even two ranks
 that both believe they are a broadcast's source find out. No extra round trip: nothing is
@@ -148,11 +151,13 @@ class ShapeCache:
     set and templates are added by the first calls. Ops read ``self.shape_cache``.
     """
 
-    __slots__ = ("fp", "plan", "templates")
+    __slots__ = ("fp", "fp_peers", "plan", "templates")
 
     def __init__(self, fp: list[Any]) -> None:
         self.fp = fp
         self.plan: Any = None
+        #: (peers we send a fingerprint message to, peers we get one from); None: not yet.
+        self.fp_peers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.templates: dict[tuple[int, int, int, str, int, int], HeaderTemplate] = {}
 
 
@@ -355,9 +360,14 @@ class CollectiveOp(Op):
         docstring)."""
         if self.n > 1 and self.gate_writes:
             if self.fp_messages:
-                peers = [p for p in range(self.n) if p != self.rank]
-                self.send_to_each(peers, FP_STEP, b"", "|u1", track=False)
-                for p in peers:
+                cache = self.shape_cache
+                fp_peers = cache.fp_peers
+                if fp_peers is None:
+                    fp_peers = cache.fp_peers = self._fp_peers()
+                to, frm = fp_peers
+                if to:
+                    self.send_to_each(list(to), FP_STEP, b"", "|u1", track=False)
+                for p in frm:
                     inbox = self._inboxes.get(p)
                     if inbox is None:
                         self.expect(p, 1)
@@ -370,6 +380,22 @@ class CollectiveOp(Op):
         self._posted = True
         if self._open_inboxes <= 0:  # else an inbox completes us later
             self._maybe_complete()
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        """Group ranks to which group rank ``rank`` sends a message of this call at its
+        start, unconditionally, before it hears from anyone (data carries the call's
+        fingerprint: those peers need no fingerprint message from ``rank``). A pure
+        function of the call shape, ``rank`` and the group size; every rank evaluates it
+        for every peer, so it must give the same answer everywhere. Default: none."""
+        return ()
+
+    def _fp_peers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(peers to send a fingerprint message to, peers to expect one from)."""
+        me, n = self.rank, self.n
+        mine = self.start_peers(me)
+        to = tuple(p for p in range(n) if p != me and p not in mine)
+        frm = tuple(p for p in range(n) if p != me and me not in self.start_peers(p))
+        return to, frm
 
     # -- sending -----------------------------------------------------------------------
     def send_piece(

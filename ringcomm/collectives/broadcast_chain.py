@@ -28,6 +28,12 @@ class BroadcastChain(CollectiveOp):
     name = "broadcast"
     algo = "chain"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        if rank != self.call.root:
+            return ()
+        nxt = chain_neighbors(rank, self.n, rank)[1]
+        return () if nxt is None else (nxt,)
+
     def start(self) -> None:
         x, root = self.call.x, self.call.root
         assert x is not None and root is not None

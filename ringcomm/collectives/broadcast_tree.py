@@ -26,6 +26,10 @@ class BroadcastTree(CollectiveOp):
     name = "broadcast"
     algo = "tree"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        root = self.call.root
+        return tuple(binomial_children(rank, self.n, root)) if rank == root else ()
+
     def start(self) -> None:
         x, root = self.call.x, self.call.root
         assert x is not None and root is not None

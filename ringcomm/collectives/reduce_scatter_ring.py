@@ -49,6 +49,9 @@ class ReduceScatterRing(CollectiveOp):
     name = "reduce_scatter"
     algo = "ring"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+
     def start(self) -> None:
         x, out, op = self.call.x, self.call.out, self.call.op
         assert x is not None and out is not None and op is not None

@@ -38,6 +38,10 @@ class ScatterDirect(CollectiveOp):
     name = "scatter"
     algo = "direct"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        # The source sends every other rank its row at once.
+        return tuple(p for p in range(self.n) if p != rank) if rank == self.call.root else ()
+
     def start(self) -> None:
         root = self.call.root
         assert root is not None
