@@ -173,6 +173,11 @@ class Op:
         """Where the op is, for timeout messages (e.g. 'step 3/7, piece 2')."""
         return ""
 
+    def where(self) -> str:
+        """What the op is and where it is, for the progress map (built only when asked)."""
+        note = self.progress_note() if self.started else "queued"
+        return self.desc + (f" [{note}]" if note else "")
+
     def on_timeout(self, error: CommTimeoutError) -> bool:
         """Clean up after a deadline. Return True if the group is still usable."""
         return False
@@ -724,10 +729,7 @@ class Engine:
         ops = sorted(self._live, key=id)
         if not ops:
             return "no operation in progress"
-        parts = []
-        for op in ops[:8]:
-            note = op.progress_note() if op.started else "queued"
-            parts.append(op.desc + (f" [{note}]" if note else ""))
+        parts = [op.where() for op in ops[:8]]
         if len(ops) > 8:
             parts.append(f"... {len(ops) - 8} more")
         return "; ".join(parts)

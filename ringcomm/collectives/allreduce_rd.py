@@ -61,6 +61,20 @@ class AllReduceRd(CollectiveOp):
         plan = rd_allreduce_plan(rank, self.n)
         return (plan[0].peer,) if plan and plan[0].kind in ("send", "exchange") else ()
 
+    def waiting_on(self, inboxes: list[tuple[int, Any]]) -> tuple[int, Any]:
+        return min(inboxes, key=lambda item: self.step_of_peer.get(item[0], 0))
+
+    def message_step(self, peer: int, k: int) -> int:
+        return self.step_of_peer.get(peer, 0)
+
+    def step_text(self, step: int) -> str:
+        st = self.plan[step]
+        what = st.kind.replace("_", " ")
+        return f"recursive doubling step {step + 1}/{len(self.plan)} ({what} with rank {st.peer})"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans)
+
     def start(self) -> None:
         x, op = self.call.x, self.call.op
         assert x is not None and op is not None

@@ -222,7 +222,7 @@ class _Inbox:
     every further piece with its key (only this collective's stream ever uses that key).
     """
 
-    __slots__ = ("expected", "fp", "got", "key", "op", "peer", "sealed")
+    __slots__ = ("expected", "fp", "got", "key", "last", "op", "peer", "sealed")
 
     def __init__(self, op: CollectiveOp, peer: int, key: tuple[int, int, int, int], expected: int):
         self.op: CollectiveOp | None = op
@@ -232,6 +232,7 @@ class _Inbox:
         self.expected = expected
         self.got = 0
         self.sealed = False
+        self.last: Header | None = None  # the last piece taken (for the progress map)
 
     @property
     def complete(self) -> bool:
@@ -242,6 +243,7 @@ class _Inbox:
         fp = header.fp
         if self.sealed:
             return False
+        self.last = header
         if fp != self.fp and (op is None or not op.accepts(self, fp)):
             self.sealed = True
             if op is not None:
@@ -327,16 +329,63 @@ class CollectiveOp(Op):
         return f"{describe_fingerprint(self.fp)} (collective #{self.seq} of group {self.group_id})"
 
     def progress_note(self) -> str:
-        waiting = [
-            f"{ib.got}/{ib.expected} messages from rank {p}"
-            for p, ib in sorted(self._inboxes.items())
-            if not ib.complete
-        ]
+        """Where inside the algorithm this rank is (built only when asked), e.g.
+        'reduce-scatter step 5/7, piece 12/16, waiting on recv from rank 2'."""
         if not self.started:
             return "queued behind an earlier collective of this group"
-        if waiting:
-            return "received " + ", ".join(waiting)
-        return "everything received; waiting for the transport to release sent buffers"
+        waiting = [(p, ib) for p, ib in sorted(self._inboxes.items()) if not ib.complete]
+        if not waiting:
+            return "everything received; waiting for the transport to release sent buffers"
+        fp_from = self.shape_cache.fp_peers[1] if self.shape_cache.fp_peers else ()
+        data = [(p, ib) for p, ib in waiting if ib.expected > (p in fp_from)]
+        peer, ib = self.waiting_on(data) if data else waiting[0]
+        h = ib.last
+        if h is not None and h.step != FP_STEP and h.piece + 1 < h.npieces:
+            step, piece, npieces = h.step, h.piece + 1, h.npieces  # inside a message
+        elif data:
+            k = max(0, ib.got - (peer in fp_from))  # data messages complete so far
+            step, piece = self.message_step(peer, k), 0
+            npieces = self.message_pieces(step)
+        else:
+            step = -1
+        if step < 0:
+            text = f"waiting on the fingerprint message of rank {peer}"
+        else:
+            where = self.step_text(step)
+            text = (
+                (f"{where}, " if where else "")
+                + f"piece {piece + 1}" + (f"/{npieces}" if npieces else "")
+                + f", waiting on recv from rank {peer}"
+            )  # fmt: skip
+        if self._fp_missing:
+            missing = [p for p in sorted(self._inboxes) if p not in self._fp_heard]
+            text += f"; writes held until ranks {missing} are heard from"
+        return text
+
+    def where(self) -> str:
+        """'op #1042 all_reduce(float32[4194304]) reduce-scatter step 5/7, piece 12/16,
+        waiting on recv from rank 2' (the progress map's line for this rank)."""
+        call = self.call
+        dtype = "?" if call.dtype is None else call.dtype.name
+        count = "?" if call.shape is None else str(int(np.prod(call.shape, dtype=np.int64)))
+        return f"op #{self.seq} {call.name}({dtype}[{count}]) {self.progress_note()}"
+
+    # Hooks for the progress map (algorithms override what they can say better).
+    def waiting_on(self, inboxes: list[tuple[int, _Inbox]]) -> tuple[int, _Inbox]:
+        """Which of the incomplete data streams ``(peer, inbox)`` the op waits on first."""
+        return inboxes[0]
+
+    def message_step(self, peer: int, k: int) -> int:
+        """The algorithm step of the ``k``-th data message from group rank ``peer``."""
+        return k
+
+    def step_text(self, step: int) -> str:
+        """'reduce-scatter step 5/7' for the progress map ('' for one-step algorithms)."""
+        return f"step {step + 1}"
+
+    def message_pieces(self, step: int) -> int | None:
+        """How many pieces the message of ``step`` has (None: not known here)."""
+        return None
 
     # -- setup (in start) --------------------------------------------------------------
     def expect(self, peer: int, messages: int) -> None:

@@ -34,6 +34,12 @@ class BroadcastChain(CollectiveOp):
         nxt = chain_neighbors(rank, self.n, rank)[1]
         return () if nxt is None else (nxt,)
 
+    def step_text(self, step: int) -> str:
+        return f"chain from rank {self.call.root}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans)
+
     def start(self) -> None:
         x, root = self.call.x, self.call.root
         assert x is not None and root is not None
