@@ -47,6 +47,7 @@ def job_map(pg: rc.ProcessGroup) -> dict[str, str]:
         "ring": _stuck(pg, 2, lambda g, t: g.all_reduce(x, algo="ring", timeout_s=t), 1.5),
         "chain": _stuck(pg, 1, lambda g, t: g.broadcast(x, src=0, algo="chain", timeout_s=t), 1.5),
         "all_gather": _stuck(pg, 2, lambda g, t: g.all_gather(x, timeout_s=t), 1.5),
+        "rd": _stuck(pg, 2, lambda g, t: g.all_reduce(x, algo="rd", timeout_s=t), 1.5),
     }
 
 
@@ -85,3 +86,15 @@ def test_progress_map_says_step_piece_and_peer(no_child_processes: None) -> None
         r"recv from rank 2",
         gather["rank 0 (this rank)"],
     ), per_rank[0]["all_gather"]
+    rd = _lines(per_rank[0]["rd"])
+    # W=3: rank 1 folds into rank 0, which then exchanges with rank 2 (absent).
+    assert re.search(
+        r"op #1 all_reduce\(float32\[1000\]\) recursive doubling step 2/3 \(exchange with "
+        r"rank 2\), piece 1/16, waiting on recv from rank 2",
+        rd["rank 0 (this rank)"],
+    ), per_rank[0]["rd"]
+    assert re.search(
+        r"recursive doubling step 2/2 \(recv result with rank 0\), piece 1/16, waiting on "
+        r"recv from rank 0",
+        rd["rank 1"],
+    ), per_rank[0]["rd"]
