@@ -40,6 +40,7 @@ __all__ = ["AllGatherRing"]
 class AllGatherRing(CollectiveOp):
     name = "all_gather"
     algo = "ring"
+    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         return (ring_neighbors(rank, self.n)[0],)  # step 0 (our row) goes right at once

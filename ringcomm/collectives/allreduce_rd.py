@@ -54,6 +54,7 @@ _REDUCING = ("recv_reduce", "exchange")
 class AllReduceRd(CollectiveOp):
     name = "all_reduce"
     algo = "rd"
+    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         # Every piece runs its plan at start up to the first receive: a first step that

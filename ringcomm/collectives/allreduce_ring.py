@@ -54,6 +54,7 @@ __all__ = ["AllReduceRing"]
 class AllReduceRing(CollectiveOp):
     name = "all_reduce"
     algo = "ring"
+    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once

@@ -285,6 +285,9 @@ class CollectiveOp(Op):
     #: Send a fingerprint message to every peer at start (needed unless every rank
     #: hears from every peer at start anyway).
     fp_messages: ClassVar[bool] = True
+    #: The algorithm says which step and piece a message is (``step_text`` and friends):
+    #: the progress map names them; otherwise it counts messages per peer.
+    maps_steps: ClassVar[bool] = False
 
     def __init__(self, comm: Comm, call: Call, *, async_op: bool = False) -> None:
         super().__init__(comm.engine, async_op=async_op)
@@ -336,6 +339,10 @@ class CollectiveOp(Op):
         waiting = [(p, ib) for p, ib in sorted(self._inboxes.items()) if not ib.complete]
         if not waiting:
             return "everything received; waiting for the transport to release sent buffers"
+        if not self.maps_steps:
+            return "received " + ", ".join(
+                f"{ib.got}/{ib.expected} messages from rank {p}" for p, ib in waiting
+            )
         fp_from = self.shape_cache.fp_peers[1] if self.shape_cache.fp_peers else ()
         data = [(p, ib) for p, ib in waiting if ib.expected > (p in fp_from)]
         peer, ib = self.waiting_on(data) if data else waiting[0]
@@ -366,9 +373,11 @@ class CollectiveOp(Op):
         """'op #1042 all_reduce(float32[4194304]) reduce-scatter step 5/7, piece 12/16,
         waiting on recv from rank 2' (the progress map's line for this rank)."""
         call = self.call
-        dtype = "?" if call.dtype is None else call.dtype.name
-        count = "?" if call.shape is None else str(int(np.prod(call.shape, dtype=np.int64)))
-        return f"op #{self.seq} {call.name}({dtype}[{count}]) {self.progress_note()}"
+        if call.dtype is None or call.shape is None:
+            what = f"{call.name}()"  # barrier; scatter onto x=None
+        else:
+            what = f"{call.name}({call.dtype.name}[{int(np.prod(call.shape, dtype=np.int64))}])"
+        return f"op #{self.seq} {what} {self.progress_note()}"
 
     # Hooks for the progress map (algorithms override what they can say better).
     def waiting_on(self, inboxes: list[tuple[int, _Inbox]]) -> tuple[int, _Inbox]:

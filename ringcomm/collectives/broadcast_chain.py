@@ -27,6 +27,7 @@ __all__ = ["BroadcastChain"]
 class BroadcastChain(CollectiveOp):
     name = "broadcast"
     algo = "chain"
+    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         if rank != self.call.root:

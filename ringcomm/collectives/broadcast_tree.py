@@ -25,6 +25,7 @@ __all__ = ["BroadcastTree"]
 class BroadcastTree(CollectiveOp):
     name = "broadcast"
     algo = "tree"
+    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         root = self.call.root

@@ -48,6 +48,7 @@ __all__ = ["ReduceScatterRing"]
 class ReduceScatterRing(CollectiveOp):
     name = "reduce_scatter"
     algo = "ring"
+    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
