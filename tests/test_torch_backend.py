@@ -606,7 +606,11 @@ def test_failures_raise_instead_of_hanging(tmp_path: Path, no_child_processes: N
     assert rep["wait_timeout"].startswith("CommTimeoutError"), rep
     assert 0.4 < rep["wait_timeout_s"] < 10, rep
     assert rep["dead_peer"] != "no error", rep
-    assert "CommTimeoutError" in rep["dead_peer"] or "timed out" in rep["dead_peer"], rep
+    # The dead peer is noticed (PeerFailedError, within about half a second since issue 9)
+    # or, at worst, the group's timeout fires.
+    assert any(
+        w in rep["dead_peer"] for w in ("PeerFailedError", "CommTimeoutError", "timed out")
+    ), rep
     assert rep["step"] == 2, rep
     # bounded by the group's timeout (plus slack for a loaded machine), never a hang
     assert rep["raised_after_s"] < rep["timeout_s"] * 2 + 10, rep
