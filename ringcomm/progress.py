@@ -242,14 +242,6 @@ class Op:
             self._callbacks.append(fn)
             return True
 
-    def wait_event(self, timeout_s: float) -> None:
-        # Safe without a lock: finish() sets ``done`` before it reads ``_event``, and we
-        # publish ``_event`` before we read ``done``.
-        if self._event is None:
-            self._event = threading.Event()
-        if not self.done:
-            self._event.wait(timeout_s)
-
 
 class Engine:
     """Owns the transport; matches incoming pieces to posted receivers."""
@@ -367,6 +359,8 @@ class Engine:
         that leaves in between finds it registered (no missed hand-over). ``timeout_s``
         is only a backstop.
         """
+        # Safe without a lock: finish() sets ``done`` before it reads ``_event``, and we
+        # publish ``_event`` before we read ``done``.
         event = op._event
         if event is None:
             event = op._event = threading.Event()
