@@ -6,7 +6,9 @@ so a small message costs no thread hand-off (8 B round trip over ipc:// measured
 driven by the caller vs 63 us handed to a progress thread and back). A progress thread
 runs only while asynchronous work (``isend``/``irecv``/``async_op=True``) is pending, so
 that such work moves while the caller computes; a caller that finds the lock taken waits
-on its operation's event and the thread completes it.
+on its operation's event and the thread completes it. A driver that leaves (its operation
+done) hands the engine over at once: it wakes one waiting thread, which drives next
+(:meth:`Engine._hand_over`); the waiters' 5 ms sleep slice is only a backstop.
 
 Operations are small state machines (:class:`Op`): ``start()`` queues the first sends and
 posts receivers; receivers are fed pieces in arrival order by :meth:`Engine.dispatch`, so a
@@ -79,6 +81,7 @@ __all__ = [
     "POLL_SLICE_S",
     "QUERY_WAIT_S",
     "SUSPECT_GRACE_S",
+    "WAIT_SLICE_S",
     "Engine",
     "Op",
     "Receiver",
@@ -109,6 +112,9 @@ CTRL_STATE = 4
 
 #: Longest a driver blocks in one poll before re-checking deadlines and its operation.
 POLL_SLICE_S = 0.05
+#: Longest a thread waiting for the driver sleeps before looking again (a backstop: a
+#: driver that leaves hands over at once, and an op's completion wakes its thread).
+WAIT_SLICE_S = 0.005
 #: Most messages dispatched in one round before new submissions are admitted.
 MAX_DISPATCH_PER_ROUND = 4096
 
@@ -134,6 +140,8 @@ class Op:
     """An operation the engine carries out; completion is observed through ``done``."""
 
     serial: SerialQueue | None = None
+    #: Completion callbacks (``Work.add_done_callback``); None until one is added.
+    _callbacks: list[Callable[[Op], None]] | None = None
 
     def __init__(self, engine: Engine, desc: str = "", *, async_op: bool = False) -> None:
         self.engine = engine
@@ -164,6 +172,11 @@ class Op:
     def progress_note(self) -> str:
         """Where the op is, for timeout messages (e.g. 'step 3/7, piece 2')."""
         return ""
+
+    def where(self) -> str:
+        """What the op is and where it is, for the progress map (built only when asked)."""
+        note = self.progress_note() if self.started else "queued"
+        return self.desc + (f" [{note}]" if note else "")
 
     def on_timeout(self, error: CommTimeoutError) -> bool:
         """Clean up after a deadline. Return True if the group is still usable."""
@@ -199,15 +212,35 @@ class Op:
         event = self._event
         if event is not None:
             event.set()
-        self.engine._on_finished(self)
+        engine = self.engine
+        engine._on_finished(self)
+        self.release()
+        if self._callbacks is not None:
+            engine._run_callbacks(self)
 
-    def wait_event(self, timeout_s: float) -> None:
-        # Safe without a lock: finish() sets ``done`` before it reads ``_event``, and we
-        # publish ``_event`` before we read ``done``.
-        if self._event is None:
-            self._event = threading.Event()
-        if not self.done:
-            self._event.wait(timeout_s)
+    def release(self) -> None:
+        """Drop what a finished op no longer needs (called once, by :meth:`finish`).
+
+        A finished op must hold no reference cycle and nothing of the caller's but its
+        ``result``, so the caller's arrays are freed as soon as the caller drops them
+        (by reference counting: without waiting for the cyclic garbage collector).
+        Subclasses extend it (and call it).
+        """
+        self._trackers.clear()
+
+    def add_callback(self, fn: Callable[[Op], None]) -> bool:
+        """Call ``fn(op)`` once the op finishes; False (nothing added) if it is done.
+
+        Safe from any thread: the check and the append happen under the engine's callback
+        lock, and :meth:`finish` sets ``done`` before it takes the list under that lock.
+        """
+        with self.engine._callback_lock:
+            if self.done:
+                return False
+            if self._callbacks is None:
+                self._callbacks = []
+            self._callbacks.append(fn)
+            return True
 
 
 class Engine:
@@ -246,6 +279,9 @@ class Engine:
         self._known_src = set(transport.peers()) | {rank}
         #: Log every op's start and end (RINGCOMM_LOG=debug).
         self.log_ops = False
+        self._callback_lock = threading.Lock()
+        #: Ops whose threads wait for the driver lock (:meth:`_wait_turn`).
+        self._waiting: list[Op] = []
 
     # -- entry points (any thread) -----------------------------------------------------
     def submit(self, op: Op) -> Op:
@@ -267,6 +303,8 @@ class Engine:
                 self._admit(op)
             finally:
                 self._lock.release()
+                if self._waiting:
+                    self._hand_over()
         else:
             self._submitted.append(op)
             self.transport.wake()
@@ -297,6 +335,8 @@ class Engine:
                         self._round(0.0)
                     finally:
                         self._lock.release()
+                        if self._waiting:
+                            self._hand_over()
                 continue
             if self._lock.acquire(blocking=False):
                 try:
@@ -304,11 +344,46 @@ class Engine:
                         self._round(min(remaining, POLL_SLICE_S), until=op)
                 finally:
                     self._lock.release()
+                    if self._waiting and op.done:  # leaving: someone else drives now
+                        self._hand_over()
             else:
-                op.wait_event(min(remaining, 0.005))
+                self._wait_turn(op, min(remaining, WAIT_SLICE_S))
         if op.error is not None:
             raise op.error
         return op.result
+
+    def _wait_turn(self, op: Op, timeout_s: float) -> None:
+        """Another thread drives: sleep until ``op`` is done or the driver hands over.
+
+        The waiter registers first and only then looks at the lock again, so a driver
+        that leaves in between finds it registered (no missed hand-over). ``timeout_s``
+        is only a backstop.
+        """
+        # Safe without a lock: finish() sets ``done`` before it reads ``_event``, and we
+        # publish ``_event`` before we read ``done``.
+        event = op._event
+        if event is None:
+            event = op._event = threading.Event()
+        waiting = self._waiting
+        waiting.append(op)
+        try:
+            if self._lock.locked() and not op.done:
+                event.wait(timeout_s)
+        finally:
+            waiting.remove(op)
+        if not op.done:
+            # Woken to drive (or timed out); ``finish`` sets ``done`` before the event,
+            # and the caller looks at ``done`` before it waits again.
+            event.clear()
+
+    def _hand_over(self) -> None:
+        """The driver lock was just released: wake one thread waiting to drive."""
+        for op in list(self._waiting):
+            if not op.done:
+                event = op._event
+                if event is not None:
+                    event.set()
+                return
 
     def exchange(
         self,
@@ -383,6 +458,8 @@ class Engine:
                 raise
         finally:
             self._lock.release()
+            if self._waiting:
+                self._hand_over()
 
     def _exchange(
         self,
@@ -477,6 +554,8 @@ class Engine:
                 self._round(0.0)
             finally:
                 self._lock.release()
+                if self._waiting:
+                    self._hand_over()
         return op.done
 
     # -- used by ops (driver lock held) ------------------------------------------------
@@ -644,10 +723,7 @@ class Engine:
         ops = sorted(self._live, key=id)
         if not ops:
             return "no operation in progress"
-        parts = []
-        for op in ops[:8]:
-            note = op.progress_note() if op.started else "queued"
-            parts.append(op.desc + (f" [{note}]" if note else ""))
+        parts = [op.where() for op in ops[:8]]
         if len(ops) > 8:
             parts.append(f"... {len(ops) - 8} more")
         return "; ".join(parts)
@@ -792,6 +868,7 @@ class Engine:
                 elif not op.done:
                     still.append(op)
             self._tracking = still
+            op = None  # a finished op must not outlive the loop in this (polling) frame
             if still:
                 # Trackers finish on pyzmq's gc thread, which cannot wake a poll: look again
                 # every millisecond (zmq poll's resolution) rather than spin and starve it.
@@ -899,6 +976,18 @@ class Engine:
                 serial.active = nxt
                 self._start(nxt)
 
+    def _run_callbacks(self, op: Op) -> None:
+        """Run ``op``'s completion callbacks (once; on the thread that finished it).
+
+        A callback's exception is logged, never raised into the engine."""
+        with self._callback_lock:
+            callbacks, op._callbacks = op._callbacks, None
+        for fn in callbacks or ():
+            try:
+                fn(op)
+            except Exception:  # a user callback never breaks the engine
+                log.exception("rank %d: a completion callback of %s failed", self.rank, op.desc)
+
     def _expire(self, op: Op, timeout_s: float | None) -> None:
         with self._lock:
             if op.done:
@@ -948,6 +1037,8 @@ class Engine:
                     traceback.print_exc()
                 finally:
                     self._lock.release()
+                    if self._waiting and self._async_pending <= 0:  # going to sleep
+                        self._hand_over()
 
     # -- closing -----------------------------------------------------------------------
     def _say_goodbye(self, linger_s: float) -> None:

@@ -508,8 +508,9 @@ def test_async_overlap(world_size: int) -> None:
 
 # --------------------------------------------------------------------------- algorithm choice
 def job_algo_env(pg: rc.ProcessGroup) -> tuple[str | None, list[int]]:
-    """Messages sent per 8-byte all_reduce tell the algorithm: W=2 direct 1, rd 1 + 1
-    fingerprint message, ring 2 + 1 (collectives.base: agreement before any write)."""
+    """Messages sent per 8-byte all_reduce tell the algorithm: W=2 direct 1, rd 1, ring 2
+    (no fingerprint message: at W=2 each rank's first message goes to the other anyway;
+    collectives.base: agreement before any write)."""
     sent = []
     for algo in (None, "rd", "ring"):
         before = pg.stats()["sent_messages"]
@@ -520,6 +521,6 @@ def job_algo_env(pg: rc.ProcessGroup) -> tuple[str | None, list[int]]:
 
 @pytest.mark.timeout(60)
 def test_algo_keyword_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [(None, [1, 2, 3])] * 2
+    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [(None, [1, 1, 2])] * 2
     monkeypatch.setenv("RINGCOMM_ALGO", "ring")
-    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [("ring", [3, 2, 3])] * 2
+    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [("ring", [2, 1, 2])] * 2

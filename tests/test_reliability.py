@@ -68,7 +68,7 @@ def test_timeout_error_carries_the_progress_map(no_child_processes: None) -> Non
     assert "where each rank was:" in text, text
     lines = {line.split(":", 1)[0].strip(): line for line in text.splitlines()}
     assert "all_reduce(float32[1000]" in lines["rank 0 (this rank)"], text
-    assert "collective #1" in lines["rank 0 (this rank)"], text
+    assert "op #1 all_reduce(float32[1000])" in lines["rank 0 (this rank)"], text
     assert "recv from peer 0 (op recv, tag 99" in lines["rank 2"], text
     # rank 1 timed out too: still inside its all_reduce, asking around, or closed already
     assert any(w in lines["rank 1"] for w in ("all_reduce", "no answer", "closed")), text

@@ -9,7 +9,7 @@ all trials (>= 200, W = 3 and 4):
 * no hang: no rank times out;
 * the mismatch is detected: at least one rank raises CollectiveMismatchError, and every
   rank either raises it or completes a call that never needed another rank's data (a
-  broadcast or scatter root);
+  broadcast's source);
 * no rank that raised has a modified buffer (the in-place operand or ``out``).
 """
 
@@ -25,7 +25,9 @@ import pytest
 import ringcomm as rc
 
 TRIALS_PER_JOB = 110
-KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
+KINDS = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",
+)  # fmt: skip
 ASPECTS = ("shape", "dtype", "op", "root", "order")
 DTYPES = (np.float32, np.float64, np.int32, np.int64)
 
@@ -35,7 +37,7 @@ def _trial(world: int, rng: random.Random) -> dict[str, Any]:
     aspect = rng.choice(ASPECTS)
     if aspect == "op" and kind not in ("all_reduce", "reduce", "reduce_scatter"):
         aspect = "shape"
-    if aspect == "root" and kind not in ("broadcast", "reduce"):
+    if aspect == "root" and kind not in ("broadcast", "reduce", "scatter"):
         aspect = "dtype"
     deviants = rng.sample(range(world), rng.randrange(1, world))
     base = {
@@ -60,9 +62,22 @@ def _trial(world: int, rng: random.Random) -> dict[str, Any]:
     return {"aspect": aspect, "deviants": deviants, "base": base, "other": other}
 
 
-def _buffers(call: dict[str, Any], world: int, rank: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(x, out) for this rank's call; contents depend on the rank."""
+def _buffers(
+    call: dict[str, Any], world: int, rank: int, variant: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(x, out) for this rank's call; contents depend on the rank.
+
+    ``variant`` (scatter, a rank other than the source): 0 passes ``x`` and ``out``, 1
+    only ``out``, 2 only ``x``, 3 neither (dtype and shape then come from the source).
+    """
     kind, count, dtype = call["kind"], call["count"], call["dtype"]
+    if kind == "scatter":
+        per_row = count // world + 1
+        x = (np.arange(world * per_row) % 97 + rank + 1).astype(dtype).reshape(world, per_row)
+        out = np.full(per_row, 55, dtype)
+        if rank == call["root"] or variant == 0:
+            return x, out
+        return (None, out) if variant == 1 else (x, None) if variant == 2 else (None, None)
     rows = (world,) if kind in ("reduce_scatter", "all_to_all") else ()
     per_row = count // world + 1 if rows else count
     x = (np.arange(int(np.prod(rows or (1,))) * per_row) % 97 + rank + 1).astype(dtype)
@@ -77,8 +92,14 @@ def _buffers(call: dict[str, Any], world: int, rank: int) -> tuple[np.ndarray, n
     return x, out
 
 
-def _call(pg: rc.ProcessGroup, call: dict[str, Any], x: np.ndarray, out: np.ndarray | None) -> None:
+def _call(
+    pg: rc.ProcessGroup, call: dict[str, Any], x: np.ndarray | None, out: np.ndarray | None
+) -> None:
     kind = call["kind"]
+    if kind == "scatter":
+        pg.scatter(x, src=call["root"], out=out)
+        return
+    assert x is not None
     if kind == "all_reduce":
         pg.all_reduce(x, op=call["op"])
     elif kind == "broadcast":
@@ -103,8 +124,14 @@ def job_mismatches(pg: rc.ProcessGroup, seed: int, trials: int) -> list[dict[str
         assert sub is not None
         sub.timeout_s = 10.0
         sub.chunk_bytes = 16 * 1024  # many pieces: the pipelined paths
-        x, out = _buffers(call, pg.world_size, pg.rank)
-        x0, out0 = x.copy(), None if out is None else out.copy()
+        # This rank's own scatter variant; one that passes neither x nor out cannot
+        # disagree on dtype or shape, so deviants (and everyone, if the source deviates)
+        # pass a buffer.
+        open_ok = pg.rank not in trial["deviants"] and trial["base"]["root"] not in trial["deviants"]
+        variant = random.Random(f"{seed}/{i}/{pg.rank}").randrange(4 if open_ok else 3)
+        x, out = _buffers(call, pg.world_size, pg.rank, variant)
+        x0 = None if x is None else x.copy()
+        out0 = None if out is None else out.copy()
         t0 = time.monotonic()
         try:
             _call(sub, call, x, out)
@@ -115,7 +142,9 @@ def job_mismatches(pg: rc.ProcessGroup, seed: int, trials: int) -> list[dict[str
             outcome = f"timeout: {exc}"
         except Exception as exc:  # noqa: BLE001 (reported and asserted on)
             outcome = f"{type(exc).__name__}: {exc}"
-        modified = not np.array_equal(x, x0) or (out is not None and not np.array_equal(out, out0))
+        modified = (x is not None and not np.array_equal(x, x0)) or (
+            out is not None and not np.array_equal(out, out0)
+        )
         results.append({
             "trial": i, "aspect": trial["aspect"], "kind": call["kind"], "outcome": outcome,
             "modified": modified, "seconds": time.monotonic() - t0,

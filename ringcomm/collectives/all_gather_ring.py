@@ -40,6 +40,16 @@ __all__ = ["AllGatherRing"]
 class AllGatherRing(CollectiveOp):
     name = "all_gather"
     algo = "ring"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 (our row) goes right at once
+
+    def step_text(self, step: int) -> str:
+        return f"all-gather step {step + 1}/{self.n - 1}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans)
 
     def start(self) -> None:
         x, out = self.call.x, self.call.out

@@ -54,6 +54,27 @@ _REDUCING = ("recv_reduce", "exchange")
 class AllReduceRd(CollectiveOp):
     name = "all_reduce"
     algo = "rd"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        # Every piece runs its plan at start up to the first receive: a first step that
+        # sends (or exchanges) goes out at once.
+        plan = rd_allreduce_plan(rank, self.n)
+        return (plan[0].peer,) if plan and plan[0].kind in ("send", "exchange") else ()
+
+    def waiting_on(self, inboxes: list[tuple[int, Any]]) -> tuple[int, Any]:
+        return min(inboxes, key=lambda item: self.step_of_peer.get(item[0], 0))
+
+    def message_step(self, peer: int, k: int) -> int:
+        return self.step_of_peer.get(peer, 0)
+
+    def step_text(self, step: int) -> str:
+        st = self.plan[step]
+        what = st.kind.replace("_", " ")
+        return f"recursive doubling step {step + 1}/{len(self.plan)} ({what} with rank {st.peer})"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans)
 
     def start(self) -> None:
         x, op = self.call.x, self.call.op

@@ -54,6 +54,19 @@ __all__ = ["AllReduceRing"]
 class AllReduceRing(CollectiveOp):
     name = "all_reduce"
     algo = "ring"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+
+    def step_text(self, step: int) -> str:
+        steps = self.n - 1
+        if step < steps:
+            return f"reduce-scatter step {step + 1}/{steps}"
+        return f"all-gather step {step - steps + 1}/{steps}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.seg_spans[self.recv_seg[step]]) if step <= self.last_step else None
 
     def start(self) -> None:
         x = self.call.x

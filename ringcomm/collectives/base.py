@@ -40,18 +40,20 @@ buffer before anyone noticed that rank 2 called something else. So an op holds e
 matching piece back (payloads stay in their received frames) until it has heard from
 *every* other rank of the group, and only then hands them to the algorithm in arrival
 order. Algorithms in which some rank does not hear from every peer at start also send a
-*fingerprint message* (``step == FP_STEP``, no payload) to every other rank when they start
-(``fp_messages``): n - 1 one-frame messages per rank per call, sent at once, never waited
-for before the first send, so the pipeline keeps its shape and only the first write waits
-for the slowest fingerprint (one one-way latency). With it, any disagreement (shape, dtype,
+*fingerprint message* (``step == FP_STEP``, no payload) when they start (``fp_messages``)
+to every other rank but those they send data to at start anyway (``start_peers``: the
+ring's right neighbour, the first partner of recursive doubling, a broadcast source's
+first receivers; so none at all in a ring of two): at most n - 1 one-frame messages per
+rank per call, sent at once, never waited for before the first send, so the pipeline
+keeps its shape and only the first write waits for the slowest fingerprint (one one-way
+latency). With it, any disagreement (shape, dtype,
 op, root, algorithm, or the order of calls: the sequence numbers then pair different
 calls) raises on every rank, with every rank's user buffers untouched, and even two ranks
 that both believe they are a broadcast's source find out. No extra round trip: nothing is
 sent in reply. Exceptions: the direct all_reduce (its fast lane is the 8-byte path; it
-reduces only once every peer's whole buffer arrived, so it needs no gate), barrier (no
-buffers), and scatter (non-roots may legitimately pass ``x=None``, so their fingerprints
-differ by design; a non-root's ``out`` can be written before another non-root's mismatch is
-seen).
+reduces only once every peer's whole buffer arrived, so it needs no gate) and barrier (no
+buffers). Scatter gates too, comparing only what its ranks legitimately share (non-roots
+may pass ``x=None``: see its ``accepts``).
 
 Zero-copy sends. Pieces go out through the engine (``send_piece``: their headers packed
 from templates kept per call shape, :class:`ShapeCache`); large ones are zero-copy, i.e.
@@ -149,11 +151,13 @@ class ShapeCache:
     set and templates are added by the first calls. Ops read ``self.shape_cache``.
     """
 
-    __slots__ = ("fp", "plan", "templates")
+    __slots__ = ("fp", "fp_peers", "plan", "templates")
 
     def __init__(self, fp: list[Any]) -> None:
         self.fp = fp
         self.plan: Any = None
+        #: (peers we send a fingerprint message to, peers we get one from); None: not yet.
+        self.fp_peers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.templates: dict[tuple[int, int, int, str, int, int], HeaderTemplate] = {}
 
 
@@ -218,7 +222,7 @@ class _Inbox:
     every further piece with its key (only this collective's stream ever uses that key).
     """
 
-    __slots__ = ("expected", "fp", "got", "key", "op", "peer", "sealed")
+    __slots__ = ("expected", "fp", "got", "key", "last", "op", "peer", "sealed")
 
     def __init__(self, op: CollectiveOp, peer: int, key: tuple[int, int, int, int], expected: int):
         self.op: CollectiveOp | None = op
@@ -228,6 +232,7 @@ class _Inbox:
         self.expected = expected
         self.got = 0
         self.sealed = False
+        self.last: Header | None = None  # the last piece taken (for the progress map)
 
     @property
     def complete(self) -> bool:
@@ -238,6 +243,7 @@ class _Inbox:
         fp = header.fp
         if self.sealed:
             return False
+        self.last = header
         if fp != self.fp and (op is None or not op.accepts(self, fp)):
             self.sealed = True
             if op is not None:
@@ -279,6 +285,9 @@ class CollectiveOp(Op):
     #: Send a fingerprint message to every peer at start (needed unless every rank
     #: hears from every peer at start anyway).
     fp_messages: ClassVar[bool] = True
+    #: The algorithm says which step and piece a message is (``step_text`` and friends):
+    #: the progress map names them; otherwise it counts messages per peer.
+    maps_steps: ClassVar[bool] = False
 
     def __init__(self, comm: Comm, call: Call, *, async_op: bool = False) -> None:
         super().__init__(comm.engine, async_op=async_op)
@@ -323,16 +332,69 @@ class CollectiveOp(Op):
         return f"{describe_fingerprint(self.fp)} (collective #{self.seq} of group {self.group_id})"
 
     def progress_note(self) -> str:
-        waiting = [
-            f"{ib.got}/{ib.expected} messages from rank {p}"
-            for p, ib in sorted(self._inboxes.items())
-            if not ib.complete
-        ]
+        """Where inside the algorithm this rank is (built only when asked), e.g.
+        'reduce-scatter step 5/7, piece 12/16, waiting on recv from rank 2'."""
         if not self.started:
             return "queued behind an earlier collective of this group"
-        if waiting:
-            return "received " + ", ".join(waiting)
-        return "everything received; waiting for the transport to release sent buffers"
+        waiting = [(p, ib) for p, ib in sorted(self._inboxes.items()) if not ib.complete]
+        if not waiting:
+            return "everything received; waiting for the transport to release sent buffers"
+        if not self.maps_steps:
+            return "received " + ", ".join(
+                f"{ib.got}/{ib.expected} messages from rank {p}" for p, ib in waiting
+            )
+        fp_from = self.shape_cache.fp_peers[1] if self.shape_cache.fp_peers else ()
+        data = [(p, ib) for p, ib in waiting if ib.expected > (p in fp_from)]
+        peer, ib = self.waiting_on(data) if data else waiting[0]
+        h = ib.last
+        if h is not None and h.step != FP_STEP and h.piece + 1 < h.npieces:
+            step, piece, npieces = h.step, h.piece + 1, h.npieces  # inside a message
+        elif data:
+            k = max(0, ib.got - (peer in fp_from))  # data messages complete so far
+            step, piece = self.message_step(peer, k), 0
+            npieces = self.message_pieces(step)
+        else:
+            step = -1
+        if step < 0:
+            text = f"waiting on the fingerprint message of rank {peer}"
+        else:
+            where = self.step_text(step)
+            text = (
+                (f"{where}, " if where else "")
+                + f"piece {piece + 1}" + (f"/{npieces}" if npieces else "")
+                + f", waiting on recv from rank {peer}"
+            )  # fmt: skip
+        if self._fp_missing:
+            missing = [p for p in sorted(self._inboxes) if p not in self._fp_heard]
+            text += f"; writes held until ranks {missing} are heard from"
+        return text
+
+    def where(self) -> str:
+        """'op #1042 all_reduce(float32[4194304]) reduce-scatter step 5/7, piece 12/16,
+        waiting on recv from rank 2' (the progress map's line for this rank)."""
+        call = self.call
+        if call.dtype is None or call.shape is None:
+            what = f"{call.name}()"  # barrier; scatter onto x=None
+        else:
+            what = f"{call.name}({call.dtype.name}[{int(np.prod(call.shape, dtype=np.int64))}])"
+        return f"op #{self.seq} {what} {self.progress_note()}"
+
+    # Hooks for the progress map (algorithms override what they can say better).
+    def waiting_on(self, inboxes: list[tuple[int, _Inbox]]) -> tuple[int, _Inbox]:
+        """Which of the incomplete data streams ``(peer, inbox)`` the op waits on first."""
+        return inboxes[0]
+
+    def message_step(self, peer: int, k: int) -> int:
+        """The algorithm step of the ``k``-th data message from group rank ``peer``."""
+        return k
+
+    def step_text(self, step: int) -> str:
+        """'reduce-scatter step 5/7' for the progress map ('' for one-step algorithms)."""
+        return f"step {step + 1}"
+
+    def message_pieces(self, step: int) -> int | None:
+        """How many pieces the message of ``step`` has (None: not known here)."""
+        return None
 
     # -- setup (in start) --------------------------------------------------------------
     def expect(self, peer: int, messages: int) -> None:
@@ -356,9 +418,14 @@ class CollectiveOp(Op):
         docstring)."""
         if self.n > 1 and self.gate_writes:
             if self.fp_messages:
-                peers = [p for p in range(self.n) if p != self.rank]
-                self.send_to_each(peers, FP_STEP, b"", "|u1", track=False)
-                for p in peers:
+                cache = self.shape_cache
+                fp_peers = cache.fp_peers
+                if fp_peers is None:
+                    fp_peers = cache.fp_peers = self._fp_peers()
+                to, frm = fp_peers
+                if to:
+                    self.send_to_each(list(to), FP_STEP, b"", "|u1", track=False)
+                for p in frm:
                     inbox = self._inboxes.get(p)
                     if inbox is None:
                         self.expect(p, 1)
@@ -371,6 +438,22 @@ class CollectiveOp(Op):
         self._posted = True
         if self._open_inboxes <= 0:  # else an inbox completes us later
             self._maybe_complete()
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        """Group ranks to which group rank ``rank`` sends a message of this call at its
+        start, unconditionally, before it hears from anyone (data carries the call's
+        fingerprint: those peers need no fingerprint message from ``rank``). A pure
+        function of the call shape, ``rank`` and the group size; every rank evaluates it
+        for every peer, so it must give the same answer everywhere. Default: none."""
+        return ()
+
+    def _fp_peers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(peers to send a fingerprint message to, peers to expect one from)."""
+        me, n = self.rank, self.n
+        mine = self.start_peers(me)
+        to = tuple(p for p in range(n) if p != me and p not in mine)
+        frm = tuple(p for p in range(n) if p != me and me not in self.start_peers(p))
+        return to, frm
 
     # -- sending -----------------------------------------------------------------------
     def send_piece(
@@ -623,6 +706,16 @@ class CollectiveOp(Op):
             except RingcommError:
                 pass  # best effort: the peer's deadline still bounds its wait
         self.finish(err)
+
+    def release(self) -> None:
+        """Break the op <-> inbox cycle and drop held pieces (the op is finished).
+
+        Inboxes still posted (after a failure) keep swallowing their streams, detached.
+        """
+        super().release()
+        for inbox in self._inboxes.values():
+            inbox.op = None
+        self._held = []
 
     def on_timeout(self, error: CommTimeoutError) -> bool:
         # Detach: pieces still in flight are swallowed by the inboxes, never written.

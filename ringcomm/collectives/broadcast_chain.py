@@ -27,6 +27,19 @@ __all__ = ["BroadcastChain"]
 class BroadcastChain(CollectiveOp):
     name = "broadcast"
     algo = "chain"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        if rank != self.call.root:
+            return ()
+        nxt = chain_neighbors(rank, self.n, rank)[1]
+        return () if nxt is None else (nxt,)
+
+    def step_text(self, step: int) -> str:
+        return f"chain from rank {self.call.root}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans)
 
     def start(self) -> None:
         x, root = self.call.x, self.call.root

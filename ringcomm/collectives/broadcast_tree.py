@@ -25,6 +25,17 @@ __all__ = ["BroadcastTree"]
 class BroadcastTree(CollectiveOp):
     name = "broadcast"
     algo = "tree"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        root = self.call.root
+        return tuple(binomial_children(rank, self.n, root)) if rank == root else ()
+
+    def step_text(self, step: int) -> str:
+        return f"tree from rank {self.call.root}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans)
 
     def start(self) -> None:
         x, root = self.call.x, self.call.root

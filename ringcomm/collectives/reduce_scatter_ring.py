@@ -48,6 +48,16 @@ __all__ = ["ReduceScatterRing"]
 class ReduceScatterRing(CollectiveOp):
     name = "reduce_scatter"
     algo = "ring"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+
+    def step_text(self, step: int) -> str:
+        return f"reduce-scatter step {step + 1}/{self.n - 1}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans)
 
     def start(self) -> None:
         x, out, op = self.call.x, self.call.out, self.call.op

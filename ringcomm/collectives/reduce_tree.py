@@ -33,6 +33,13 @@ class ReduceTree(CollectiveOp):
     name = "reduce"
     algo = "tree"
 
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        # A leaf sends its x to its parent at once; inner ranks wait for their children.
+        root = self.call.root
+        parent = binomial_parent(rank, self.n, root)
+        leaf = not binomial_children(rank, self.n, root)
+        return (parent,) if parent is not None and leaf else ()
+
     def start(self) -> None:
         x, op, root = self.call.x, self.call.op, self.call.root
         assert x is not None and op is not None and root is not None

@@ -14,7 +14,6 @@ strategy's extras.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import time
@@ -73,10 +72,6 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             strat.sync()  # (GPU) the step's kernels are finished before the clock is read
             dt = time.perf_counter() - t0
             meter.end_step()
-            # Buffers handed to ringcomm collectives are freed only by the cyclic garbage
-            # collector (a completed operation sits in a reference cycle): collect between
-            # steps, outside the timing, so one step's garbage does not weigh on the next.
-            gc.collect()
             times.append(dt)
             if loss is not None:
                 losses.append(loss)
