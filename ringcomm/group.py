@@ -406,7 +406,7 @@ class ProcessGroup:
             if server is not None:
                 server.close()
 
-    def __enter__(self) -> ProcessGroup:
+    def __enter__(self) -> ProcessGroup:  # noqa: PYI034 (subclasses are not expected)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -416,7 +416,7 @@ class ProcessGroup:
         try:
             if not self._closed and self._group_id == _WORLD_GROUP_ID:
                 self._shared.engine.close(0.0)
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 (interpreter shutdown: nothing left to tell)
             pass
 
 

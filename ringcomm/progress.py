@@ -951,7 +951,7 @@ class Engine:
             op.start()
         except RingcommError as exc:
             op.finish(exc)
-        except Exception as exc:  # a bug or bad input found late: fail the op, not the rank
+        except Exception as exc:  # noqa: BLE001 (a bug or bad input found late: fail the op)
             err = RingcommError(f"rank {self.rank}: {op.desc} failed: {exc!r}")
             err.__cause__ = exc
             op.finish(err)
@@ -1031,7 +1031,7 @@ class Engine:
                 try:
                     if not self._closed:
                         self._round(0.02)
-                except Exception:  # never let the thread die silently mid-job
+                except Exception:  # noqa: BLE001 (never let the thread die silently mid-job)
                     import traceback
 
                     traceback.print_exc()

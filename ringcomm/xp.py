@@ -26,7 +26,7 @@ def cupy_or_none() -> ModuleType | None:
         return mod
     try:
         import cupy
-    except Exception:  # ImportError, or a CUDA runtime failure at import
+    except Exception:  # noqa: BLE001 (ImportError, or a CUDA runtime failure at import)
         return None
     return cupy
 
