@@ -5,7 +5,7 @@ main) and on this tree, in the order A B A B ... (``--reps`` times each), so dri
 shared host hits both alike; reports per size the median over reps of each side's median
 time and the ratio after/before (below 1: this tree is faster).
 
-    python benchmarks/before_after.py --before /work/main -n 2 -b 8 -e 64M --reps 2 \\
+    python benchmarks/before_after.py --before ../ringcomm-before -n 2 -b 8 -e 64M --reps 2 \\
         --out benchmarks/results/core_followups_W2
 
 Writes ``OUT.json`` (every row, tagged with side and rep) and ``OUT.md``.

@@ -9,7 +9,7 @@ the order A B C A B C ... so drift on a shared host hits all of them alike:
   token-derived credential; heartbeats, monitors, fingerprint gate);
 * ``curve``: this tree with ``RINGCOMM_SECURITY=curve`` (CurveZMQ: every byte encrypted).
 
-    python benchmarks/reliability_cost.py --before /work/main -n 2 --reps 3 \\
+    python benchmarks/reliability_cost.py --before ../ringcomm-before -n 2 --reps 3 \\
         --out benchmarks/results/reliability_cost_W2
 
 Writes ``OUT.json`` (every row, tagged with setup and rep) and ``OUT.md`` (medians over
