@@ -7,7 +7,8 @@ A tree may carry environment settings for its runs: ``TREE:VAR=VALUE,VAR2=VALUE2
 
 Each rep runs one ``rc.spawn`` job per tree (A B A B ...; the same script, ``PYTHONPATH``
 pointing at the tree). Every rank times ``--calls`` 8 B all_reduces after a warm-up and
-reports: median wall per call, its main thread's CPU per call (``thread_time``), the whole
+reports: median wall per call, its main thread's CPU per call (``thread_time``; and the
+system part of it, ``getrusage(RUSAGE_THREAD)``), the whole
 process's CPU per call (``process_time``: every thread, pyzmq's authenticator and libzmq's
 I/O threads included), voluntary and involuntary context switches per call
 (``getrusage``), and how many threads the process runs. Prints per-tree medians over reps
@@ -38,6 +39,7 @@ def _rank(pg, nbytes, calls):  # type: ignore[no-untyped-def]
     clock = time.perf_counter
     times = []
     r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0_thread = resource.getrusage(resource.RUSAGE_THREAD)
     cpu0, pcpu0 = time.thread_time(), time.process_time()
     for _ in range(calls):
         t0 = clock()
@@ -45,9 +47,11 @@ def _rank(pg, nbytes, calls):  # type: ignore[no-untyped-def]
         times.append(clock() - t0)
     cpu, pcpu = time.thread_time() - cpu0, time.process_time() - pcpu0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
+    t1_thread = resource.getrusage(resource.RUSAGE_THREAD)
     return {
         "wall_us": statistics.median(times) * 1e6,
         "main_cpu_us": cpu / calls * 1e6,
+        "main_sys_us": (t1_thread.ru_stime - t0_thread.ru_stime) / calls * 1e6,
         "proc_cpu_us": pcpu / calls * 1e6,
         "vcsw": (r1.ru_nvcsw - r0.ru_nvcsw) / calls,
         "ivcsw": (r1.ru_nivcsw - r0.ru_nivcsw) / calls,
@@ -75,7 +79,7 @@ def main() -> None:
     if a.child:
         _child(a.world, a.bytes, a.calls)
         return
-    keys = ["wall_us", "main_cpu_us", "proc_cpu_us", "vcsw", "ivcsw"]
+    keys = ["wall_us", "main_cpu_us", "main_sys_us", "proc_cpu_us", "vcsw", "ivcsw"]
     agg: dict[str, dict[str, list[float]]] = {t: {k: [] for k in keys} for t in a.trees}
     threads: dict[str, tuple[int, int]] = {}
     for rep in range(a.reps):
