@@ -33,7 +33,8 @@ from ringcomm.progress import Engine
 class MirrorTransport:
     """A transport whose peers answer every message with the same message (theirs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
         self.queue: collections.deque[bytes] = collections.deque()
         self.sent_bytes = 0
         self.sent_messages = 0
@@ -54,6 +55,12 @@ class MirrorTransport:
     def wake(self) -> None:
         pass
 
+    def peers(self) -> list[int]:
+        return list(range(self.world_size))
+
+    def poll_events(self) -> list[tuple[int, int]]:
+        return []  # no connections, so nothing ever drops
+
     def close(self, linger_s: float | None = None) -> None:
         pass
 
@@ -62,7 +69,7 @@ def mirror_group(world_size: int) -> ProcessGroup:
     """Rank 0 of a group of ``world_size`` over a MirrorTransport."""
     assert world_size < 128, "the mirror rewrites a one-byte src"
     config = resolve_init_config(0, world_size, master_addr="127.0.0.1", master_port=1, env={})
-    engine = Engine(MirrorTransport(), 0)  # type: ignore[arg-type]
+    engine = Engine(MirrorTransport(world_size), 0)  # type: ignore[arg-type]
     return ProcessGroup(_Shared(config, engine, None, None, 4 << 20), range(world_size), 0)
 
 

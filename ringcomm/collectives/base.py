@@ -94,6 +94,9 @@ ABORT = "!abort"
 _ABORT_TEXT_MAX = 2000
 #: ``step`` of a fingerprint message (module docstring): never a real algorithm step.
 FP_STEP = 0xFFFFFFFF
+#: ``CollectiveOp._held`` when nothing is held: shared and never appended to (pieces are
+#: held only while ``_fp_missing``, which post_inboxes sets with a list of the op's own).
+_NOTHING_HELD: list[tuple[int, Header, memoryview]] = []
 
 
 # Comm and Call are immutable NamedTuples rather than frozen dataclasses: one of each is
@@ -320,8 +323,11 @@ class CollectiveOp(Op):
         self._posted = False
         self.touched = False  # set by algorithms when they first write a user buffer
         self._fp_missing = 0  # peers not heard from yet (gate_writes)
-        self._fp_heard: set[int] = set()
-        self._held: list[tuple[int, Header, memoryview]] = []
+        # The gate's state is created by post_inboxes, only when the op gates its writes
+        # (not per call of the 8-byte fast lane): until then, nothing is held and no peer
+        # is missing.
+        self._fp_heard: set[int] | None = None
+        self._held: list[tuple[int, Header, memoryview]] = _NOTHING_HELD
 
     # -- description -------------------------------------------------------------------
     def fingerprint_chunk_bytes(self) -> int | None:
@@ -365,7 +371,8 @@ class CollectiveOp(Op):
                 + f", waiting on recv from rank {peer}"
             )  # fmt: skip
         if self._fp_missing:
-            missing = [p for p in sorted(self._inboxes) if p not in self._fp_heard]
+            heard = self._fp_heard or ()
+            missing = [p for p in sorted(self._inboxes) if p not in heard]
             text += f"; writes held until ranks {missing} are heard from"
         return text
 
@@ -432,6 +439,8 @@ class CollectiveOp(Op):
                     else:
                         inbox.expected += 1
             self._fp_missing = len(self._inboxes)
+            self._fp_heard = set()
+            self._held = []
         post = self.engine.post
         for inbox in list(self._inboxes.values()):
             post(inbox.key, inbox)
@@ -597,13 +606,14 @@ class CollectiveOp(Op):
     def heard_from(self, peer: int) -> None:
         """A matching message came from ``peer``; open the gate once all peers have."""
         heard = self._fp_heard
+        assert heard is not None  # set with _fp_missing (post_inboxes)
         if peer in heard:
             return
         heard.add(peer)
         self._fp_missing -= 1
         if self._fp_missing:
             return
-        held, self._held = self._held, []
+        held, self._held = self._held, _NOTHING_HELD
         for p, header, payload in held:  # in arrival order
             if self.done:
                 return
@@ -687,7 +697,7 @@ class CollectiveOp(Op):
         """
         if self.done:
             return
-        self._held = []
+        self._held = _NOTHING_HELD
         for inbox in self._inboxes.values():
             inbox.op = None
         # Every other rank, not only this algorithm's partners: a rank that called
@@ -715,7 +725,7 @@ class CollectiveOp(Op):
         super().release()
         for inbox in self._inboxes.values():
             inbox.op = None
-        self._held = []
+        self._held = _NOTHING_HELD
 
     def on_timeout(self, error: CommTimeoutError) -> bool:
         # Detach: pieces still in flight are swallowed by the inboxes, never written.
