@@ -17,7 +17,6 @@ import numpy as np
 
 from ringcomm.schedule.partition import bucket_groups, flat_layout
 
-from .nn import backward_layers, forward_layers
 from .optim import make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
 from .strategy import Strategy, TrainConfig
@@ -59,19 +58,9 @@ class DataParallel(Strategy):
             self.works.append(self.pg.all_reduce(bucket, async_op=True))
 
     def step(self, step: int) -> float:
-        x, labels = self.local_batch(step)
         self.grads[...] = 0
-        idx = range(len(self.layers))
-        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
-        loss, cache = self.loss.forward(logits, labels)
-        backward_layers(
-            self.layers,
-            idx,
-            caches,
-            self.loss.backward(cache),
-            self.pviews.__getitem__,
-            self.gviews.__getitem__,
-            done=self._bucket_ready,
+        loss = self.forward_backward(
+            step, self.pviews.__getitem__, self.gviews.__getitem__, done=self._bucket_ready
         )
         for w in self.works:
             w.wait()

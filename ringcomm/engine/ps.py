@@ -53,7 +53,6 @@ from ringcomm.errors import CommTimeoutError, GroupClosedError
 from ringcomm.ps import HashSlicer, KVWorker, PSConfig, PSServer
 from ringcomm.schedule.partition import flat_layout, split_rows
 
-from .nn import backward_layers, forward_layers
 from .optim import SGD, Adam, make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
 from .strategy import Strategy, StrategyUnavailable, TrainConfig
@@ -247,16 +246,9 @@ class ParameterServer(Strategy):
         )
 
     def _worker_step(self, step: int) -> None:
-        x, labels = self.local_batch(self.start_step + step)
         self.grads[...] = 0
-        idx = range(len(self.layers))
-        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
-        loss, cache = self.loss.forward(logits, labels)
-        backward_layers(
-            self.layers,
-            idx,
-            caches,
-            self.loss.backward(cache),
+        loss = self.forward_backward(
+            self.start_step + step,
             self.pviews.__getitem__,
             self.gviews.__getitem__,
             done=self._layer_done,

@@ -9,7 +9,6 @@ import numpy as np
 
 from ringcomm.schedule.partition import flat_layout
 
-from .nn import backward_layers, forward_layers
 from .optim import make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
 from .strategy import Strategy, TrainConfig
@@ -36,15 +35,8 @@ class Single(Strategy):
         self.opt = make_optimizer(cfg.optimizer, xp, self.layout.total, self.dtype, cfg.lr)
 
     def step(self, step: int) -> float:
-        x, labels = self.local_batch(step)
         self.grads[...] = 0
-        idx = range(len(self.layers))
-        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
-        loss, cache = self.loss.forward(logits, labels)
-        dy = self.loss.backward(cache)
-        backward_layers(
-            self.layers, idx, caches, dy, self.pviews.__getitem__, self.gviews.__getitem__
-        )
+        loss = self.forward_backward(step, self.pviews.__getitem__, self.gviews.__getitem__)
         self.opt.step([(self.params, self.grads, 0)])
         return float(loss)
 

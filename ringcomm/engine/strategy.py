@@ -36,6 +36,7 @@ it to the group, and call :meth:`Strategy.sync` before reading a clock.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -47,7 +48,7 @@ from ringcomm.standin import StandinArray
 from ringcomm.xp import cupy_or_none
 
 from .data import SyntheticClassification
-from .nn import Layer, SoftmaxCrossEntropy, mlp
+from .nn import Layer, SoftmaxCrossEntropy, backward_layers, forward_layers, mlp
 
 __all__ = [
     "DEVICES",
@@ -199,6 +200,24 @@ class Strategy:
     def local_batch(self, step: int, rows: tuple[int, int] | None = None) -> tuple[Any, Any]:
         x, y = self.data.batch(step, self.rows if rows is None else rows)
         return self.xp.asarray(x), self.xp.asarray(y)
+
+    def forward_backward(
+        self,
+        step: int,
+        params_of: Callable[[int], Any],
+        grads_of: Callable[[int], Any],
+        done: Callable[[int], None] | None = None,
+    ) -> Any:
+        """This rank's batch of global step ``step`` forward through every layer and the
+        loss, then backward into ``grads_of(i)`` (``done(i)`` once layer ``i``'s gradients
+        are complete); returns the local loss."""
+        x, labels = self.local_batch(step)
+        idx = range(len(self.layers))
+        logits, caches = forward_layers(self.layers, idx, x, params_of)
+        loss, cache = self.loss.forward(logits, labels)
+        dy = self.loss.backward(cache)
+        backward_layers(self.layers, idx, caches, dy, params_of, grads_of, done=done)
+        return loss
 
     def sync(self) -> None:
         """Wait for the kernels this rank queued on its current stream (GPU; no-op on the

@@ -79,12 +79,7 @@ class _BucketedZero(Strategy):
             w.wait()
 
     def _run(self, step: int, grads_of: Any, ready: Any) -> Any:
-        x, labels = self.local_batch(step)
-        idx = range(len(self.layers))
-        logits, caches = forward_layers(self.layers, idx, x, self.pviews.__getitem__)
-        loss, cache = self.loss.forward(logits, labels)
-        dy = self.loss.backward(cache)
-        backward_layers(self.layers, idx, caches, dy, self.pviews.__getitem__, grads_of, done=ready)
+        loss = self.forward_backward(step, self.pviews.__getitem__, grads_of, done=ready)
         while self.works:
             self._retire()
         return loss
