@@ -26,8 +26,9 @@ import time
 from typing import Any
 
 from ringcomm.config import parse_size
+from ringcomm.engine.cli import run_training
 from ringcomm.engine.strategy import TrainConfig
-from ringcomm.engine.train import run_training, summarize
+from ringcomm.engine.train import summarize
 
 MIB = 2**20
 

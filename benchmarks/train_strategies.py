@@ -24,8 +24,9 @@ import sys
 import time
 from typing import Any
 
+from ringcomm.engine.cli import run_training
 from ringcomm.engine.strategy import TrainConfig
-from ringcomm.engine.train import run_training, summarize
+from ringcomm.engine.train import summarize
 
 MIB = 2**20
 

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import ringcomm as rc
+from ringcomm.engine.cli import run_training
 from ringcomm.engine.memory import CupyPoolMeter, device_used_bytes, make_meter, staging_stats
 from ringcomm.engine.strategy import (
     DEVICES,
@@ -40,7 +41,7 @@ from ringcomm.engine.strategy import (
     select_device,
     strategy_class,
 )
-from ringcomm.engine.train import run_training, train_rank
+from ringcomm.engine.train import train_rank
 from ringcomm.standin import StandinArray
 
 BASE = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ringcomm.engine.cli import run_training
 from ringcomm.engine.data import SyntheticClassification
 from ringcomm.engine.nn import (
     GELU,
@@ -20,7 +21,6 @@ from ringcomm.engine.nn import (
 from ringcomm.engine.optim import SGD, Adam
 from ringcomm.engine.params import init_layer, layer_views, param_shapes
 from ringcomm.engine.strategy import StrategyUnavailable, TrainConfig, array_module, strategy_class
-from ringcomm.engine.train import run_training
 from ringcomm.schedule.partition import flat_layout
 
 

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import ringcomm as rc
+from ringcomm.engine.cli import run_training
 from ringcomm.engine.strategy import TrainConfig
-from ringcomm.engine.train import run_training, train_rank
+from ringcomm.engine.train import train_rank
 
 BASE = {
     "steps": 5,

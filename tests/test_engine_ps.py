@@ -32,8 +32,9 @@ import pytest
 
 import ringcomm as rc
 from ringcomm.cli import main
+from ringcomm.engine.cli import run_training
 from ringcomm.engine.strategy import TrainConfig
-from ringcomm.engine.train import run_training, summarize, train_rank
+from ringcomm.engine.train import summarize, train_rank
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {

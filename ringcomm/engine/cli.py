@@ -2,7 +2,7 @@
 
 Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :class:`~ringcomm.engine.strategy.TrainConfig`; ``UsageError`` for what cannot run) ->
-:func:`~ringcomm.engine.train.run_training` (``rc.spawn`` for N ranks; ``single`` in this
+:func:`run_training` (``rc.spawn`` for N ranks; ``single`` in this
 process) -> a summary on stdout and the ``--json`` object (DESIGN.md §2). Exit status: 0;
 1 if a rank failed; 2 for a usage error or
 ``--device cuda`` without CuPy or a GPU.
@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from ringcomm.config import parse_size
 from ringcomm.errors import RingcommError
+from ringcomm.launch.spawn import spawn
 from ringcomm.schedule.pipeline import SCHEDULES
 
 from .optim import OPTIMIZERS
@@ -32,7 +34,29 @@ from .strategy import (
     TrainConfig,
     array_module,
 )
-from .train import run_training, summarize
+from .train import summarize, train_rank
+
+#: Thread pools capped at one per rank (ranks share the cores).
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Run every rank (``single``: in this process) and return their results in rank order."""
+    if cfg.strategy == "single":
+        if cfg.world_size != 1:
+            raise ValueError(f"strategy single runs on one process; got -n {cfg.world_size}")
+        return [train_rank(None, cfg)]
+    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
+    for k in _THREAD_VARS:
+        os.environ.setdefault(k, "1")
+    try:
+        return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 __all__ = ["UsageError", "add_parser", "config_from_args", "main"]
 

@@ -8,13 +8,13 @@ finished), model-state bytes held at the end of the last step, ``peak_bytes``
 on a GPU), the pinned staging buffers' bytes (``staging_bytes``; device runs) and how many
 the run took from the staging pool, bytes sent per step (the group's counter), the
 strategy's extras.
-:func:`run_training` launches the ranks (in this process for ``single``) and
+Launching the ranks is the CLI's (:func:`ringcomm.engine.cli.run_training`: a top-layer
+module, so the engine never imports the launcher).
 :func:`summarize` turns the per-rank results into the DESIGN.md §2 JSON object.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -25,10 +25,9 @@ from ringcomm.schedule.pipeline import gpipe_bubble
 from .memory import make_meter, staging_stats
 from .strategy import TrainConfig, array_module, strategy_class
 
-__all__ = ["describe_model", "run_training", "summarize", "train_rank"]
+__all__ = ["describe_model", "summarize", "train_rank"]
 
 #: BLAS threads per rank when several ranks share a host (set unless already set).
-_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def describe_model(cfg: TrainConfig, numel: int) -> str:
@@ -106,27 +105,6 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
         return result
     finally:
         meter.stop()
-
-
-def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Run every rank (``single``: in this process) and return their results in rank order."""
-    if cfg.strategy == "single":
-        if cfg.world_size != 1:
-            raise ValueError(f"strategy single runs on one process; got -n {cfg.world_size}")
-        return [train_rank(None, cfg)]
-    from ringcomm.launch import spawn
-
-    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
-    for k in _THREAD_VARS:
-        os.environ.setdefault(k, "1")
-    try:
-        return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def pipeline_bubble(per_rank: Sequence[dict[str, Any]]) -> list[float]:
