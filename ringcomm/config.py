@@ -139,6 +139,9 @@ class InitConfig:
     #: ``RINGCOMM_MAX_UNEXPECTED_BYTES``); None: the engine's defaults.
     max_unexpected_messages: int | None = None
     max_unexpected_bytes: int | None = None
+    #: Small collective messages to peers on this host take AF_UNIX datagrams instead of
+    #: zmq (``RINGCOMM_LOCAL_LANE``, default on; see ringcomm.transport.unix_lane).
+    local_lane: bool = True
 
 
 @dataclass(frozen=True)
@@ -428,6 +431,9 @@ def resolve_init_config(
             raise RendezvousError(f"{name} must be > 0, got {text!r}")
         caps.append(value)
 
+    lane_f = _env_setting(env, "RINGCOMM_LOCAL_LANE")
+    local_lane = _parse_bool(lane_f) if lane_f is not None else True
+
     if host_store is not None:
         store_external = not host_store
     else:
@@ -450,6 +456,7 @@ def resolve_init_config(
         security=security,
         max_unexpected_messages=caps[0],
         max_unexpected_bytes=caps[1],
+        local_lane=local_lane,
     )
 
 

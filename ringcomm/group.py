@@ -358,6 +358,8 @@ class ProcessGroup:
             "unexpected_messages": e.unexpected_count,
             "auth_failures": t.auth_failures,
             "failed_peers": len(e.failed_peers),
+            "lane_messages": t.lane_messages,
+            "lane_fallbacks": t.lane_fallbacks,
         }
 
     def failed_peers(self) -> list[int]:
@@ -508,6 +510,7 @@ def init_process_group(
             use_ipc=mode != "tcp",
             token=cfg.token,
             security=cfg.security,
+            lane=cfg.local_lane,
         )
         me = EndpointInfo(
             rank=cfg.rank,
@@ -516,6 +519,7 @@ def init_process_group(
             tcp=net.tcp_endpoint,
             pid=os.getpid(),
             version=__version__,
+            lane=net.lane_endpoint,
         )
         infos = {cfg.rank: me}
         if cfg.world_size > 1 or cfg.store_external:
@@ -532,9 +536,12 @@ def init_process_group(
                 )
             if r != cfg.rank:
                 try:
-                    net.set_peer_endpoint(r, choose_endpoint(me, info, mode))
+                    endpoint = choose_endpoint(me, info, mode)
                 except ValueError as exc:
                     raise RendezvousError(str(exc)) from exc
+                net.set_peer_endpoint(r, endpoint)
+                if info.lane is not None and endpoint.startswith("ipc://"):
+                    net.set_peer_lane(r, info.lane)
         net.connect_all()  # every peer, now: liveness is watched on these connections
         engine = Engine(net, cfg.rank)
         if cfg.max_unexpected_messages is not None:

@@ -63,7 +63,6 @@ from .transport.wire import (
     KIND_CTRL,
     ZERO_COPY_MIN_BYTES,
     Header,
-    HeaderTemplate,
     WireError,
     pack_header,
     unpack_header,
@@ -112,6 +111,9 @@ CTRL_STATE = 4
 
 #: Longest a driver blocks in one poll before re-checking deadlines and its operation.
 POLL_SLICE_S = 0.05
+#: How long the fast lane (a small blocking all_reduce) looks for its messages without
+#: sleeping, yielding the core between looks, before it blocks (ZmqTransport.poll).
+FAST_LANE_SPIN_S = 200e-6
 #: Longest a thread waiting for the driver sleeps before looking again (a backstop: a
 #: driver that leaves hands over at once, and an op's completion wakes its thread).
 WAIT_SLICE_S = 0.005
@@ -476,8 +478,8 @@ class Engine:
         """The body of exchange (driver lock held, the engine idle)."""
         transport = self.transport
         for peer in peers:
-            if payload is None:
-                transport.send_one(peer, header, nbytes)
+            if payload is None:  # the op's first and only message to peer: lane-safe
+                transport.send_one(peer, header, nbytes, True)
             else:
                 transport.send(peer, header, payload, nbytes)  # copied: below zero-copy size
         for key in keys:  # what arrived before we asked, as post would feed it
@@ -499,7 +501,7 @@ class Engine:
             remaining = give_up_at - time.monotonic()
             if remaining <= 0:
                 return self._give_back(op, got)
-            if not transport.poll(remaining):
+            if not transport.poll(remaining, FAST_LANE_SPIN_S):
                 continue
             ready = True
             while len(got) < len(keys):
@@ -565,13 +567,15 @@ class Engine:
             return self.send_packed(peer, pack_header(header, bytes(payload)), None, nbytes)
         return self.send_packed(peer, pack_header(header), payload, nbytes)
 
-    def send_templated(
-        self, peer: int, template: HeaderTemplate, tag: int, payload: Any, nbytes: int
-    ) -> Tracker | None:
-        """:meth:`send` with the header given as a template and its tag (same message)."""
-        if nbytes < INLINE_MAX_BYTES and peer != self.rank:
-            return self.send_packed(peer, template.pack(tag, bytes(payload)), None, nbytes)
-        return self.send_packed(peer, template.pack(tag), payload, nbytes)
+    def send_frame(self, peer: int, frame: bytes, nbytes: int, lane: bool) -> bool:
+        """Queue a one-frame message (payload inline) to global rank ``peer`` (not this
+        rank); True when it went through the same-host lane.
+
+        ``lane``: it may: nothing went to ``peer`` over zmq earlier on this message's
+        stream. When it did not go that way, the stream's later messages must not either
+        (ZmqTransport.send_one).
+        """
+        return self.transport.send_one(peer, frame, nbytes, lane)
 
     def send_packed(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
         """Queue one message whose header is packed already; a tracker if it went zero-copy.

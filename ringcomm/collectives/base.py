@@ -320,6 +320,9 @@ class CollectiveOp(Op):
         self._open_inboxes = 0
         self._out_left: dict[int, int] = {}
         self._unsent = 0  # messages declared with will_send and not fully queued yet
+        # Group ranks this op sent a two-frame message (over zmq); its later one-frame
+        # messages to them must not take the same-host lane (they could overtake).
+        self._zmq_to: set[int] | None = None
         self._posted = False
         self.touched = False  # set by algorithms when they first write a user buffer
         self._fp_missing = 0  # peers not heard from yet (gate_writes)
@@ -484,11 +487,16 @@ class CollectiveOp(Op):
         wait for libzmq to release it before it completes.
         """
         template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
-        tracker = self.engine.send_templated(
-            self.comm.ranks[peer], template, self.seq, payload, len(payload)
-        )
-        if track and tracker is not None:
-            self.add_tracker(tracker)
+        nbytes = len(payload)
+        to = self.comm.ranks[peer]
+        tracker = None
+        if nbytes < INLINE_MAX_BYTES and to != self._me_global:
+            self._send_frame(peer, to, template.pack(self.seq, bytes(payload)), nbytes)
+        else:
+            self._went_zmq(peer)
+            tracker = self.engine.send_packed(to, template.pack(self.seq), payload, nbytes)
+            if track and tracker is not None:
+                self.add_tracker(tracker)
         if piece + 1 == npieces:
             self._out_left[peer] -= 1
             self._unsent -= 1
@@ -509,13 +517,34 @@ class CollectiveOp(Op):
         if nbytes < INLINE_MAX_BYTES:
             frame = template.pack(self.seq, payload)
             for peer in peers:
-                send_packed(ranks[peer], frame, None, nbytes)
+                self._send_frame(peer, ranks[peer], frame, nbytes)
             return
         header = template.pack(self.seq)
         for peer in peers:
+            self._went_zmq(peer)
             tracker = send_packed(ranks[peer], header, payload, nbytes)
             if track and tracker is not None:
                 self.add_tracker(tracker)
+
+    def _send_frame(self, peer: int, to: int, frame: bytes, nbytes: int) -> None:
+        """Queue a one-frame message to group rank ``peer`` (global rank ``to``): through
+        the same-host lane unless an earlier message of this op to the peer went over
+        zmq (which a datagram could overtake; unix_lane.py, "Order")."""
+        if to == self._me_global:
+            self.engine.send_packed(to, frame, None, nbytes)  # the loopback queue
+            return
+        zmq_to = self._zmq_to
+        lane = zmq_to is None or peer not in zmq_to
+        if not self.engine.send_frame(to, frame, nbytes, lane) and lane:
+            self._went_zmq(peer)
+
+    def _went_zmq(self, peer: int) -> None:
+        """A message of this op to group rank ``peer`` went over zmq: the rest will too."""
+        zmq_to = self._zmq_to
+        if zmq_to is None:
+            self._zmq_to = {peer}
+        else:
+            zmq_to.add(peer)
 
     def _template(
         self, step: int, piece: int, npieces: int, dtype: str, msg_nbytes: int, offset: int

@@ -36,6 +36,8 @@ class EndpointInfo:
     tcp: str | None
     pid: int
     version: str
+    #: The same-host lane's socket path (transport/unix_lane.py), None without one.
+    lane: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +47,7 @@ class EndpointInfo:
             "tcp": self.tcp,
             "pid": self.pid,
             "version": self.version,
+            "lane": self.lane,
         }
 
     @classmethod
@@ -56,6 +59,7 @@ class EndpointInfo:
             tcp=d.get("tcp"),
             pid=int(d["pid"]),
             version=str(d["version"]),
+            lane=d.get("lane"),
         )
 
 

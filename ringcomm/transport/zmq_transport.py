@@ -40,6 +40,7 @@ import hmac
 import math
 import os
 import struct
+import time
 from collections.abc import Collection
 from typing import Any
 
@@ -48,6 +49,7 @@ from zmq.utils import z85
 
 from ..errors import RingcommError
 from .endpoints import ipc_path
+from .unix_lane import UnixLane
 from .wire import ZERO_COPY_MIN_BYTES
 
 __all__ = [
@@ -148,6 +150,7 @@ class ZmqTransport:
         heartbeat_ivl_s: float = 1.0,
         heartbeat_timeout_s: float = 4.0,
         rcv_hwm: int = 0,
+        lane: bool = False,
     ) -> None:
         if security not in SECURITY_MODES:
             raise ValueError(f"security must be one of {SECURITY_MODES}, got {security!r}")
@@ -197,6 +200,19 @@ class ZmqTransport:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poll_items: list[tuple[Any, int]] = [(self._rx, _POLLIN), (self._wake_r, _POLLIN)]
+        # The same-host lane for one-frame messages (unix_lane.py): not for jobs that ask
+        # for encryption, nor without ipc:// (peers elsewhere, or tcp:// forced).
+        self._lane: UnixLane | None = None
+        self._stash: tuple[bytes, bool] | None = None  # see recv_first
+        self.lane_endpoint: str | None = None
+        if lane and use_ipc and self.security != "curve":
+            try:
+                self._lane = UnixLane(rank)
+            except OSError:
+                self._lane = None  # no lane: everything goes over zmq
+            else:
+                self.lane_endpoint = self._lane.path
+                self._poll_items.append((self._lane.fileno, _POLLIN))
         self.sent_bytes = 0
         self.sent_messages = 0
 
@@ -222,6 +238,21 @@ class ZmqTransport:
     # -- peers -------------------------------------------------------------------------
     def set_peer_endpoint(self, peer: int, endpoint: str) -> None:
         self._peer_endpoints[peer] = endpoint
+
+    def set_peer_lane(self, peer: int, path: str) -> bool:
+        """Send lane-safe one-frame messages to ``peer`` through its lane socket
+        (same host); False when there is no lane (then they go over zmq)."""
+        return self._lane is not None and self._lane.connect(peer, path)
+
+    @property
+    def lane_fallbacks(self) -> int:
+        """Peers that left the lane (a full queue or a closed socket; unix_lane.py)."""
+        return 0 if self._lane is None else self._lane.fallbacks
+
+    @property
+    def lane_messages(self) -> int:
+        """Messages sent through the lane (also counted in ``sent_messages``)."""
+        return 0 if self._lane is None else self._lane.sent
 
     def peers(self) -> list[int]:
         """Every peer with a known endpoint (global ranks, ascending)."""
@@ -307,12 +338,22 @@ class ZmqTransport:
         self.sent_messages += 1
         return tracker
 
-    def send_one(self, peer: int, frame: bytes, nbytes: int) -> None:
-        """Queue a one-frame message (a header carrying its small payload inline)."""
-        sock = self._tx.get(peer) or self._socket_to(peer)
-        sock.send(frame, _NOBLOCK, copy=True)
+    def send_one(self, peer: int, frame: bytes, nbytes: int, lane: bool = False) -> bool:
+        """Queue a one-frame message (a header carrying its small payload inline); True
+        when it went through the same-host lane.
+
+        ``lane``: the caller sent nothing to ``peer`` over zmq on this message's stream
+        (its key) that this message could overtake, so it may take the lane
+        (unix_lane.py, "Order"). When it did not go that way (no lane to the peer, its
+        queue full), the caller's later messages on the stream must not either.
+        """
         self.sent_bytes += nbytes
         self.sent_messages += 1
+        if lane and self._lane is not None and self._lane.send(peer, frame):
+            return True
+        sock = self._tx.get(peer) or self._socket_to(peer)
+        sock.send(frame, _NOBLOCK, copy=True)
+        return False
 
     def send_tracked(self, peer: int, frame: bytes) -> Tracker:
         """Queue a one-frame message; its tracker is done once libzmq wrote it out (and
@@ -322,19 +363,39 @@ class ZmqTransport:
         return tracker
 
     # -- receiving ---------------------------------------------------------------------
-    def poll(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for an incoming message (or a wake-up)."""
+    def poll(self, timeout_s: float, spin_s: float = 0.0) -> bool:
+        """Wait up to ``timeout_s`` for an incoming message (or a wake-up).
+
+        ``spin_s``: first look without sleeping for up to that long, yielding the core
+        between looks (``sched_yield``: ranks sharing it run meanwhile). A message that
+        comes within microseconds is then taken without the sleep and wake-up a blocking
+        poll costs (on this VM: 8-byte exchange 12 -> 4 µs at W=2, 48 -> 30 µs at W=4 on
+        two cores; benchmarks/results/local_lane.md).
+        """
+        if self._stash is not None:  # a zmq message recv_first took out is waiting
+            return True
+        if spin_s > 0.0:
+            items = self._poll_items
+            until = time.monotonic() + min(spin_s, timeout_s)
+            while True:
+                if zmq.zmq_poll(items, 0):
+                    break  # a message or a wake-up: the poll below sorts it out at once
+                if time.monotonic() >= until:
+                    break
+                os.sched_yield()
         # Round up: a positive timeout below 1 ms must not turn into a busy poll(0).
         ready = False
         for item, _ in zmq.zmq_poll(self._poll_items, max(0, math.ceil(timeout_s * 1000))):
             if item is self._rx:
                 ready = True
-            else:  # the wake-up pipe
+            elif item == self._wake_r:
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
                 except BlockingIOError:
                     pass
+            else:  # the lane
+                ready = True
         return ready
 
     def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
@@ -342,8 +403,33 @@ class ZmqTransport:
 
         ``ready``: a poll just said a message is waiting (skips looking again).
         A message with more frames must be finished with :meth:`recv_payload`.
+        With a lane, its datagrams come first (one never follows a zmq message on the
+        same stream, so handing it out early is safe), and a zmq message is handed out
+        only after a look at the lane made after that message was received: a datagram
+        sent before it is queued by then (unix_lane.py, "Order") and goes first, while
+        the zmq message waits in ``_stash`` (its payload frame, if any, stays next in the
+        zmq socket).
         """
         rx = self._rx
+        lane = self._lane
+        if lane is not None:
+            datagram = lane.recv()
+            if datagram is not None:
+                return datagram, False
+            stash = self._stash
+            if stash is None:
+                if not rx.getsockopt(_EVENTS) & _POLLIN:
+                    return None
+                try:
+                    first = rx.recv(_NOBLOCK, copy=True)
+                except zmq.Again:
+                    return None
+                stash = self._stash = (first, bool(rx.getsockopt(_RCVMORE)))
+                datagram = lane.recv()
+                if datagram is not None:
+                    return datagram, False
+            self._stash = None
+            return stash
         if not ready and not rx.getsockopt(_EVENTS) & _POLLIN:  # cheaper than zmq.Again
             return None
         try:
@@ -399,6 +485,8 @@ class ZmqTransport:
             self._auth.stop()
             self._auth = None
         self._ctx.term()
+        if self._lane is not None:
+            self._lane.close()
         for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if fd is not None:
                 try:

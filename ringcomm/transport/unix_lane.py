@@ -1,0 +1,125 @@
+"""The same-host lane: one-frame messages as AF_UNIX datagrams, past libzmq's I/O thread.
+
+A libzmq message crosses two I/O threads (the sender's writes it to the socket, the
+receiver's reads it and wakes the application), so an 8-byte message between two ranks on
+one host costs four thread hand-offs; an AF_UNIX datagram costs one ``send`` into the
+receiver's socket queue and one ``recv`` out of it. Measured here (Python, 8-byte direct
+exchange, back to back): 12 µs at W=2 and ~40 µs at W=4 against 34 µs and ~100 µs for the
+same exchange over pyzmq PUSH/PULL ipc:// (benchmarks/results/local_lane.md).
+
+What travels here: only one-frame messages (a header carrying its payload inline, below
+``INLINE_MAX_BYTES``) that the layer above marks as lane-safe, to peers on the same host.
+The bytes are exactly the zmq frame's, so the receiving side parses them the same way.
+
+Order. ``send`` puts the datagram in the receiver's socket queue before it returns, while
+a zmq message leaves later from the I/O thread, so a datagram sent before a zmq message is
+already queued when that zmq message can be read. The transport therefore reads the lane
+before every zmq read (datagram-then-zmq order is kept); the layer above never sends a
+lane message after a zmq message on the same stream (zmq-then-datagram could overtake).
+
+Flow control: a receiving socket queues at most ``net.unix.max_dgram_qlen`` datagrams
+(10 by default). A send that would block returns False (counted in ``full``) and the
+message goes over zmq instead, as do the later messages of that stream (the order rule
+above), so a sender never blocks; a burst past the queue simply overflows to zmq. A peer
+whose socket is gone (it closed, or died) leaves the lane for good (``fallbacks``).
+
+Who can write here: the socket lives in a fresh directory only this user can enter
+(mode 0700), at a random path that peers learn only from the token-authenticated
+rendezvous store; malformed datagrams are dropped and counted above, like zmq frames.
+Jobs that ask for encryption (``RINGCOMM_SECURITY=curve``) do not use the lane.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+
+__all__ = ["LANE_RECV_BYTES", "UnixLane"]
+
+#: Receive buffer per datagram: the largest one-frame message (an inline payload below
+#: INLINE_MAX_BYTES plus its header) fits with room to spare; a longer datagram (not sent
+#: by ringcomm) arrives truncated and fails to parse.
+LANE_RECV_BYTES = 8192
+
+
+class UnixLane:
+    """One receiving datagram socket for this rank and one connected sender per peer."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._dir = tempfile.mkdtemp(prefix=f"ringcomm-lane-{os.getuid()}-")  # mode 0700
+        path = os.path.join(self._dir, f"r{rank}")
+        if len(path) > 100:  # AF_UNIX paths are limited to ~107 bytes
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = tempfile.mkdtemp(prefix="rcl-", dir="/tmp")
+            path = os.path.join(self._dir, f"r{rank}")
+        self.path = path
+        self._rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._rx.bind(path)
+        except OSError:
+            self.close()
+            raise
+        self._rx.setblocking(False)
+        self.fileno = self._rx.fileno()
+        self._tx: dict[int, socket.socket] = {}
+        self.fallbacks = 0  # peers that left the lane
+        self.full = 0  # sends refused by a full queue (the message went over zmq)
+        self.sent = 0  # datagrams sent
+        self._closed = False
+
+    def connect(self, peer: int, path: str) -> bool:
+        """Send to ``peer`` through its lane socket at ``path`` from now on; False (and no
+        lane to it) when that socket cannot be reached."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            return False
+        sock.setblocking(False)
+        self._tx[peer] = sock
+        return True
+
+    def has(self, peer: int) -> bool:
+        return peer in self._tx
+
+    def send(self, peer: int, frame: bytes) -> bool:
+        """Queue ``frame`` in ``peer``'s socket now; False if it did not go: no lane to the
+        peer, its queue is full, or its socket is gone (then it leaves the lane for good)."""
+        sock = self._tx.get(peer)
+        if sock is None:
+            return False
+        try:
+            sock.send(frame)
+        except BlockingIOError:
+            self.full += 1
+            return False
+        except OSError:  # ECONNREFUSED (the peer closed its socket or died), ...
+            del self._tx[peer]
+            sock.close()
+            self.fallbacks += 1
+            return False
+        self.sent += 1
+        return True
+
+    def recv(self) -> bytes | None:
+        """The next datagram, or None when none is waiting (never blocks)."""
+        try:
+            return self._rx.recv(LANE_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return None
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for sock in getattr(self, "_tx", {}).values():
+            sock.close()
+        self._tx = {}
+        rx = getattr(self, "_rx", None)
+        if rx is not None:
+            rx.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
