@@ -117,9 +117,7 @@ def test_a_datagram_sent_before_a_zmq_message_is_received_before_it(seed: int) -
         rng = random.Random(seed)
         plan = [rng.random() < 0.5 for _ in range(600)]  # True: lane
         got: list[bytes] = []
-        reader = threading.Thread(
-            target=_receive, args=(rx, len(plan), got, time.monotonic() + 40)
-        )
+        reader = threading.Thread(target=_receive, args=(rx, len(plan), got, time.monotonic() + 40))
         reader.start()
         for i, lane in enumerate(plan):
             name = b"%c%d" % (b"L" if lane else b"Z", i)
@@ -176,7 +174,9 @@ def job_small_collectives(pg: rc.ProcessGroup, junk: bool) -> dict[str, Any]:
     if junk and r == 0 and transport.lane_endpoint:
         # A stranger with access to the path (same user): datagrams that are not
         # ringcomm messages, and one claiming to be from a rank that does not exist.
-        forged = pack_header(Header(KIND_COLL, 99, 0, 0, 0, 0, 1, "<i8", 8, 0, None, None), b"8bytes!!")
+        forged = pack_header(
+            Header(KIND_COLL, 99, 0, 0, 0, 0, 1, "<i8", 8, 0, None, None), b"8bytes!!"
+        )
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             for frame in (b"", b"\x00garbage", b"\x9f" * 40, os.urandom(5000), forged):
                 s.sendto(frame, transport.lane_endpoint)
