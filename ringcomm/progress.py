@@ -397,6 +397,7 @@ class Engine:
         keys: Sequence[Key],
         fp: Any,
         deadline: float,
+        reply: tuple[Callable[[list[memoryview]], bytes], Sequence[int]] | None = None,
     ) -> list[memoryview] | bool:
         """The fast lane of a blocking one-step exchange (the small all_reduce, ``op``).
 
@@ -423,7 +424,10 @@ class Engine:
           receivers take over as if everything had gone the regular way. ``op`` must not
           send again. Wait for it (an error while sending fails it, as in ``_start``).
 
-        Messages for anyone else are dispatched as they arrive, as in a regular round.
+        ``reply``: ``(make, to)``: once every message is in, ``make(payloads)`` returns
+        a one-frame message (header with its payload inline, ``nbytes``) sent to each
+        global rank in ``to`` before this returns the payloads (the star all_reduce's
+        rank 0). Messages for anyone else are dispatched as they arrive, as in a regular round.
         So the fast lane keeps every guarantee of the regular path; it only skips its
         bookkeeping (inboxes, queues, rounds) while nothing else needs the engine.
         """
@@ -443,9 +447,15 @@ class Engine:
                 return False  # the regular path raises
             got: dict[Key, tuple[Header, memoryview]] = {}
             try:
-                return self._exchange(
+                got_all = self._exchange(
                     op, header, payload, nbytes, peers, keys, fp, deadline, got
                 )
+                if reply is not None and type(got_all) is list:
+                    make, to = reply
+                    frame = make(got_all)
+                    for peer in to:  # the op's only message to peer: lane-safe
+                        self.transport.send_one(peer, frame, nbytes, True)
+                return got_all
             except Exception as exc:  # noqa: BLE001 (as in _start: fail the op, not the rank)
                 err = (
                     exc

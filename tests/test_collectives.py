@@ -79,13 +79,13 @@ def matrix_cases(world_size: int, full: bool = False) -> list[Case]:
     counts = sorted({0, 1, max(n - 1, 0), n + 1, 1000})
     cases: list[Case] = []
     i = 0
-    for algo in ("ring", "rd", "direct"):
+    for algo in ("ring", "rd", "direct", "star"):
         for count in counts:
             for dt in DTYPES:  # every dtype, ops rotating
                 cases.append(("all_reduce", algo, dt.name, _op_for(dt, i), count, None, i))
                 i += 1
-    if full:  # every dtype x every op, both algorithms
-        for dt, op, algo in itertools.product(DTYPES, OPS, ("ring", "rd", "direct")):
+    if full:  # every dtype x every op, every algorithm
+        for dt, op, algo in itertools.product(DTYPES, OPS, ("ring", "rd", "direct", "star")):
             if op == "avg" and dt.kind == "b":
                 continue
             for count in (n + 1, 1000):
@@ -266,7 +266,7 @@ def _assert_results(results: list[tuple[list[str], dict[int, str | None]]]) -> N
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_matrix(world_size: int) -> None:
-    """Every collective, both all_reduce algorithms, every dtype, ops rotating, counts
+    """Every collective, every all_reduce algorithm, every dtype, ops rotating, counts
     {0, 1, n-1, n+1, 1000}, every root; at n = 3 and 5 also every dtype x every op."""
     full = world_size in (3, 5)
     results = rc.spawn(job_matrix, world_size, args=(64, full), timeout_s=280)
@@ -278,7 +278,9 @@ def job_random_floats(pg: rc.ProcessGroup) -> tuple[list[str], list[str]]:
     pg.chunk_bytes = 256
     failures, digests = [], []
     for i, (dt, algo, count) in enumerate(
-        itertools.product(("float16", "float32", "float64"), ("ring", "rd", "direct"), (7, 1000))
+        itertools.product(
+            ("float16", "float32", "float64"), ("ring", "rd", "direct", "star"), (7, 1000)
+        )
     ):
 
         def inp(r: int, i: int = i, count: int = count, dt: str = dt) -> np.ndarray:
@@ -381,6 +383,7 @@ def job_zero_copy(pg: rc.ProcessGroup) -> tuple[list[str], dict[int, str | None]
             ("all_reduce", "ring", dt, op, 20_000 + i, None, i),
             ("all_reduce", "rd", dt, op, 20_000 + i, None, i),
             ("all_reduce", "direct", dt, op, 20_000 + i, None, i),
+            ("all_reduce", "star", dt, op, 20_000 + i, None, i),
             ("reduce_scatter", "ring", dt, op, 5_000 + i, None, i),
             ("all_gather", "ring", dt, None, 20_000 + i, None, i),
             ("broadcast", "chain", dt, None, 20_000, i % n, i),

@@ -42,7 +42,11 @@ def test_registry_and_choice() -> None:
             assert get_algorithm(coll, name) is cls
             assert (cls.name, cls.algo) == (coll, name)
     assert choose_algorithm("all_reduce", None, None, 8) == "direct"
-    assert choose_algorithm("all_reduce", None, None, 8, world_size=8) == "rd"
+    assert choose_algorithm("all_reduce", None, None, 8, world_size=8) == "star"
+    assert choose_algorithm("all_reduce", None, None, 1024, world_size=3) == "star"
+    assert choose_algorithm("all_reduce", None, None, 1025, world_size=3) == "direct"
+    assert choose_algorithm("all_reduce", None, None, 8, world_size=9) == "rd"
+    assert choose_algorithm("all_reduce", None, None, 8, world_size=2) == "direct"
     assert choose_algorithm("all_reduce", None, None, 256 << 10, world_size=2) == "rd"
     assert choose_algorithm("all_reduce", None, None, 64 << 20) == "ring"
     assert choose_algorithm("all_reduce", "ring", "rd", 8) == "ring"  # keyword wins

@@ -9,7 +9,9 @@ algorithm (``algo=`` keyword, else ``RINGCOMM_ALGO``, else by size), and run it.
 =================  =========================================================
 collective         algorithms (default first)
 =================  =========================================================
-all_reduce         ``direct`` (<= :data:`ALL_REDUCE_DIRECT_MAX_BYTES` and at most
+all_reduce         ``star`` (<= :data:`ALL_REDUCE_STAR_MAX_BYTES` on 3 to
+                   :data:`ALL_REDUCE_STAR_MAX_WORLD` ranks), ``direct`` (<=
+                   :data:`ALL_REDUCE_DIRECT_MAX_BYTES` and at most
                    :data:`ALL_REDUCE_DIRECT_MAX_WORLD` ranks), ``rd``
                    (<= :data:`ALL_REDUCE_RD_MAX_BYTES`), ``ring``
 reduce_scatter     ``ring``
@@ -36,6 +38,7 @@ from .all_to_all_direct import AllToAllDirect
 from .allreduce_direct import AllReduceDirect
 from .allreduce_rd import AllReduceRd
 from .allreduce_ring import AllReduceRing
+from .allreduce_star import AllReduceStar
 from .barrier import BarrierDissemination
 from .base import Call, CollectiveOp, Comm
 from .broadcast_chain import BroadcastChain
@@ -60,7 +63,12 @@ __all__ = [
 
 #: collective -> {algorithm name -> class}; the first entry is the size-independent default.
 ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
-    "all_reduce": {"ring": AllReduceRing, "rd": AllReduceRd, "direct": AllReduceDirect},
+    "all_reduce": {
+        "ring": AllReduceRing,
+        "rd": AllReduceRd,
+        "direct": AllReduceDirect,
+        "star": AllReduceStar,
+    },
     "reduce_scatter": {"ring": ReduceScatterRing},
     "all_gather": {"ring": AllGatherRing},
     "broadcast": {"chain": BroadcastChain, "tree": BroadcastTree},
@@ -82,6 +90,14 @@ ALL_REDUCE_RD_MAX_BYTES = 512 * 1024
 #: even at W=2 (both are one exchange), 0.94-1.0 at W=5, 1.03-1.18 at W=6 and W=8.
 ALL_REDUCE_DIRECT_MAX_BYTES = 32 * 1024
 ALL_REDUCE_DIRECT_MAX_WORLD = 4
+#: all_reduce takes the star (through rank 0) up to this many bytes on 3 to
+#: ALL_REDUCE_STAR_MAX_WORLD ranks, ahead of direct and rd. Measured (2 cores, same-host
+#: lane, benchmarks/results/local_lane.md): 8 B star/direct 0.57 at W=3, 0.6 at W=4,
+#: 0.5 at W=5 and W=8 (star/rd 0.2-0.3 at W=5 and 8); 1 KiB even to 0.6 at W=4, 0.5 at
+#: W=8; 4 KiB (past the fast lane) star 1.1-1.5x direct at W=3. At W=2 direct is one
+#: exchange, the star two hops (24 vs 16 us).
+ALL_REDUCE_STAR_MAX_BYTES = 1024
+ALL_REDUCE_STAR_MAX_WORLD = 8
 #: broadcast takes the binomial tree up to this many bytes, the pipelined chain above.
 #: Measured alongside (W=4 and W=8): within noise of each other up to 4 MiB on one host,
 #: the tree a little ahead at W=8; the chain is kept for large messages, where its
@@ -126,6 +142,8 @@ def choose_algorithm(
             names = sorted({a for t in ALGORITHMS.values() for a in t})
             raise ValueError(f"RINGCOMM_ALGO={env_algo!r} names no algorithm; known: {names}")
     if collective == "all_reduce":
+        if 3 <= world_size <= ALL_REDUCE_STAR_MAX_WORLD and nbytes <= ALL_REDUCE_STAR_MAX_BYTES:
+            return "star"
         if nbytes <= ALL_REDUCE_DIRECT_MAX_BYTES and world_size <= ALL_REDUCE_DIRECT_MAX_WORLD:
             return "direct"
         return "rd" if nbytes <= ALL_REDUCE_RD_MAX_BYTES else "ring"
