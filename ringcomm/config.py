@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ringcomm.errors import RendezvousError
 
 __all__ = [
+    "BIND_MODES",
     "DEFAULT_TIMEOUT_S",
     "InitConfig",
     "parse_size",
@@ -41,6 +42,8 @@ __all__ = [
 
 #: The group's default per-call deadline when neither ``timeout_s=`` nor RINGCOMM_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = 300.0
+#: RINGCOMM_BIND values (see InitConfig.bind).
+BIND_MODES = ("none", "core")
 #: Where a group of more than one process looks for the store when no address is given.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -142,6 +145,9 @@ class InitConfig:
     #: Small collective messages to peers on this host take AF_UNIX datagrams instead of
     #: zmq (``RINGCOMM_LOCAL_LANE``, default on; see ringcomm.transport.unix_lane).
     local_lane: bool = True
+    #: ``"core"``: the thread that joins the group runs on one core, local rank modulo
+    #: the cores it may use (``RINGCOMM_BIND``; default ``"none"``: the OS places it).
+    bind: str = "none"
 
 
 @dataclass(frozen=True)
@@ -431,6 +437,9 @@ def resolve_init_config(
             raise RendezvousError(f"{name} must be > 0, got {text!r}")
         caps.append(value)
 
+    bind = (env.get("RINGCOMM_BIND") or "none").strip().lower()
+    if bind not in BIND_MODES:
+        raise RendezvousError(f"RINGCOMM_BIND must be one of {BIND_MODES}, got {bind!r}")
     lane_f = _env_setting(env, "RINGCOMM_LOCAL_LANE")
     local_lane = _parse_bool(lane_f) if lane_f is not None else True
 
@@ -457,6 +466,7 @@ def resolve_init_config(
         max_unexpected_messages=caps[0],
         max_unexpected_bytes=caps[1],
         local_lane=local_lane,
+        bind=bind,
     )
 
 

@@ -422,6 +422,20 @@ class ProcessGroup:
             pass
 
 
+def _bind_to_core(local_rank: int) -> None:
+    """Run the calling thread (the one driving this rank's collectives) on one core:
+    ``local_rank`` modulo the cores it may use. Threads started before (libzmq's I/O
+    thread) keep their placement; threads started later by this one inherit it.
+
+    Why (RINGCOMM_BIND=core): with more ranks than cores, the OS moving ranks between
+    cores made the 8-byte all_reduce bimodal here (W=4 on 2 cores: 62-73 us or ~115 us,
+    job to job); bound, it stayed at 62-68 us, and large messages were unchanged
+    (benchmarks/results/local_lane.md).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+
+
 def _enable_debug_log() -> None:
     """RINGCOMM_LOG=debug: op start/end lines on stderr (unless the app set up logging)."""
     logger = logging.getLogger("ringcomm")
@@ -543,6 +557,8 @@ def init_process_group(
                 if info.lane is not None and endpoint.startswith("ipc://"):
                     net.set_peer_lane(r, info.lane)
         net.connect_all()  # every peer, now: liveness is watched on these connections
+        if cfg.bind == "core":
+            _bind_to_core(cfg.local_rank)
         engine = Engine(net, cfg.rank)
         if cfg.max_unexpected_messages is not None:
             engine.max_unexpected_messages = cfg.max_unexpected_messages

@@ -131,6 +131,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "host-staged (NumPy through the staging path CuPy takes); several, comma-separated, "
         "run side by side with ratios of the first over the others (e.g. cuda,host)",
     )
+    p.add_argument(
+        "--bind",
+        choices=("none", "core"),
+        default=None,
+        help="core: each spawned rank's driving thread on one core, rank modulo the cores "
+        "(RINGCOMM_BIND; Gloo's threads, started later, inherit it); default: as inherited",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw and time vs size")
     p.add_argument("--hostfile", metavar="FILE", help="multi-host (not implemented yet)")
     p.add_argument(
@@ -204,6 +211,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         quiet=args.quiet,
         mpi_tcp=args.mpi_tcp,
         devices=devices,
+        bind=args.bind,
     )
     _check_available(config, args.plot)
     return config
@@ -255,6 +263,9 @@ def preamble(config: BenchConfig) -> str:
     versus = f"; compared with {config.compare}" if config.compare else ""
     if config.devices != ("host",):
         versus += f"; buffers on {', '.join(config.devices)}"
+    bind = config.bind or os.environ.get("RINGCOMM_BIND") or "none"
+    if bind != "none":
+        versus += f"; ranks bound to cores ({bind})"
     lines = [
         (
             f"# ringcomm bench {config.op}: nranks {config.world_size} minBytes {config.begin} "

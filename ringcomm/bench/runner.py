@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 from .report import Result, summarize
@@ -24,6 +25,9 @@ def run(config: BenchConfig) -> list[Result]:
     from ringcomm.launch import spawn
 
     from .collectives import rank_main
+
+    if config.bind is not None:  # the ranks read it in init_process_group
+        os.environ["RINGCOMM_BIND"] = config.bind
 
     if config.compare != "mpi":
         per_rank = spawn(rank_main, config.world_size, args=(config,), timeout_s=config.timeout_s)

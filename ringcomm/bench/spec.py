@@ -133,6 +133,7 @@ class BenchConfig:
     seed: int = 1234
     mpi_tcp: bool = False  # mpirun --mca btl tcp,self (like-for-like with sockets)
     devices: tuple[str, ...] = ("host",)  # where ringcomm's buffers live (DEVICES)
+    bind: str | None = None  # RINGCOMM_BIND for the spawned ranks (None: as inherited)
 
     @property
     def impls(self) -> tuple[str, ...]:

@@ -119,6 +119,9 @@ class _GroupEntry:
     def __call__(self, rank: int, world_size: int) -> Any:
         from ringcomm.group import init_process_group  # lazy: only the children need it
 
+        # Every rank of a spawned job runs on this host: its rank is its local rank (what
+        # RINGCOMM_BIND=core places by), as torchrun's LOCAL_RANK would say.
+        os.environ["RINGCOMM_LOCAL_RANK"] = str(rank)
         pg = init_process_group(
             rank,
             world_size,
