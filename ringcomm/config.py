@@ -145,6 +145,9 @@ class InitConfig:
     #: Small collective messages to peers on this host take AF_UNIX datagrams instead of
     #: zmq (``RINGCOMM_LOCAL_LANE``, default on; see ringcomm.transport.unix_lane).
     local_lane: bool = True
+    #: Large payloads to peers on this host go through shared memory (``RINGCOMM_SHM``,
+    #: default on where the lane is; see ringcomm.transport.shm_lane).
+    shm: bool = True
     #: ``"core"``: the thread that joins the group runs on one core, local rank modulo
     #: the cores it may use (``RINGCOMM_BIND``; default ``"none"``: the OS places it).
     bind: str = "none"
@@ -442,6 +445,8 @@ def resolve_init_config(
         raise RendezvousError(f"RINGCOMM_BIND must be one of {BIND_MODES}, got {bind!r}")
     lane_f = _env_setting(env, "RINGCOMM_LOCAL_LANE")
     local_lane = _parse_bool(lane_f) if lane_f is not None else True
+    shm_f = _env_setting(env, "RINGCOMM_SHM")
+    shm = _parse_bool(shm_f) if shm_f is not None else True
 
     if host_store is not None:
         store_external = not host_store
@@ -466,6 +471,7 @@ def resolve_init_config(
         max_unexpected_messages=caps[0],
         max_unexpected_bytes=caps[1],
         local_lane=local_lane,
+        shm=shm,
         bind=bind,
     )
 

@@ -359,6 +359,7 @@ class ProcessGroup:
             "auth_failures": t.auth_failures,
             "failed_peers": len(e.failed_peers),
             "lane_messages": t.lane_messages,
+            "shm_pieces": t.shm_pieces,
             "lane_fallbacks": t.lane_fallbacks,
         }
 
@@ -525,6 +526,7 @@ def init_process_group(
             token=cfg.token,
             security=cfg.security,
             lane=cfg.local_lane,
+            shm=cfg.shm,
         )
         me = EndpointInfo(
             rank=cfg.rank,
@@ -557,6 +559,10 @@ def init_process_group(
                 if info.lane is not None and endpoint.startswith("ipc://"):
                     net.set_peer_lane(r, info.lane)
         net.connect_all()  # every peer, now: liveness is watched on these connections
+        try:
+            net.setup_shm(cfg.timeout_s)
+        except RingcommError as exc:
+            raise RendezvousError(f"{label}: {exc}") from exc
         if cfg.bind == "core":
             _bind_to_core(cfg.local_rank)
         engine = Engine(net, cfg.rank)

@@ -940,7 +940,7 @@ class Engine:
             return header, memoryview(inline)
         if more:
             # Small payloads are copied out of libzmq (cheaper than a zero-copy frame).
-            payload = transport.recv_payload(copy=header.nbytes < ZERO_COPY_MIN_BYTES)
+            payload = transport.recv_payload(header.nbytes < ZERO_COPY_MIN_BYTES, header.src)
             if payload is False:
                 self.dropped_frames += 1
                 return False

@@ -31,6 +31,7 @@ Jobs that ask for encryption (``RINGCOMM_SECURITY=curve``) do not use the lane.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import socket
@@ -68,6 +69,9 @@ class UnixLane:
         self.fallbacks = 0  # peers that left the lane
         self.full = 0  # sends refused by a full queue (the message went over zmq)
         self.sent = 0  # datagrams sent
+        # Messages that came in while recv_fds looked for descriptors (recv hands them
+        # out first, in the order they came).
+        self._early: collections.deque[bytes] = collections.deque()
         self._closed = False
 
     def connect(self, peer: int, path: str) -> bool:
@@ -105,8 +109,41 @@ class UnixLane:
         self.sent += 1
         return True
 
+    def send_fd(self, peer: int, data: bytes, fd: int) -> bool | None:
+        """Pass descriptor ``fd`` to ``peer`` with ``data`` (SCM_RIGHTS); None if its
+        queue is full (try again), False if there is no lane to it."""
+        sock = self._tx.get(peer)
+        if sock is None:
+            return False
+        try:
+            socket.send_fds(sock, [data], [fd])
+        except BlockingIOError:
+            return None
+        except OSError:
+            return False
+        return True
+
+    def recv_fds(self) -> tuple[bytes, list[int]] | None:
+        """The next datagram that carries descriptors, or None if none is waiting; other
+        datagrams met on the way are kept for :meth:`recv`."""
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self._rx, LANE_RECV_BYTES, 4)
+            except (BlockingIOError, InterruptedError):
+                return None
+            if fds:
+                return data, fds
+            self._early.append(data)
+
+    @property
+    def holding(self) -> bool:
+        """Datagrams are waiting in ``_early`` (a poll of the socket does not see them)."""
+        return bool(self._early)
+
     def recv(self) -> bytes | None:
         """The next datagram, or None when none is waiting (never blocks)."""
+        if self._early:
+            return self._early.popleft()
         try:
             return self._rx.recv(LANE_RECV_BYTES)
         except (BlockingIOError, InterruptedError):

@@ -48,7 +48,9 @@ import zmq
 from zmq.utils import z85
 
 from ..errors import RingcommError
+from . import shm_lane
 from .endpoints import ipc_path
+from .shm_lane import ShmSegments
 from .unix_lane import UnixLane
 from .wire import ZERO_COPY_MIN_BYTES
 
@@ -151,6 +153,7 @@ class ZmqTransport:
         heartbeat_timeout_s: float = 4.0,
         rcv_hwm: int = 0,
         lane: bool = False,
+        shm: bool = False,
     ) -> None:
         if security not in SECURITY_MODES:
             raise ValueError(f"security must be one of {SECURITY_MODES}, got {security!r}")
@@ -213,6 +216,11 @@ class ZmqTransport:
             else:
                 self.lane_endpoint = self._lane.path
                 self._poll_items.append((self._lane.fileno, _POLLIN))
+        # Large payloads to same-host peers through shared memory (shm_lane.py): set up
+        # over the lane by setup_shm, once every peer's lane is known.
+        self._shm: ShmSegments | None = (
+            ShmSegments(rank) if shm and self._lane is not None and shm_lane.AVAILABLE else None
+        )
         self.sent_bytes = 0
         self.sent_messages = 0
 
@@ -248,6 +256,55 @@ class ZmqTransport:
     def lane_fallbacks(self) -> int:
         """Peers that left the lane (a full queue or a closed socket; unix_lane.py)."""
         return 0 if self._lane is None else self._lane.fallbacks
+
+    def setup_shm(self, timeout_s: float) -> list[int]:
+        """Exchange shared-memory segments with every peer we have a lane to (each sends
+        its segment's descriptor through the lane; shm_lane.py); return those peers.
+        Every such peer must do the same within ``timeout_s``: RingcommError if not."""
+        shm, lane = self._shm, self._lane
+        if shm is None or lane is None:
+            return []
+        peers = [p for p in self._peer_endpoints if lane.has(p)]
+        data = shm_lane.SHM_TAG + b"%d:%d" % (self.rank, shm.segment_bytes())
+        to_send = {p: shm.outgoing_fd(p) for p in peers}
+        waiting = set(peers)
+        deadline = time.monotonic() + timeout_s
+        while to_send or waiting:
+            for p, fd in list(to_send.items()):
+                if lane.send_fd(p, data, fd) is not None:  # sent, or no lane after all
+                    del to_send[p]
+            got = lane.recv_fds()
+            if got is not None:
+                self._attach_shm(got, waiting)
+            elif time.monotonic() > deadline:
+                raise RingcommError(
+                    f"rank {self.rank}: no shared-memory segment from ranks "
+                    f"{sorted(waiting)} within {timeout_s:g} s"
+                    if waiting
+                    else f"rank {self.rank}: could not pass segments to ranks {sorted(to_send)}"
+                )
+            else:
+                time.sleep(0.0005)
+        return peers
+
+    def _attach_shm(self, got: tuple[bytes, list[int]], waiting: set[int]) -> None:
+        data, fds = got
+        shm = self._shm
+        assert shm is not None
+        fields = data[len(shm_lane.SHM_TAG) :].split(b":")
+        ok = data.startswith(shm_lane.SHM_TAG) and len(fds) == 1 and len(fields) == 2
+        if ok and all(f.isdigit() for f in fields):
+            peer, size = int(fields[0]), int(fields[1])
+            if peer in waiting and shm.attach(peer, fds[0], size):
+                waiting.discard(peer)
+                return
+        for fd in fds:
+            os.close(fd)
+
+    @property
+    def shm_pieces(self) -> int:
+        """Pieces sent through shared memory instead of the socket."""
+        return 0 if self._shm is None else self._shm.sent
 
     @property
     def lane_messages(self) -> int:
@@ -328,6 +385,15 @@ class ZmqTransport:
         libzmq may still read the payload's memory: do not modify it.
         """
         sock = self._tx.get(peer) or self._socket_to(peer)
+        shm = self._shm
+        if shm is not None and nbytes >= ZERO_COPY_MIN_BYTES:
+            ref = shm.put(peer, payload, nbytes)  # copied: the caller's buffer is free
+            if ref is not None:
+                sock.send(header, _SNDMORE_NOBLOCK, copy=True)
+                sock.send(ref, _NOBLOCK, copy=True)
+                self.sent_bytes += nbytes
+                self.sent_messages += 1
+                return None
         sock.send(header, _SNDMORE_NOBLOCK, copy=True)
         tracker: Tracker | None = None
         if nbytes >= ZERO_COPY_MIN_BYTES:
@@ -373,6 +439,8 @@ class ZmqTransport:
         two cores; benchmarks/results/local_lane.md).
         """
         if self._stash is not None:  # a zmq message recv_first took out is waiting
+            return True
+        if self._lane is not None and self._lane.holding:
             return True
         if spin_s > 0.0:
             items = self._poll_items
@@ -438,10 +506,13 @@ class ZmqTransport:
             return None
         return first, bool(rx.getsockopt(_RCVMORE))
 
-    def recv_payload(self, copy: bool) -> memoryview | bool:
-        """The payload frame after a header: copied (small) or in place in libzmq's buffer.
+    def recv_payload(self, copy: bool, src: int = -1) -> memoryview | bool:
+        """The payload frame after a header: copied (small) or in place in libzmq's buffer,
+        or in place in a shared-memory slot when the frame is a reference to one from
+        ``src`` (the header's sender; shm_lane.py).
 
-        Returns ``False`` when the message has more than two frames (the rest is consumed).
+        Returns ``False`` when the message has more than two frames (the rest is consumed)
+        or refers to a slot that is not valid.
         """
         rx = self._rx
         if copy:
@@ -454,6 +525,11 @@ class ZmqTransport:
             while rx.getsockopt(_RCVMORE):
                 rx.recv()
             return False
+        if self._shm is not None and shm_lane.is_ref(data):
+            view = self._shm.take(data, src)
+            if view is None:
+                return False
+            return memoryview(bytes(view)) if copy else view
         return data
 
     def wake(self) -> None:
@@ -487,6 +563,8 @@ class ZmqTransport:
         self._ctx.term()
         if self._lane is not None:
             self._lane.close()
+        if self._shm is not None:
+            self._shm.close()
         for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if fd is not None:
                 try:
