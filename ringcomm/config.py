@@ -43,7 +43,7 @@ __all__ = [
 #: The group's default per-call deadline when neither ``timeout_s=`` nor RINGCOMM_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = 300.0
 #: RINGCOMM_BIND values (see InitConfig.bind).
-BIND_MODES = ("none", "core")
+BIND_MODES = ("auto", "none", "core")
 #: Where a group of more than one process looks for the store when no address is given.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -57,6 +57,7 @@ _CONVENTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
             "rank": "RINGCOMM_RANK",
             "world_size": "RINGCOMM_WORLD_SIZE",
             "local_rank": "RINGCOMM_LOCAL_RANK",
+            "local_world_size": "RINGCOMM_LOCAL_WORLD_SIZE",
             "master_addr": "RINGCOMM_MASTER_ADDR",
             "master_port": "RINGCOMM_MASTER_PORT",
         },
@@ -68,6 +69,7 @@ _CONVENTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
             "rank": "RANK",
             "world_size": "WORLD_SIZE",
             "local_rank": "LOCAL_RANK",
+            "local_world_size": "LOCAL_WORLD_SIZE",
             "master_addr": "MASTER_ADDR",
             "master_port": "MASTER_PORT",
         },
@@ -79,6 +81,7 @@ _CONVENTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
             "rank": "OMPI_COMM_WORLD_RANK",
             "world_size": "OMPI_COMM_WORLD_SIZE",
             "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+            "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
             "master_addr": None,
             "master_port": None,
         },
@@ -90,6 +93,7 @@ _CONVENTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
             "rank": "PMI_RANK",
             "world_size": "PMI_SIZE",
             "local_rank": "MPI_LOCALRANKID",
+            "local_world_size": "MPI_LOCALNRANKS",
             "master_addr": None,
             "master_port": None,
         },
@@ -101,6 +105,7 @@ _CONVENTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
             "rank": "SLURM_PROCID",
             "world_size": "SLURM_NTASKS",
             "local_rank": "SLURM_LOCALID",
+            "local_world_size": None,
             "master_addr": None,
             "master_port": None,
         },
@@ -149,8 +154,12 @@ class InitConfig:
     #: default on where the lane is; see ringcomm.transport.shm_lane).
     shm: bool = True
     #: ``"core"``: the thread that joins the group runs on one core, local rank modulo
-    #: the cores it may use (``RINGCOMM_BIND``; default ``"none"``: the OS places it).
-    bind: str = "none"
+    #: the cores it may use; ``"auto"`` (the default): so when the host has more ranks
+    #: than those cores (``local_world_size`` known), else as ``"none"``: the OS places
+    #: it (``RINGCOMM_BIND``).
+    bind: str = "auto"
+    #: Ranks on this host, from the launcher (``LOCAL_WORLD_SIZE`` and the like), or None.
+    local_world_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -367,6 +376,12 @@ def resolve_init_config(
         local_rank = _as_int(local_f)
         if local_rank < 0:
             raise RendezvousError(f"{local_f.describe()} must be >= 0 {_origin(local_f)}")
+    local_world_size = None
+    local_ws_f = _lookup(env, "local_world_size")
+    if local_ws_f is not None:
+        local_world_size = _as_int(local_ws_f)
+        if local_world_size < 1:
+            raise RendezvousError(f"{local_ws_f.describe()} must be >= 1 {_origin(local_ws_f)}")
 
     addr = str(addr_f.value) if addr_f is not None else None
     port = _as_int(port_f) if port_f is not None else None
@@ -440,7 +455,7 @@ def resolve_init_config(
             raise RendezvousError(f"{name} must be > 0, got {text!r}")
         caps.append(value)
 
-    bind = (env.get("RINGCOMM_BIND") or "none").strip().lower()
+    bind = (env.get("RINGCOMM_BIND") or "auto").strip().lower()
     if bind not in BIND_MODES:
         raise RendezvousError(f"RINGCOMM_BIND must be one of {BIND_MODES}, got {bind!r}")
     lane_f = _env_setting(env, "RINGCOMM_LOCAL_LANE")
@@ -473,6 +488,7 @@ def resolve_init_config(
         local_lane=local_lane,
         shm=shm,
         bind=bind,
+        local_world_size=local_world_size,
     )
 
 

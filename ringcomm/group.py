@@ -428,10 +428,14 @@ def _bind_to_core(local_rank: int) -> None:
     ``local_rank`` modulo the cores it may use. Threads started before (libzmq's I/O
     thread) keep their placement; threads started later by this one inherit it.
 
-    Why (RINGCOMM_BIND=core): with more ranks than cores, the OS moving ranks between
-    cores made the 8-byte all_reduce bimodal here (W=4 on 2 cores: 62-73 us or ~115 us,
-    job to job); bound, it stayed at 62-68 us, and large messages were unchanged
-    (benchmarks/results/local_lane.md).
+    Why (``RINGCOMM_BIND``, by default when a host has more ranks than cores):
+    with 4 ranks on 2 cores the OS left 3 ranks on one core in about half the jobs (it
+    does not move tasks that ran within the last half millisecond, and ranks waiting for
+    small messages always have), and the 8-byte all_reduce took ~115 instead of ~65 us;
+    bound round-robin it stayed at 62-68 us (benchmarks/results/local_lane.md). Such
+    ranks get less than a core each anyway (torchrun, for the same reason, starts them
+    with OMP_NUM_THREADS=1). Not with as many ranks as cores: bound, large messages lost
+    ~10% there (W=2 on 2 cores), and unbound their small ones were steady.
     """
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
@@ -563,7 +567,11 @@ def init_process_group(
             net.setup_shm(cfg.timeout_s)
         except RingcommError as exc:
             raise RendezvousError(f"{label}: {exc}") from exc
-        if cfg.bind == "core":
+        if cfg.bind == "core" or (
+            cfg.bind == "auto"
+            and cfg.local_world_size is not None
+            and cfg.local_world_size > len(os.sched_getaffinity(0))
+        ):
             _bind_to_core(cfg.local_rank)
         engine = Engine(net, cfg.rank)
         if cfg.max_unexpected_messages is not None:

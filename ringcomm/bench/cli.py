@@ -133,10 +133,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bind",
-        choices=("none", "core"),
+        choices=("auto", "none", "core"),
         default=None,
-        help="core: each spawned rank's driving thread on one core, rank modulo the cores "
-        "(RINGCOMM_BIND; Gloo's threads, started later, inherit it); default: as inherited",
+        help="core: each rank's driving thread on one core, rank modulo the cores (Gloo's "
+        "threads, started later, inherit it); auto: so when ranks > cores; default: "
+        "RINGCOMM_BIND, else auto",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw and time vs size")
     p.add_argument("--hostfile", metavar="FILE", help="multi-host (not implemented yet)")
@@ -263,9 +264,9 @@ def preamble(config: BenchConfig) -> str:
     versus = f"; compared with {config.compare}" if config.compare else ""
     if config.devices != ("host",):
         versus += f"; buffers on {', '.join(config.devices)}"
-    bind = config.bind or os.environ.get("RINGCOMM_BIND") or "none"
-    if bind != "none":
-        versus += f"; ranks bound to cores ({bind})"
+    bind = config.bind or os.environ.get("RINGCOMM_BIND") or "auto"
+    if bind == "core" or (bind == "auto" and config.world_size > len(os.sched_getaffinity(0))):
+        versus += "; each rank bound to a core"
     lines = [
         (
             f"# ringcomm bench {config.op}: nranks {config.world_size} minBytes {config.begin} "

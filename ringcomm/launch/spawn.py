@@ -119,9 +119,10 @@ class _GroupEntry:
     def __call__(self, rank: int, world_size: int) -> Any:
         from ringcomm.group import init_process_group  # lazy: only the children need it
 
-        # Every rank of a spawned job runs on this host: its rank is its local rank (what
-        # RINGCOMM_BIND=core places by), as torchrun's LOCAL_RANK would say.
+        # Every rank of a spawned job runs on this host: its rank is its local rank and
+        # the job's size the host's (what RINGCOMM_BIND goes by), as torchrun says them.
         os.environ["RINGCOMM_LOCAL_RANK"] = str(rank)
+        os.environ["RINGCOMM_LOCAL_WORLD_SIZE"] = str(world_size)
         pg = init_process_group(
             rank,
             world_size,
