@@ -129,25 +129,30 @@ class AllReduceDirect(CollectiveOp):
             self.post_inboxes()
             return
         self.plan = plan = self._plan()
-        spans = plan.spans
-        npieces = len(spans)
-        self.pieces = [None] * (n * npieces)
+        self.pieces = [None] * (n * len(plan.spans))
         if not self._sent_early:
-            private = x.tobytes()  # one copy for all peers, never written
-            if npieces == 1:
-                self.send_to_each(plan.peers, 0, private, plan.dtype, track=False)
-            else:
-                view = memoryview(private)
-                for peer in plan.peers:
-                    self.will_send(peer, 1)
-                    for j, (off, length) in enumerate(spans):
-                        self.send_piece(
-                            peer, 0, j, npieces, len(private), off, view[off : off + length],
-                            plan.dtype, track=False,
-                        )  # fmt: skip
+            self.send_whole(plan.peers, x.tobytes())  # one copy for all peers, never written
         for peer in plan.peers:
             self.expect(peer, 1)
         self.post_inboxes()
+
+    def send_whole(self, peers: list[int], private: bytes) -> None:
+        """Send ``private`` (a copy of the buffer nobody writes) to each of ``peers`` as
+        one message, cut into the plan's pieces."""
+        plan = self.plan
+        spans = plan.spans
+        npieces = len(spans)
+        if npieces == 1:
+            self.send_to_each(peers, 0, private, plan.dtype, track=False)
+            return
+        view = memoryview(private)
+        for peer in peers:
+            self.will_send(peer, 1)
+            for j, (off, length) in enumerate(spans):
+                self.send_piece(
+                    peer, 0, j, npieces, len(private), off, view[off : off + length],
+                    plan.dtype, track=False,
+                )  # fmt: skip
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         spans = self.plan.spans
@@ -158,11 +163,15 @@ class AllReduceDirect(CollectiveOp):
         self.pieces[peer * len(spans) + header.piece] = payload
 
     def all_received(self) -> None:
+        if self.n > 1:
+            self.reduce_all()
+
+    def reduce_all(self) -> None:
+        """Every rank's buffer is in (``pieces``, ours is ``x``): reduce them in rank
+        order straight into ``x``."""
         x, op = self.call.x, self.call.op
         assert x is not None and op is not None
         n = self.n
-        if n == 1:
-            return
         plan = self.plan
         me, pieces, dtype = self.rank, self.pieces, x.dtype
         # Everything arrived and fits (on_data checked each piece), so nothing can fail
