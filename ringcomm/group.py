@@ -540,6 +540,7 @@ def init_process_group(
             pid=os.getpid(),
             version=__version__,
             lane=net.lane_endpoint,
+            shm=net.shm_enabled,
         )
         infos = {cfg.rank: me}
         if cfg.world_size > 1 or cfg.store_external:
@@ -564,7 +565,7 @@ def init_process_group(
                     net.set_peer_lane(r, info.lane)
         net.connect_all()  # every peer, now: liveness is watched on these connections
         try:
-            net.setup_shm(cfg.timeout_s)
+            net.setup_shm([r for r, info in infos.items() if info.shm], cfg.timeout_s)
         except RingcommError as exc:
             raise RendezvousError(f"{label}: {exc}") from exc
         if cfg.bind == "core" or (

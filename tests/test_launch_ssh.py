@@ -267,7 +267,7 @@ def test_rank_exiting_7_stops_all_and_sets_the_status(cluster: SshdHosts, tag: s
         str(SCRIPTS / "exit_code.py"),
         "1",
         "7",
-        "0.5",
+        "3",  # long enough for every rank to start and say ready, even on a loaded host
         f"--tag={tag}",
         tag=tag,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from typing import Any
 
@@ -82,6 +83,43 @@ def test_close_with_a_payload_still_viewed() -> None:
     assert view is not None and bytes(view[:3]) == b"zzz"
     del view
     gc.collect()
+
+
+def test_transports_set_up_segments_and_a_piece_goes_through_one() -> None:
+    from ringcomm.transport.zmq_transport import ZmqTransport
+
+    ts = [ZmqTransport(r, lane=True, shm=r < 2) for r in range(3)]  # rank 2: no shm
+    try:
+        for t in ts:
+            for peer in ts:
+                if peer is not t:
+                    t.set_peer_endpoint(peer.rank, peer.ipc_endpoint or "")
+                    assert t.set_peer_lane(peer.rank, peer.lane_endpoint or "")
+        assert [t.shm_enabled for t in ts] == [True, True, False]
+        takers = [r for r, t in enumerate(ts) if t.shm_enabled]  # what ranks publish
+        done: dict[int, list[int]] = {}
+        threads = [
+            threading.Thread(target=lambda t=t: done.update({t.rank: t.setup_shm(takers, 10)}))
+            for t in ts
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(15)
+        assert done == {0: [1], 1: [0], 2: []}  # rank 2 is left out, nobody waits for it
+        x = np.arange(1 << 16, dtype=np.float32)
+        assert ts[0].send(1, b"hdr", memoryview(x), x.nbytes) is None  # no tracker: copied
+        assert ts[0].send(2, b"hdr", memoryview(x), x.nbytes) is not None  # zmq, zero-copy
+        assert ts[0].shm_pieces == 1
+        assert ts[1].poll(5)
+        first = ts[1].recv_first(True)
+        assert first == (b"hdr", True)
+        payload = ts[1].recv_payload(False, src=0)
+        assert isinstance(payload, memoryview) and payload.readonly
+        assert np.array_equal(np.frombuffer(payload, np.float32), x)
+    finally:
+        for t in ts:
+            t.close(0.0)
 
 
 # -- jobs ----------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ class EndpointInfo:
     version: str
     #: The same-host lane's socket path (transport/unix_lane.py), None without one.
     lane: str | None = None
+    #: Takes part in the shared-memory lane (transport/shm_lane.py) with lane peers.
+    shm: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +50,7 @@ class EndpointInfo:
             "pid": self.pid,
             "version": self.version,
             "lane": self.lane,
+            "shm": self.shm,
         }
 
     @classmethod
@@ -60,6 +63,7 @@ class EndpointInfo:
             pid=int(d["pid"]),
             version=str(d["version"]),
             lane=d.get("lane"),
+            shm=bool(d.get("shm", False)),
         )
 
 

@@ -26,6 +26,12 @@ credential: one check per connection, nothing per message; the credential can be
 by someone who can sniff the network, never the token) and ``"curve"`` (CurveZMQ with key
 pairs derived from the token: authenticated and encrypted, every byte through libsodium).
 
+Peers on the same host get two more paths (both optional, both keeping this socket's
+message order): one-frame collective messages as AF_UNIX datagrams (unix_lane.py, read
+before any zmq message sent after them, :meth:`recv_first`), and payloads of 64 KiB and
+more through shared-memory slots, the zmq message carrying a reference (shm_lane.py,
+segments exchanged by :meth:`setup_shm` when the group forms).
+
 Copies on the hot path: a large payload is sent zero-copy (libzmq reads the caller's
 buffer from its I/O thread; the returned tracker says when it is done with it), so sending
 costs one kernel copy; receiving costs one kernel copy into a libzmq message, which the
@@ -254,17 +260,23 @@ class ZmqTransport:
 
     @property
     def lane_fallbacks(self) -> int:
-        """Peers that left the lane (a full queue or a closed socket; unix_lane.py)."""
+        """Peers that left the lane (their socket was gone; unix_lane.py)."""
         return 0 if self._lane is None else self._lane.fallbacks
 
-    def setup_shm(self, timeout_s: float) -> list[int]:
-        """Exchange shared-memory segments with every peer we have a lane to (each sends
-        its segment's descriptor through the lane; shm_lane.py); return those peers.
-        Every such peer must do the same within ``timeout_s``: RingcommError if not."""
+    @property
+    def shm_enabled(self) -> bool:
+        """This rank takes part in the shared-memory lane (what it tells its peers)."""
+        return self._shm is not None
+
+    def setup_shm(self, peers: Collection[int], timeout_s: float) -> list[int]:
+        """Exchange shared-memory segments with those of ``peers`` (the ones that said they
+        take part) we have a lane to: each sends its segment's descriptor through the lane
+        (shm_lane.py). Returns the peers set up; every one of them must do the same within
+        ``timeout_s``: RingcommError if not."""
         shm, lane = self._shm, self._lane
         if shm is None or lane is None:
             return []
-        peers = [p for p in self._peer_endpoints if lane.has(p)]
+        peers = sorted(p for p in peers if lane.has(p))
         data = shm_lane.SHM_TAG + b"%d:%d" % (self.rank, shm.segment_bytes())
         to_send = {p: shm.outgoing_fd(p) for p in peers}
         waiting = set(peers)
