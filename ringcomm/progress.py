@@ -488,9 +488,10 @@ class Engine:
         """The body of exchange (driver lock held, the engine idle)."""
         transport = self.transport
         for peer in peers:
-            if payload is None:  # the op's first and only message to peer: lane-safe
+            # The op's first and only message to peer: lane-safe.
+            if payload is None:
                 transport.send_one(peer, header, nbytes, True)
-            else:
+            elif not transport.send_lane(peer, header, payload, nbytes):
                 transport.send(peer, header, payload, nbytes)  # copied: below zero-copy size
         for key in keys:  # what arrived before we asked, as post would feed it
             waiting = self._unexpected.get(key)
@@ -586,6 +587,12 @@ class Engine:
         (ZmqTransport.send_one).
         """
         return self.transport.send_one(peer, frame, nbytes, lane)
+
+    def send_lane(self, peer: int, header: bytes, payload: Any, nbytes: int) -> bool:
+        """Send a header and its payload to global rank ``peer`` as one same-host lane
+        datagram, copied now; False (nothing sent) if it cannot go that way (see
+        :meth:`send_frame` for when it may)."""
+        return self.transport.send_lane(peer, header, payload, nbytes)
 
     def send_packed(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
         """Queue one message whose header is packed already; a tracker if it went zero-copy.

@@ -21,7 +21,7 @@ import pytest
 import ringcomm as rc
 from ringcomm.config import resolve_init_config
 from ringcomm.errors import RendezvousError
-from ringcomm.transport.unix_lane import UnixLane
+from ringcomm.transport.unix_lane import PARTS_TAG, UnixLane
 from ringcomm.transport.wire import KIND_COLL, Header, pack_header
 from ringcomm.transport.zmq_transport import ZmqTransport
 
@@ -40,6 +40,24 @@ def test_datagrams_arrive_whole_and_in_order() -> None:
         assert b.recv() is None
         assert (a.sent, a.fallbacks) == (9, 0)
         assert not a.send(0, b"x") and a.fallbacks == 0  # no lane to 0: not a fallback
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_header_and_its_payload_travel_as_one_datagram() -> None:
+    a, b = UnixLane(0), UnixLane(1)
+    try:
+        a.connect(1, b.path)
+        payload = np.arange(5000, dtype=np.int32)
+        assert a.send_parts(1, b"\x9fheader", memoryview(payload))
+        got = b.recv()
+        assert got is not None and got[0] == PARTS_TAG
+        parts = UnixLane.split(got)
+        assert parts is not None and parts[0] == b"\x9fheader"
+        assert np.array_equal(np.frombuffer(parts[1], np.int32), payload)
+        assert UnixLane.split(b"\x9f" + bytes(10)) is None  # a one-frame message
+        assert UnixLane.split(bytes([PARTS_TAG]) + (99).to_bytes(4, "little") + b"x") is None
     finally:
         a.close()
         b.close()
@@ -121,9 +139,13 @@ def test_a_datagram_sent_before_a_zmq_message_is_received_before_it(seed: int) -
         reader.start()
         for i, lane in enumerate(plan):
             name = b"%c%d" % (b"L" if lane else b"Z", i)
-            if lane:
+            if lane and i % 2:
                 # A full queue sends it over zmq (then it is ordered as one).
                 plan[i] = tx.send_one(1, name, 0, lane=True)
+            elif lane:  # a header and its payload in one datagram
+                plan[i] = tx.send_lane(1, name, b"p" * 3000, 3000)
+                if not plan[i]:
+                    tx.send(1, name, b"p" * 3000, 3000)
             elif i % 3:
                 tx.send_one(1, name, 0)  # one frame over zmq
             else:

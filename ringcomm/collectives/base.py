@@ -492,8 +492,7 @@ class CollectiveOp(Op):
         tracker = None
         if nbytes < INLINE_MAX_BYTES and to != self._me_global:
             self._send_frame(peer, to, template.pack(self.seq, bytes(payload)), nbytes)
-        else:
-            self._went_zmq(peer)
+        elif not self._send_lane(peer, to, template.pack(self.seq), payload, nbytes):
             tracker = self.engine.send_packed(to, template.pack(self.seq), payload, nbytes)
             if track and tracker is not None:
                 self.add_tracker(tracker)
@@ -521,7 +520,8 @@ class CollectiveOp(Op):
             return
         header = template.pack(self.seq)
         for peer in peers:
-            self._went_zmq(peer)
+            if self._send_lane(peer, ranks[peer], header, payload, nbytes):
+                continue
             tracker = send_packed(ranks[peer], header, payload, nbytes)
             if track and tracker is not None:
                 self.add_tracker(tracker)
@@ -537,6 +537,21 @@ class CollectiveOp(Op):
         lane = zmq_to is None or peer not in zmq_to
         if not self.engine.send_frame(to, frame, nbytes, lane) and lane:
             self._went_zmq(peer)
+
+    def _send_lane(self, peer: int, to: int, header: bytes, payload: Any, nbytes: int) -> bool:
+        """Send a header and its payload to group rank ``peer`` (global ``to``) as one
+        same-host lane datagram if it may go that way (as in :meth:`_send_frame`) and
+        does; else (False) the caller sends it over zmq, and so will the op's later
+        messages to the peer."""
+        zmq_to = self._zmq_to
+        if (
+            to != self._me_global
+            and (zmq_to is None or peer not in zmq_to)
+            and self.engine.send_lane(to, header, payload, nbytes)
+        ):
+            return True
+        self._went_zmq(peer)
+        return False
 
     def _went_zmq(self, peer: int) -> None:
         """A message of this op to group rank ``peer`` went over zmq: the rest will too."""

@@ -7,9 +7,11 @@ receiver's socket queue and one ``recv`` out of it. Measured here (Python, 8-byt
 exchange, back to back): 12 µs at W=2 and ~40 µs at W=4 against 34 µs and ~100 µs for the
 same exchange over pyzmq PUSH/PULL ipc:// (benchmarks/results/local_lane.md).
 
-What travels here: only one-frame messages (a header carrying its payload inline, below
-``INLINE_MAX_BYTES``) that the layer above marks as lane-safe, to peers on the same host.
-The bytes are exactly the zmq frame's, so the receiving side parses them the same way.
+What travels here: messages below ``LANE_MAX_PAYLOAD_BYTES`` that the layer above marks
+as lane-safe, to peers on the same host: a one-frame message (a header carrying its payload
+inline) as exactly the zmq frame's bytes, a header with its payload frame as one datagram
+``PARTS_TAG | u32 header length | header | payload`` (:meth:`UnixLane.send_parts`), which
+the transport splits again.
 
 Order. ``send`` puts the datagram in the receiver's socket queue before it returns, while
 a zmq message leaves later from the I/O thread, so a datagram sent before a zmq message is
@@ -35,14 +37,21 @@ import collections
 import os
 import shutil
 import socket
+import struct
 import tempfile
+from typing import Any
 
-__all__ = ["LANE_RECV_BYTES", "UnixLane"]
+__all__ = ["LANE_MAX_PAYLOAD_BYTES", "LANE_RECV_BYTES", "PARTS_TAG", "UnixLane"]
 
-#: Receive buffer per datagram: the largest one-frame message (an inline payload below
-#: INLINE_MAX_BYTES plus its header) fits with room to spare; a longer datagram (not sent
-#: by ringcomm) arrives truncated and fails to parse.
-LANE_RECV_BYTES = 8192
+#: Largest payload sent through the lane (the zero-copy threshold of the socket path:
+#: larger pieces go through shared memory or zero-copy frames).
+LANE_MAX_PAYLOAD_BYTES = 64 * 1024
+#: Receive buffer per datagram: the largest message (payload plus header) fits with room to
+#: spare; a longer datagram (not sent by ringcomm) arrives truncated and fails to parse.
+LANE_RECV_BYTES = LANE_MAX_PAYLOAD_BYTES + 4096
+#: First byte of a two-part datagram (a header frame starts with a msgpack array, 0x9f).
+PARTS_TAG = 1
+_PARTS_HEAD = struct.Struct("<BI")
 
 
 class UnixLane:
@@ -98,16 +107,44 @@ class UnixLane:
             return False
         try:
             sock.send(frame)
-        except BlockingIOError:
-            self.full += 1
+        except OSError as exc:
+            return self._refused(peer, sock, exc)
+        self.sent += 1
+        return True
+
+    def send_parts(self, peer: int, header: bytes, payload: Any) -> bool:
+        """Queue a header and its payload as one datagram (``PARTS_TAG``; the kernel copies
+        the payload now); False as :meth:`send`."""
+        sock = self._tx.get(peer)
+        if sock is None:
             return False
-        except OSError:  # ECONNREFUSED (the peer closed its socket or died), ...
+        try:
+            sock.sendmsg((_PARTS_HEAD.pack(PARTS_TAG, len(header)), header, payload))
+        except OSError as exc:
+            return self._refused(peer, sock, exc)
+        self.sent += 1
+        return True
+
+    def _refused(self, peer: int, sock: socket.socket, exc: OSError) -> bool:
+        if isinstance(exc, BlockingIOError):  # the receiver's queue is full
+            self.full += 1
+        else:  # ECONNREFUSED (the peer closed its socket or died), ...
             del self._tx[peer]
             sock.close()
             self.fallbacks += 1
-            return False
-        self.sent += 1
-        return True
+        return False
+
+    @staticmethod
+    def split(datagram: bytes) -> tuple[bytes, memoryview] | None:
+        """``(header, payload)`` of a two-part datagram; None if it is not one (or its
+        header length does not fit)."""
+        if len(datagram) < _PARTS_HEAD.size or datagram[0] != PARTS_TAG:
+            return None
+        _, n = _PARTS_HEAD.unpack_from(datagram)
+        start = _PARTS_HEAD.size
+        if start + n > len(datagram):
+            return None
+        return datagram[start : start + n], memoryview(datagram)[start + n :]
 
     def send_fd(self, peer: int, data: bytes, fd: int) -> bool | None:
         """Pass descriptor ``fd`` to ``peer`` with ``data`` (SCM_RIGHTS); None if its

@@ -27,10 +27,10 @@ by someone who can sniff the network, never the token) and ``"curve"`` (CurveZMQ
 pairs derived from the token: authenticated and encrypted, every byte through libsodium).
 
 Peers on the same host get two more paths (both optional, both keeping this socket's
-message order): one-frame collective messages as AF_UNIX datagrams (unix_lane.py, read
-before any zmq message sent after them, :meth:`recv_first`), and payloads of 64 KiB and
-more through shared-memory slots, the zmq message carrying a reference (shm_lane.py,
-segments exchanged by :meth:`setup_shm` when the group forms).
+message order): collective messages with payloads below 64 KiB as AF_UNIX datagrams
+(unix_lane.py, read before any zmq message sent after them, :meth:`recv_first`), and
+payloads of 64 KiB and more through shared-memory slots, the zmq message carrying a
+reference (shm_lane.py, segments exchanged by :meth:`setup_shm` when the group forms).
 
 Copies on the hot path: a large payload is sent zero-copy (libzmq reads the caller's
 buffer from its I/O thread; the returned tracker says when it is done with it), so sending
@@ -57,7 +57,7 @@ from ..errors import RingcommError
 from . import shm_lane
 from .endpoints import ipc_path
 from .shm_lane import ShmSegments
-from .unix_lane import UnixLane
+from .unix_lane import LANE_MAX_PAYLOAD_BYTES, UnixLane
 from .wire import ZERO_COPY_MIN_BYTES
 
 __all__ = [
@@ -213,6 +213,7 @@ class ZmqTransport:
         # for encryption, nor without ipc:// (peers elsewhere, or tcp:// forced).
         self._lane: UnixLane | None = None
         self._stash: tuple[bytes, bool] | None = None  # see recv_first
+        self._lane_payload: memoryview | None = None  # see _from_lane
         self.lane_endpoint: str | None = None
         if lane and use_ipc and self.security != "curve":
             try:
@@ -416,6 +417,20 @@ class ZmqTransport:
         self.sent_messages += 1
         return tracker
 
+    def send_lane(self, peer: int, header: bytes, payload: Any, nbytes: int) -> bool:
+        """Send a header and its payload (below ``LANE_MAX_PAYLOAD_BYTES``) as one
+        datagram through the same-host lane, copied now; False (nothing sent) when there
+        is no lane to ``peer`` or its queue is full. Only for a message nothing sent over
+        zmq earlier on its stream could be overtaken by (see :meth:`send_one`)."""
+        lane = self._lane
+        if lane is None or nbytes >= LANE_MAX_PAYLOAD_BYTES or not lane.send_parts(
+            peer, header, payload
+        ):
+            return False
+        self.sent_bytes += nbytes
+        self.sent_messages += 1
+        return True
+
     def send_one(self, peer: int, frame: bytes, nbytes: int, lane: bool = False) -> bool:
         """Queue a one-frame message (a header carrying its small payload inline); True
         when it went through the same-host lane.
@@ -495,7 +510,7 @@ class ZmqTransport:
         if lane is not None:
             datagram = lane.recv()
             if datagram is not None:
-                return datagram, False
+                return self._from_lane(datagram)
             stash = self._stash
             if stash is None:
                 if not rx.getsockopt(_EVENTS) & _POLLIN:
@@ -507,7 +522,7 @@ class ZmqTransport:
                 stash = self._stash = (first, bool(rx.getsockopt(_RCVMORE)))
                 datagram = lane.recv()
                 if datagram is not None:
-                    return datagram, False
+                    return self._from_lane(datagram)
             self._stash = None
             return stash
         if not ready and not rx.getsockopt(_EVENTS) & _POLLIN:  # cheaper than zmq.Again
@@ -518,6 +533,15 @@ class ZmqTransport:
             return None
         return first, bool(rx.getsockopt(_RCVMORE))
 
+    def _from_lane(self, datagram: bytes) -> tuple[bytes, bool]:
+        """A datagram as recv_first hands it out: a two-part one is split, its payload kept
+        for the recv_payload that follows (a stashed zmq message waits behind it)."""
+        parts = UnixLane.split(datagram)
+        if parts is None:
+            return datagram, False
+        header, self._lane_payload = parts
+        return header, True
+
     def recv_payload(self, copy: bool, src: int = -1) -> memoryview | bool:
         """The payload frame after a header: copied (small) or in place in libzmq's buffer,
         or in place in a shared-memory slot when the frame is a reference to one from
@@ -526,6 +550,10 @@ class ZmqTransport:
         Returns ``False`` when the message has more than two frames (the rest is consumed)
         or refers to a slot that is not valid.
         """
+        lane_payload = self._lane_payload
+        if lane_payload is not None:  # the header came through the lane (_from_lane)
+            self._lane_payload = None
+            return lane_payload  # a view of the datagram, which nothing else holds
         rx = self._rx
         if copy:
             data = memoryview(rx.recv(copy=True))
