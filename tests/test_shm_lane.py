@@ -63,9 +63,18 @@ def test_what_is_not_done() -> None:
         assert b.take(ref, 5) is None  # claims another sender
         assert b.take(ref[:-1], 0) is None  # truncated
         assert b.take(b"RCS1" + bytes(8) + (1 << 20).to_bytes(4, "little"), 0) is None
+        assert b.take(ref[:10] + bytes(2) + ref[12:], 0) is None  # generation 0
         assert b.take(b"XXXX" + ref[4:], 0) is None
         assert not is_ref(b"x" * REF_BYTES) and not is_ref(bytes(4096))
-        assert b.take(ref, 0) is not None
+        view = b.take(ref, 0)
+        assert view is not None
+        assert b.take(ref, 0) is None  # the same reference twice
+        del view
+        gc.collect()
+        assert b.take(ref, 0) is None  # a stale reference to a freed slot
+        again = a.put(1, big[:100], 100)
+        assert again is not None and again != ref  # same slot, next generation
+        assert b.take(ref, 0) is None and b.take(again, 0) is not None
         assert not b.attach(0, os.dup(a.outgoing_fd(1)), a.segment_bytes())  # twice
         assert not b.attach(3, os.dup(a.outgoing_fd(1)), 12345)  # another layout
     finally:

@@ -14,10 +14,13 @@ state byte per slot, then ``slots`` slots of ``slot_bytes``; pages are allocated
 written, and the sender takes the lowest free slot, so a pair that never has more than two
 pieces in flight touches two slots.
 
-Slot life: the sender takes a free slot (state 0), copies the piece in, sets state 1 and
-sends the reference; the receiver's payload is a NumPy view of the slot whose finalizer
-sets state 0 once the last view of it is gone (received pieces may wait in a queue, or be
-held until every peer is heard from; the slot stays taken meanwhile). No free slot, or a
+Slot life: the sender takes a free slot (state 0), copies the piece in, sets the state to
+the piece's generation (1..254, counting up) and sends the reference (slot, generation,
+length); the receiver takes it only if the state still holds that generation, marks it
+taken (255: a duplicate or stale reference is refused), and its payload is a NumPy view of
+the slot whose finalizer sets state 0 once the last view of it is gone (received pieces may
+wait in a queue, or be held until every peer is heard from; the slot stays taken
+meanwhile). No free slot, or a
 piece larger than a slot: the piece goes through the socket as before. The state bytes are
 plain stores: the receiver's reads of a slot come before its store of 0 and the sender's
 read of 0 before its writes, an order x86-64 keeps (TSO), so the lane is only used there
@@ -45,8 +48,9 @@ AVAILABLE = (
 )
 #: What a lane datagram carrying a segment's descriptor starts with (then the sender rank).
 SHM_TAG = b"ringcomm-shm-v1:"
-_REF = struct.Struct("<4sIII")  # magic, sender rank, slot, length
+_REF = struct.Struct("<4sIHHI")  # magic, sender rank, slot, generation, length
 _MAGIC = b"RCS1"
+_TAKEN = 255  # a slot's state once the receiver took its piece (generations are 1..254)
 REF_BYTES = _REF.size
 #: Default slot size: the default piece size (group.DEFAULT_CHUNK_BYTES), so pieces fit.
 DEFAULT_SLOT_BYTES = 4 << 20
@@ -60,9 +64,10 @@ def is_ref(frame: Any) -> bool:
     return len(frame) == REF_BYTES and bytes(frame[:4]) == _MAGIC
 
 
-def _free(segment: mmap.mmap, slot: int) -> None:
+def _free(segment: mmap.mmap, slot: int, generation: int) -> None:
     try:
-        segment[slot] = 0
+        if segment[slot] == generation:
+            segment[slot] = 0
     except ValueError:
         pass  # closed: nobody sends into it any more
 
@@ -97,6 +102,7 @@ class ShmSegments:
         self._out: dict[int, _Segment] = {}
         self._in: dict[int, _Segment] = {}
         self.sent = 0  # pieces sent through a slot
+        self._generation = 0  # of the last piece put (1..255, in the slot's state byte)
         self.full = 0  # pieces that found no free slot (sent through the socket)
 
     # -- setup -------------------------------------------------------------------------
@@ -154,26 +160,28 @@ class ShmSegments:
         start = _HEADER_BYTES + slot * seg.slot_bytes
         dst = np.frombuffer(seg.map, np.uint8, nbytes, start)
         np.copyto(dst, np.frombuffer(payload, np.uint8, nbytes))
-        state[slot] = 1
+        generation = self._generation = self._generation % (_TAKEN - 1) + 1
+        state[slot] = generation
         self.sent += 1
-        return _REF.pack(_MAGIC, self.rank, slot, nbytes)
+        return _REF.pack(_MAGIC, self.rank, slot, generation, nbytes)
 
     def take(self, ref: Any, src: int) -> memoryview | None:
         """The payload a reference from rank ``src`` points at, as a read-only view whose
         last release frees the slot; None for a reference that is not valid."""
         try:
-            magic, sender, slot, nbytes = _REF.unpack(ref)
+            magic, sender, slot, generation, nbytes = _REF.unpack(ref)
         except struct.error:
             return None
         seg = self._in.get(src)
         if (
             magic != _MAGIC or sender != src or seg is None or slot >= seg.slots
-            or nbytes > seg.slot_bytes or seg.map[slot] != 1
+            or nbytes > seg.slot_bytes or generation == 0 or seg.map[slot] != generation
         ):  # fmt: skip
             return None
         view = np.frombuffer(seg.map, np.uint8, nbytes, _HEADER_BYTES + slot * seg.slot_bytes)
         view.flags.writeable = False
-        weakref.finalize(view, _free, seg.map, slot)
+        seg.map[slot] = _TAKEN  # a second reference to the same piece is refused
+        weakref.finalize(view, _free, seg.map, slot, _TAKEN)
         return memoryview(view)
 
     def close(self) -> None:
