@@ -1,4 +1,4 @@
-"""The same-host lane: one-frame messages as AF_UNIX datagrams, past libzmq's I/O thread.
+"""The same-host lane: messages below 64 KiB as AF_UNIX datagrams, past libzmq's I/O threads.
 
 A libzmq message crosses two I/O threads (the sender's writes it to the socket, the
 receiver's reads it and wakes the application), so an 8-byte message between two ranks on
@@ -15,12 +15,13 @@ the transport splits again.
 
 Order. ``send`` puts the datagram in the receiver's socket queue before it returns, while
 a zmq message leaves later from the I/O thread, so a datagram sent before a zmq message is
-already queued when that zmq message can be read. The transport therefore reads the lane
-before every zmq read (datagram-then-zmq order is kept); the layer above never sends a
+already queued when that zmq message can be read. The transport therefore looks at the lane
+after every zmq read and before handing that message out (datagram-then-zmq order is kept); the layer above never sends a
 lane message after a zmq message on the same stream (zmq-then-datagram could overtake).
 
 Flow control: a receiving socket queues at most ``net.unix.max_dgram_qlen`` datagrams
-(10 by default). A send that would block returns False (counted in ``full``) and the
+(10 by default), and a sender's unreceived datagrams count against its send buffer (~200
+KiB by default: three 64 KiB ones). A send that would block returns False (counted in ``full``) and the
 message goes over zmq instead, as do the later messages of that stream (the order rule
 above), so a sender never blocks; a burst past the queue simply overflows to zmq. A peer
 whose socket is gone (it closed, or died) leaves the lane for good (``fallbacks``).
