@@ -120,21 +120,29 @@ class AllReduceDirect(CollectiveOp):
         return True
 
     def start(self) -> None:
-        x, op = self.call.x, self.call.op
-        assert x is not None and op is not None
-        self.result = x
-        n = self.n
-        if n == 1:
-            finalize(op, x, 1)
-            self.post_inboxes()
+        x = self.begin()
+        if x is None:
             return
-        self.plan = plan = self._plan()
-        self.pieces = [None] * (n * len(plan.spans))
+        plan = self.plan
         if not self._sent_early:
             self.send_whole(plan.peers, x.tobytes())  # one copy for all peers, never written
         for peer in plan.peers:
             self.expect(peer, 1)
         self.post_inboxes()
+
+    def begin(self) -> np.ndarray | None:
+        """The common start of the regular path: the result is ``x``; alone, finish with it
+        (None); else set up the plan and the received pieces' places and return ``x``."""
+        x, op = self.call.x, self.call.op
+        assert x is not None and op is not None
+        self.result = x
+        if self.n == 1:
+            finalize(op, x, 1)
+            self.post_inboxes()
+            return None
+        self.plan = plan = self._plan()
+        self.pieces = [None] * (self.n * len(plan.spans))
+        return x
 
     def send_whole(self, peers: list[int], private: bytes) -> None:
         """Send ``private`` (a copy of the buffer nobody writes) to each of ``peers`` as

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import finalize
 from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL
 from .allreduce_direct import AllReduceDirect
 
@@ -89,18 +88,11 @@ class AllReduceStar(AllReduceDirect):
 
     # -- the regular path --------------------------------------------------------------
     def start(self) -> None:
-        x, op = self.call.x, self.call.op
-        assert x is not None and op is not None
-        self.result = x
-        n = self.n
-        if n == 1:
-            finalize(op, x, 1)
-            self.post_inboxes()
+        x = self.begin()
+        if x is None:
             return
-        self.plan = plan = self._plan()
-        self.pieces = [None] * (n * len(plan.spans))
         if self.rank == ROOT:
-            for peer in range(1, n):
+            for peer in range(1, self.n):
                 self.expect(peer, 1)
         else:
             if not self._sent_early:
