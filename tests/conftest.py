@@ -96,3 +96,37 @@ def case_report(per_rank: Sequence[dict[str, Any]], name: str) -> str | None:
     """The failures of case ``name`` across ranks (None if it passed everywhere)."""
     errors = [r[name][0] for r in per_rank if r[name][0] is not None]
     return "\n".join(errors) if errors else None
+
+
+def compare_to_single(
+    failures: list[str],
+    label: str,
+    results: Sequence[dict[str, Any]],
+    ref: dict[str, Any],
+    steps: int,
+    tol: float,
+) -> float | None:
+    """Check one training job (every rank's ``run_training`` result) against the
+    ``single`` run ``ref``: the reported losses to ``tol`` relative, the parameters (pipeline
+    stages hold disjoint layers, the others the whole model) to ``tol`` absolute. Appends
+    what is off to ``failures``; returns the worst of the two errors (None when the job
+    could not be compared: wrong number of losses or of parameters)."""
+    import numpy as np  # only the engine tests need it
+
+    losses = results[results[0]["loss_rank"]]["losses"]
+    if len(losses) != steps:
+        failures.append(f"{label}: {len(losses)} losses")
+        return None
+    rel = float(np.max(np.abs(np.array(losses) - ref["losses"]) / np.abs(ref["losses"])))
+    if not rel <= tol:
+        failures.append(f"{label}: loss rel err {rel:.3g} > {tol}: {losses}")
+    params: dict[str, Any] = {}
+    for res in results:
+        params.update(res["params"])
+    if set(params) != set(ref["params"]):
+        failures.append(f"{label}: parameters {sorted(params)}")
+        return None
+    err = max(float(np.max(np.abs(params[key] - ref["params"][key]))) for key in params)
+    if not err <= tol:
+        failures.append(f"{label}: param err {err:.3g} > {tol}")
+    return max(rel, err)

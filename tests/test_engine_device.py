@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import compare_to_single
 
 import ringcomm as rc
 from ringcomm.engine.cli import run_training
@@ -152,23 +153,9 @@ def test_host_staged_strategies_match_single(n: int, no_child_processes: None) -
             res["sent_bytes_per_step"] for res in results
         ]
         ref = _single(cfg)
-        losses = results[results[0]["loss_rank"]]["losses"]
-        if len(losses) != cfg.steps:
-            failures.append(f"{label}: {len(losses)} losses")
-            continue
-        rel = float(np.max(np.abs(np.array(losses) - ref["losses"]) / np.abs(ref["losses"])))
-        if not rel <= TOL:
-            failures.append(f"{label}: loss rel err {rel:.3g} > {TOL}")
-        params: dict[str, np.ndarray] = {}
-        for res in results:  # pipeline stages hold disjoint layers; others the whole model
-            params.update(res["params"])
-        if set(params) != set(ref["params"]):
-            failures.append(f"{label}: parameters {sorted(params)}")
-            continue
-        err = max(float(np.max(np.abs(params[key] - ref["params"][key]))) for key in params)
-        if not err <= TOL:
-            failures.append(f"{label}: param err {err:.3g} > {TOL}")
-        worst = max(worst, rel, err)
+        err = compare_to_single(failures, label, results, ref, cfg.steps, TOL)
+        if err is not None:
+            worst = max(worst, err)
     # The staged path puts the same bytes on the wire as the host path.
     compared = 0
     for key, staged_sent in sent.items():

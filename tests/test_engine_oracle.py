@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import compare_to_single
 
 import ringcomm as rc
 from ringcomm.engine.cli import run_training
@@ -120,23 +121,9 @@ def test_every_strategy_matches_single(n: int, no_child_processes: None) -> None
         ref = _single(cfg)
         tol = TOL[cfg.dtype]
         results = [per_rank[r][k] for r in range(n)]
-        losses = results[results[0]["loss_rank"]]["losses"]
-        if len(losses) != cfg.steps:
-            failures.append(f"{_label(cfg)}: {len(losses)} losses")
-            continue
-        rel = np.abs(np.array(losses) - ref["losses"]) / np.abs(ref["losses"])
-        if not rel.max() <= tol:
-            failures.append(f"{_label(cfg)}: loss rel err {rel.max():.3g} > {tol}")
-        params: dict[str, np.ndarray] = {}
-        for r in results:  # pipeline stages hold disjoint layers; others the whole model
-            params.update(r["params"])
-        if set(params) != set(ref["params"]):
-            failures.append(f"{_label(cfg)}: parameters {sorted(params)}")
-            continue
-        err = max(float(np.max(np.abs(params[key] - ref["params"][key]))) for key in params)
-        if not err <= tol:
-            failures.append(f"{_label(cfg)}: param err {err:.3g} > {tol}")
-        worst[cfg.dtype] = max(worst.get(cfg.dtype, 0.0), float(rel.max()), err)
+        err = compare_to_single(failures, _label(cfg), results, ref, cfg.steps, tol)
+        if err is not None:
+            worst[cfg.dtype] = max(worst.get(cfg.dtype, 0.0), err)
     print(f"n={n}: worst relative loss / absolute parameter error per dtype: {worst}")
     assert not failures, "\n".join(failures)
 

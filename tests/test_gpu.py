@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import compare_to_single
 from test_collectives import _compare, _digest, matrix_cases, run_case
 from test_staging import DeviceProxy
 
@@ -273,22 +274,7 @@ def check_engine_results(
             peaks = res["activation_peak_bytes"]
             if cfg.strategy == "pipeline" and not (peaks and max(peaks) > 0):
                 failures.append(f"{label}: rank {rank} activation peaks {peaks}")
-        losses = results[results[0]["loss_rank"]]["losses"]
-        if len(losses) != cfg.steps:
-            failures.append(f"{label}: {len(losses)} losses")
-            continue
-        rel = float(np.max(np.abs(np.array(losses) - ref["losses"]) / np.abs(ref["losses"])))
-        if not rel <= tol:
-            failures.append(f"{label}: loss rel err {rel:.3g} > {tol}: {losses}")
-        params: dict[str, np.ndarray] = {}
-        for res in results:  # pipeline stages hold disjoint layers; others the whole model
-            params.update(res["params"])
-        if set(params) != set(ref["params"]):
-            failures.append(f"{label}: parameters {sorted(params)}")
-            continue
-        err = max(float(np.max(np.abs(params[key] - ref["params"][key]))) for key in params)
-        if not err <= tol:
-            failures.append(f"{label}: parameter error {err:.3g} > {tol}")
+        compare_to_single(failures, label, results, ref, cfg.steps, tol)
     return failures
 
 
