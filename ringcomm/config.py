@@ -22,6 +22,7 @@ variable, its value and the convention it came from.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -34,9 +35,11 @@ __all__ = [
     "BIND_MODES",
     "DEFAULT_TIMEOUT_S",
     "InitConfig",
+    "UsageError",
     "parse_size",
     "parse_slurm_nodelist",
     "resolve_init_config",
+    "size_arg",
     "slurm_master_port",
 ]
 
@@ -193,6 +196,18 @@ def parse_size(text: str) -> int:
             "K, M or G suffix (powers of 1024), e.g. 8, 64K, 16M, 1G"
         )
     return int(match.group(1)) << _SIZE_SHIFT[match.group(2).lower()]
+
+
+def size_arg(text: str) -> int:
+    """:func:`parse_size` as an argparse ``type=`` (a bad size is a usage error)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class UsageError(Exception):
+    """A command line that cannot run; the subcommand's ``main`` prints it and exits 2."""
 
 
 def _split_top_level(text: str) -> list[str]:

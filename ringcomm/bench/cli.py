@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ringcomm.config import parse_size
+from ringcomm.config import UsageError, size_arg
 
 from .report import Result, format_footer, format_table, json_row
 from .spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
@@ -26,17 +26,6 @@ __all__ = ["UsageError", "add_parser", "config_from_args", "main", "preamble", "
 
 _PROG = "ringcomm bench"
 _REDOPS = ("sum", "avg", "max", "min", "prod")
-
-
-class UsageError(Exception):
-    """A command line that cannot run; ``main`` prints it and exits 2."""
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,7 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "-b",
         "--minbytes",
-        type=_size,
+        type=size_arg,
         default=8,
         metavar="SIZE",
         help="smallest size (default 8; K/M/G suffixes)",
@@ -64,7 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "-e",
         "--maxbytes",
-        type=_size,
+        type=size_arg,
         default=64 << 20,
         metavar="SIZE",
         help="largest size (default 64M)",

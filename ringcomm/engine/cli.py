@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from ringcomm.config import parse_size
+from ringcomm.config import UsageError, size_arg
 from ringcomm.errors import RingcommError
 from ringcomm.launch.spawn import spawn
 from ringcomm.schedule.pipeline import SCHEDULES
@@ -58,20 +58,10 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             else:
                 os.environ[k] = v
 
+
 __all__ = ["UsageError", "add_parser", "config_from_args", "main"]
 
 _PROG = "ringcomm train"
-
-
-class UsageError(Exception):
-    """A command line that cannot run; ``main`` prints it and exits 2."""
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -110,7 +100,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     b = p.add_argument_group("gradient buckets (dp, zero1, zero2)")
     bx = b.add_mutually_exclusive_group()
     bx.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (25)")
-    bx.add_argument("--bucket-bytes", type=_size, default=None, help="bucket size, e.g. 1M")
+    bx.add_argument("--bucket-bytes", type=size_arg, default=None, help="bucket size, e.g. 1M")
     s = p.add_argument_group("parameter server (--strategy ps)")
     s.add_argument("--ps-servers", type=int, default=1, metavar="S")
     s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default="bsp")
@@ -119,7 +109,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-dir", metavar="DIR", help="servers checkpoint here (and resume)")
     s.add_argument("--checkpoint-interval", type=int, default=0, metavar="STEPS",
                    help="steps between server checkpoints (0: only at the end)")  # fmt: skip
-    s.add_argument("--ps-split-min-bytes", type=_size, default=1 << 20, metavar="SIZE",
+    s.add_argument("--ps-split-min-bytes", type=size_arg, default=1 << 20, metavar="SIZE",
                    help="layers this big are split over every server (1M)")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=300.0, help="bound on the whole job")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")

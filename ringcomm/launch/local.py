@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
+from ringcomm.config import UsageError
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -82,10 +84,6 @@ _VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Whole lines to our stdout/stderr: ranks' output copiers and the launcher's own notes.
 _STDOUT_LOCK = threading.Lock()
 _STDERR_LOCK = threading.Lock()
-
-
-class UsageError(Exception):
-    """A command line that cannot run; ``main`` prints it and exits 2."""
 
 
 @dataclass(frozen=True)
