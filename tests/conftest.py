@@ -130,3 +130,14 @@ def compare_to_single(
     if not err <= tol:
         failures.append(f"{label}: param err {err:.3g} > {tol}")
     return max(rel, err)
+
+
+def assert_same_results(results: Sequence[tuple[list[str], dict[Any, Any]]]) -> None:
+    """Per rank ``(failures, {case id: digest of its output})`` from a matrix job: no
+    failure on any rank, and every rank's digests equal rank 0's (the same bytes)."""
+    failures = [f for fails, _ in results for f in fails]
+    assert not failures, "\n".join(failures[:30])
+    first = results[0][1]
+    for rank, (_, digests) in enumerate(results):
+        differ = [cid for cid in first if digests.get(cid) != first[cid]]
+        assert not differ, f"rank {rank} differs from rank 0 in cases {differ[:10]}"

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import assert_same_results
 
 import ringcomm as rc
 from ringcomm.collectives import reference
@@ -253,15 +254,6 @@ def job_matrix(
     return run_cases(pg, matrix_cases(pg.world_size, full))
 
 
-def _assert_results(results: list[tuple[list[str], dict[int, str | None]]]) -> None:
-    failures = [f for fails, _ in results for f in fails]
-    assert not failures, "\n".join(failures[:30])
-    first = results[0][1]
-    for rank, (_, digests) in enumerate(results):
-        differ = [cid for cid in first if digests.get(cid) != first[cid]]
-        assert not differ, f"rank {rank} differs from rank 0 in cases {differ[:10]}"
-
-
 # --------------------------------------------------------------------------- tests
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
@@ -270,7 +262,7 @@ def test_matrix(world_size: int) -> None:
     {0, 1, n-1, n+1, 1000}, every root; at n = 3 and 5 also every dtype x every op."""
     full = world_size in (3, 5)
     results = rc.spawn(job_matrix, world_size, args=(64, full), timeout_s=280)
-    _assert_results(results)
+    assert_same_results(results)
 
 
 def job_random_floats(pg: rc.ProcessGroup) -> tuple[list[str], list[str]]:
@@ -364,7 +356,7 @@ def job_large(pg: rc.ProcessGroup) -> tuple[list[str], dict[int, str | None]]:
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_large(world_size: int) -> None:
     """2**20 + 3 elements (uneven, pieces of zero-copy size) through every algorithm."""
-    _assert_results(rc.spawn(job_large, world_size, timeout_s=280))
+    assert_same_results(rc.spawn(job_large, world_size, timeout_s=280))
 
 
 def job_zero_copy(pg: rc.ProcessGroup) -> tuple[list[str], dict[int, str | None]]:
@@ -403,7 +395,7 @@ def job_zero_copy(pg: rc.ProcessGroup) -> tuple[list[str], dict[int, str | None]
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world_size", [4, 5])
 def test_zero_copy_safety(world_size: int) -> None:
-    _assert_results(rc.spawn(job_zero_copy, world_size, timeout_s=180))
+    assert_same_results(rc.spawn(job_zero_copy, world_size, timeout_s=180))
 
 
 # --------------------------------------------------------------------------- sub-groups

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import assert_same_results
 from test_collectives import _compare, _digest, matrix_cases, run_case
 
 import ringcomm as rc
@@ -250,12 +251,7 @@ def job_device_matrix(pg: rc.ProcessGroup, chunk_bytes: int) -> tuple[list[str],
 def test_device_matrix(world_size: int) -> None:
     """Every collective on stand-in device arrays: the oracle's results, identical bytes."""
     results = rc.spawn(job_device_matrix, world_size, args=(64,), timeout_s=280)
-    failures = [f for fails, _ in results for f in fails]
-    assert not failures, "\n".join(failures[:30])
-    first = results[0][1]
-    for rank, (_, digests) in enumerate(results):
-        differ = [cid for cid in first if digests.get(cid) != first[cid]]
-        assert not differ, f"rank {rank} differs from rank 0 in cases {differ[:10]}"
+    assert_same_results(results)
 
 
 def job_pipeline(pg: rc.ProcessGroup) -> list[str]:
