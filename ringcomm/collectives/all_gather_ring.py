@@ -31,13 +31,12 @@ from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, ring_neighbors
 from ..staging import DeviceStager
 from ..transport.wire import Header
-from .base import CollectiveOp
-from .staged import emit, make_stager
+from .staged import PipelinedOp, emit, make_stager
 
 __all__ = ["AllGatherRing"]
 
 
-class AllGatherRing(CollectiveOp):
+class AllGatherRing(PipelinedOp):
     name = "all_gather"
     algo = "ring"
     maps_steps = True
@@ -119,11 +118,3 @@ class AllGatherRing(CollectiveOp):
                        self.right, k + 1, j, len(spans), self.row_nbytes, off,
                        self.dtype_str)  # fmt: skip
         st.pump(0 if j + 1 == len(spans) else 1)
-
-    def all_received(self) -> None:
-        self.stager.sync()
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if error is not None and not self.done and hasattr(self, "stager"):
-            self.stager.abandon()
-        super().finish(error)

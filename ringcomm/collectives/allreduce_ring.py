@@ -45,13 +45,12 @@ from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, reduce_scatter_steps, ring_neighbors, segment_bounds
 from ..transport.wire import Header
-from .base import CollectiveOp
-from .staged import emit, make_stager
+from .staged import PipelinedOp, emit, make_stager
 
 __all__ = ["AllReduceRing"]
 
 
-class AllReduceRing(CollectiveOp):
+class AllReduceRing(PipelinedOp):
     name = "all_reduce"
     algo = "ring"
     maps_steps = True
@@ -155,11 +154,3 @@ class AllReduceRing(CollectiveOp):
         # Staged: keep the newest piece queued (its copy runs while we receive the next),
         # unless it ends a message.
         st.pump(0 if j + 1 == len(spans) else 1)
-
-    def all_received(self) -> None:
-        self.stager.sync()
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if error is not None and not self.done and hasattr(self, "stager"):
-            self.stager.abandon()
-        super().finish(error)

@@ -18,13 +18,12 @@ import numpy as np
 from ..schedule.chunks import chunk_spans
 from ..schedule.tree import chain_neighbors
 from ..transport.wire import Header
-from .base import CollectiveOp
-from .staged import emit, make_stager
+from .staged import PipelinedOp, emit, make_stager
 
 __all__ = ["BroadcastChain"]
 
 
-class BroadcastChain(CollectiveOp):
+class BroadcastChain(PipelinedOp):
     name = "broadcast"
     algo = "chain"
     maps_steps = True
@@ -80,11 +79,3 @@ class BroadcastChain(CollectiveOp):
             st.forward(self.data[off : off + length], payload, emit, self, self.next, 0, j,
                        len(spans), self.u8.nbytes, off, self.dtype_str)  # fmt: skip
         st.pump(0 if j + 1 == len(spans) else 1)
-
-    def all_received(self) -> None:
-        self.stager.sync()
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if error is not None and not self.done and hasattr(self, "stager"):
-            self.stager.abandon()
-        super().finish(error)

@@ -39,13 +39,12 @@ from ..schedule.chunks import chunk_spans
 from ..schedule.ring import reduce_scatter_steps, ring_neighbors
 from ..staging import DeviceStager
 from ..transport.wire import Header
-from .base import CollectiveOp
-from .staged import emit, make_stager
+from .staged import PipelinedOp, emit, make_stager
 
 __all__ = ["ReduceScatterRing"]
 
 
-class ReduceScatterRing(CollectiveOp):
+class ReduceScatterRing(PipelinedOp):
     name = "reduce_scatter"
     algo = "ring"
     maps_steps = True
@@ -144,11 +143,3 @@ class ReduceScatterRing(CollectiveOp):
             if tracker is not None:
                 self.trackers[(id(buf), j)] = tracker
         st.pump(0 if j + 1 == len(spans) else 1)
-
-    def all_received(self) -> None:
-        self.stager.sync()
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if error is not None and not self.done and hasattr(self, "stager"):
-            self.stager.abandon()
-        super().finish(error)

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from ..staging import HOST_STAGER, DeviceBackend, DeviceStager, HostStager, Slot
 from .base import CollectiveOp
 
-__all__ = ["PIPELINED", "DeviceCall", "emit", "make_stager", "staged_class"]
+__all__ = ["PIPELINED", "DeviceCall", "PipelinedOp", "emit", "make_stager", "staged_class"]
 
 #: (collective, algorithm) pairs that stage piece by piece themselves.
 PIPELINED = frozenset(
@@ -56,6 +56,23 @@ def make_stager(op: CollectiveOp) -> HostStager | DeviceStager:
         time.monotonic() + op.comm.timeout_s,
         f"rank {op.rank}: {op.desc}",
     )
+
+
+class PipelinedOp(CollectiveOp):
+    """Base of the algorithms that move their pieces through a stager (the rings and the
+    broadcast chain; ``start`` sets ``self.stager = make_stager(self)``): the last pieces'
+    device work is waited for before the op completes, and a failed op lets its staging
+    buffers go."""
+
+    stager: HostStager | DeviceStager
+
+    def all_received(self) -> None:
+        self.stager.sync()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None and not self.done and hasattr(self, "stager"):
+            self.stager.abandon()
+        super().finish(error)
 
 
 def emit(
