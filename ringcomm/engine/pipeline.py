@@ -37,7 +37,7 @@ from .memory import device_used_bytes
 from .nn import backward_layers, forward_layers
 from .optim import make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
-from .strategy import Strategy, TrainConfig
+from .strategy import Strategy, TrainConfig, state_bytes
 
 __all__ = ["Pipeline"]
 
@@ -161,11 +161,7 @@ class Pipeline(Strategy):
         return total_loss if self.last else None
 
     def state_nbytes(self) -> dict[str, int]:
-        return {
-            "param_bytes": int(self.params.nbytes),
-            "grad_bytes": int(self.grads.nbytes),
-            "optim_bytes": self.opt.state_nbytes(),
-        }
+        return state_bytes(self.params, self.grads, self.opt)
 
     def export_params(self) -> dict[str, np.ndarray]:
         """This stage's layers only (keys carry global layer indices)."""

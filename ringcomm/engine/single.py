@@ -11,7 +11,7 @@ from ringcomm.schedule.partition import flat_layout
 
 from .optim import make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
-from .strategy import Strategy, TrainConfig
+from .strategy import Strategy, TrainConfig, state_bytes
 
 __all__ = ["Single"]
 
@@ -41,11 +41,7 @@ class Single(Strategy):
         return float(loss)
 
     def state_nbytes(self) -> dict[str, int]:
-        return {
-            "param_bytes": int(self.params.nbytes),
-            "grad_bytes": int(self.grads.nbytes),
-            "optim_bytes": self.opt.state_nbytes(),
-        }
+        return state_bytes(self.params, self.grads, self.opt)
 
     def export_params(self) -> dict[str, np.ndarray]:
         return export_params(self.layers, self.layout, self.params)

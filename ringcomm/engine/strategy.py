@@ -58,6 +58,7 @@ __all__ = [
     "TrainConfig",
     "array_module",
     "select_device",
+    "state_bytes",
     "strategy_class",
 ]
 
@@ -146,6 +147,16 @@ def select_device(cp: Any, rank: int) -> int:
 
 def _as_is(a: Any) -> Any:
     return a
+
+
+def state_bytes(params: Any, grads: Any, opt: Any) -> dict[str, int]:
+    """What :meth:`Strategy.state_nbytes` reports for a rank holding the flat ``params`` and
+    ``grads`` buffers (or shards) and the optimizer ``opt``."""
+    return {
+        "param_bytes": int(params.nbytes),
+        "grad_bytes": int(grads.nbytes),
+        "optim_bytes": opt.state_nbytes(),
+    }
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -38,7 +38,7 @@ from .dp import layer_nbytes
 from .nn import backward_layers, forward_layers
 from .optim import make_optimizer
 from .params import BufferPool, export_params, init_layer, layer_views, param_shapes
-from .strategy import Strategy, TrainConfig
+from .strategy import Strategy, TrainConfig, state_bytes
 
 __all__ = ["Zero1", "Zero2", "Zero3"]
 
@@ -127,11 +127,7 @@ class Zero1(_BucketedZero):
         return self.global_loss(loss)
 
     def state_nbytes(self) -> dict[str, int]:
-        return {
-            "param_bytes": int(self.params.nbytes),
-            "grad_bytes": int(self.grads.nbytes),
-            "optim_bytes": self.opt.state_nbytes(),
-        }
+        return state_bytes(self.params, self.grads, self.opt)
 
 
 class Zero2(_BucketedZero):
@@ -182,11 +178,7 @@ class Zero2(_BucketedZero):
         return self.global_loss(loss)
 
     def state_nbytes(self) -> dict[str, int]:
-        return {
-            "param_bytes": int(self.params.nbytes),
-            "grad_bytes": int(self.gshard.nbytes),
-            "optim_bytes": self.opt.state_nbytes(),
-        }
+        return state_bytes(self.params, self.gshard, self.opt)
 
     def extra(self) -> dict[str, Any]:
         return {"buckets": len(self.layout.segments), "work_bytes": self.pool.nbytes}
@@ -304,11 +296,7 @@ class Zero3(Strategy):
         return self.global_loss(loss)
 
     def state_nbytes(self) -> dict[str, int]:
-        return {
-            "param_bytes": int(self.pshard.nbytes),
-            "grad_bytes": int(self.gshard.nbytes),
-            "optim_bytes": self.opt.state_nbytes(),
-        }
+        return state_bytes(self.pshard, self.gshard, self.opt)
 
     def export_params(self) -> dict[str, np.ndarray]:
         """All-gathers every layer (collective: every rank must call it)."""
