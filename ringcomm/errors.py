@@ -97,13 +97,21 @@ class RankFailedError(RingcommError):
     """One or more ranks of a launched job failed.
 
     ``failures`` maps rank -> remote traceback text (or exit description);
-    ``rank`` is the first failed rank.
+    ``rank`` is the rank that failed first (``first``; by default the lowest listed);
+    ``exitcodes`` maps rank -> exit code, for ranks that exited on their own.
     """
 
-    def __init__(self, failures: dict[int, str], exitcodes: dict[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        failures: dict[int, str],
+        exitcodes: dict[int, int] | None = None,
+        first: int | None = None,
+    ) -> None:
         self.failures = dict(sorted(failures.items()))
         self.exitcodes = dict(exitcodes or {})
-        self.rank = next(iter(self.failures)) if self.failures else -1
+        if first is None or first not in self.failures:
+            first = next(iter(self.failures)) if self.failures else -1
+        self.rank = first
         lines = [f"{len(self.failures)} rank(s) failed: {sorted(self.failures)}"]
         for r, tb in self.failures.items():
             lines.append(f"--- rank {r} ---")

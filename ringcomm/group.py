@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,11 +29,12 @@ import numpy as np
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
+from . import lifecycle
 from .config import InitConfig, resolve_init_config
-from .errors import GroupClosedError, RendezvousError, RingcommError
+from .errors import CommTimeoutError, GroupClosedError, RendezvousError, RingcommError
 from .p2p import RecvOp, SendOp
 from .p2p_device import recv_op_class, send_op_class
-from .progress import Engine, Op, SerialQueue
+from .progress import DEPART_CLOSE, DEPART_ERROR, Engine, Op, SerialQueue
 from .rendezvous import Store, StoreServer
 from .transport.endpoints import (
     TRANSPORT_MODES,
@@ -52,8 +54,18 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 _WORLD_GROUP_ID = 0
 
 
+#: Longest close() waits, as the store's host, for every rank to check out.
+CHECKOUT_MAX_S = 60.0
+#: How often a rank waiting for check-outs looks for goodbyes and failures meanwhile.
+_CHECKOUT_SLICE_S = 0.02
+#: Longest a rank failing because of a same-host peer waits for that peer's exit.
+CULPRIT_WAIT_S = 0.5
+
+
 class _Shared:
-    """What all groups of one process share: the engine, the store, the config."""
+    """What all groups of one process share: the engine, the store, the config; and how
+    the process leaves them all (``close``/``abort`` of the world group, or the exit
+    hooks of :mod:`ringcomm.lifecycle`, for which this is the registered leaver)."""
 
     def __init__(
         self,
@@ -70,6 +82,119 @@ class _Shared:
         self.chunk_bytes = chunk_bytes
         self.closed = False
         self.lock = threading.Lock()
+        #: Every rank's published endpoint info (pid, host), by global rank.
+        self.peers: dict[int, EndpointInfo] = {}
+        self.host_id = host_identity()
+
+    # -- lifecycle.Leaver --------------------------------------------------------------
+    def leave(self, kind: str, why: str, budget_s: float) -> None:
+        """The process ends without ``close()`` (lifecycle.py): leave within ``budget_s``."""
+        self.shutdown(kind, why, checkout_s=budget_s / 3, linger_s=budget_s / 3)
+
+    def farewell(self, why: str) -> None:
+        """From a signal handler: tell the peers, remove our files; nothing else."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.farewell(why, skip=self._gone)
+        self.engine.transport.remove_files()
+
+    def _gone(self, peer: int) -> bool:
+        """Whether global rank ``peer`` is known to have exited (a same-host process)."""
+        info = self.peers.get(peer)
+        if info is None or info.host_id != self.host_id:
+            return False
+        try:
+            os.kill(info.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    # -- leaving -------------------------------------------------------------------------
+    def shutdown(
+        self, kind: str, why: str = "", *, checkout_s: float, linger_s: float
+    ) -> None:
+        """Leave every group of this process; idempotent.
+
+        ``kind``: ``DEPART_CLOSE`` (``close()``), ``DEPART_EXIT`` (the process ends
+        without it) or ``DEPART_ERROR`` (``abort()``, an uncaught exception: peers are
+        told ``why`` first and nobody waits for anybody). The store's host waits up to
+        ``checkout_s`` for the other ranks to check out, giving up as soon as one of
+        them is gone; pending sends get ``linger_s``.
+        """
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        lifecycle.unregister(self)
+        engine, store, server = self.engine, self.store, self.server
+        rank = self.config.rank
+        try:
+            if kind == DEPART_ERROR:
+                engine.farewell(why, skip=self._gone)
+                self._let_culprit_go_first()
+            engine.abort(
+                lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first")
+            )
+            if kind != DEPART_ERROR:
+                engine.read_control()  # who left or failed meanwhile
+                if engine.failure is None:
+                    engine.say_goodbye(linger_s, kind)  # peers waiting on us fail now
+                if store is not None and engine.failure is None and checkout_s > 0:
+                    self._check_out(store, server, checkout_s)
+        finally:
+            failed = kind == DEPART_ERROR or engine.failure is not None
+            engine.close(0.0 if failed else linger_s, kind)
+            if store is not None:
+                store.close()
+            if server is not None:
+                server.close()
+
+    def _let_culprit_go_first(self) -> None:
+        """This rank fails because a peer on this host did: wait (briefly) until that
+        peer's process is gone, so a launcher sees the culprit's exit first and reports
+        its exit code, not this victim's."""
+        failure = self.engine.failure
+        peer = getattr(failure, "peer", None)
+        info = self.peers.get(peer) if isinstance(peer, int) else None
+        if info is None or info.host_id != self.host_id or info.pid == os.getpid():
+            return
+        wait_for_exit(info.pid, CULPRIT_WAIT_S)
+
+    def _check_out(self, store: Store, server: StoreServer | None, limit_s: float) -> None:
+        """Count this rank out of the store. Its host keeps serving until every rank has
+        checked out (a rank may still be reading its last rendezvous reply), at most
+        ``limit_s``, and no longer once a rank is gone (it will never check out)."""
+        engine = self.engine
+        world = self.config.world_size
+        if not self.config.store_external and engine.departed(0) and server is None:
+            return  # rank 0 served the store and has left
+        try:
+            n = store.add("__closed__", 1, timeout_s=max(limit_s, 0.1))
+            if n >= world:
+                store.set("__all_closed__", b"1")
+                return
+            if server is None:
+                return
+            give_up_at = time.monotonic() + limit_s
+            while True:
+                remaining = give_up_at - time.monotonic()
+                if remaining <= 0:
+                    return
+                try:
+                    store.wait(["__all_closed__"], timeout_s=min(remaining, _CHECKOUT_SLICE_S))
+                    return
+                except CommTimeoutError:
+                    pass
+                engine.read_control()
+                if engine.failure is not None or all(
+                    engine.departed(r) for r in range(world) if r != self.config.rank
+                ):
+                    return  # a rank failed (it never checks out), or everyone left
+        except RingcommError:
+            pass  # best effort: the store or its host may be gone
 
 
 class ProcessGroup:
@@ -369,58 +494,65 @@ class ProcessGroup:
 
     # -- closing -----------------------------------------------------------------------
     def close(self) -> None:
-        """Release the group. Closing the world group closes the process's transport."""
+        """Release the group. Closing the world group closes the process's transport:
+        peers learn that this rank left (a goodbye), and calls of theirs that still wait
+        on it raise ``PeerFailedError`` ("rank N left the group")."""
         if self._closed:
             return
         self._closed = True
-        if self._group_id != _WORLD_GROUP_ID:
+        if self._group_id != _WORLD_GROUP_ID:  # its unfinished operations fail
+            rank = self._rank
+            self._engine.abort(
+                lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first"),
+                group=self._group_id,
+            )
             return
-        shared = self._shared
-        with shared.lock:
-            if shared.closed:
-                return
-            shared.closed = True
-        engine = shared.engine
-        engine.abort(
-            lambda op: GroupClosedError(f"rank {self._rank}: {op.desc}: the group was closed first")
+        self._shared.shutdown(
+            DEPART_CLOSE,
+            checkout_s=min(self.timeout_s, CHECKOUT_MAX_S),
+            linger_s=min(3.0, self.timeout_s),
         )
-        store, server = shared.store, shared.server
-        checkout_s = min(self.timeout_s, 60.0)
-        failed = engine.failure is not None or self._failed is not None
-        try:
-            # A failed group skips the checkout: the dead rank never checks out, and the
-            # store itself may have died with it.
-            if store is not None and not failed:
-                try:
-                    n = store.add("__closed__", 1)
-                    if server is not None and n < self._world_size:
-                        # Keep serving until every rank has checked out (bounded): a rank
-                        # may still be reading its last rendezvous reply.
-                        store.wait(["__all_closed__"], timeout_s=checkout_s)
-                    elif n >= self._world_size:
-                        store.set("__all_closed__", b"1")
-                except RingcommError:
-                    pass
-        finally:
-            linger_s = 0.0 if failed else min(3.0, self.timeout_s)
-            engine.close(linger_s)
-            if store is not None:
-                store.close()
-            if server is not None:
-                server.close()
+
+    def abort(self, reason: BaseException | str | None = None) -> None:
+        """Leave every group of this process at once because this rank is failing.
+
+        Peers are told why first: their pending and next calls raise
+        ``PeerFailedError`` saying ``rank N exited: <reason>`` (an exception is shown as
+        ``Type: message``). Nothing waits for anybody (no store check-out, no linger).
+        Idempotent; ``close()`` after it does nothing. ``with pg:`` calls it when an
+        exception leaves the block, and an uncaught exception calls it at exit.
+        """
+        self._closed = True
+        if isinstance(reason, BaseException):
+            why = lifecycle.describe_exit(reason)
+        else:
+            why = str(reason) if reason else "aborted"
+        self._shared.shutdown(DEPART_ERROR, why, checkout_s=0.0, linger_s=0.0)
 
     def __enter__(self) -> ProcessGroup:  # noqa: PYI034 (subclasses are not expected)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is not None and not (isinstance(exc, SystemExit) and not exc.code):
+            self.abort(exc)
+        else:
+            self.close()
 
-    def __del__(self) -> None:  # best effort: never leave sockets behind
-        try:
-            if not self._closed and self._group_id == _WORLD_GROUP_ID:
-                self._shared.engine.close(0.0)
-        except Exception:  # noqa: BLE001, S110 (interpreter shutdown: nothing left to tell)
-            pass
+
+def wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for process ``pid`` (of this host) to end; True if it did."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return False  # gone already, or no pidfds here: do not wait
+    try:
+        import select
+
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
 
 
 def _bind_to_core(local_rank: int) -> None:
@@ -583,6 +715,8 @@ def init_process_group(
             _enable_debug_log()
             engine.log_ops = True
         shared = _Shared(cfg, engine, store, server, chunk)
+        shared.peers = infos
+        lifecycle.register(shared)  # however the process ends, it leaves (lifecycle.py)
         return ProcessGroup(shared, range(cfg.world_size), _WORLD_GROUP_ID)
     except BaseException:
         if net is not None:

@@ -58,6 +58,7 @@ from .errors import (
     QueueLimitError,
     RingcommError,
 )
+from .lifecycle import DEPART_ERROR, DEPART_EXIT
 from .transport.wire import (
     INLINE_MAX_BYTES,
     KIND_CTRL,
@@ -76,6 +77,9 @@ from .transport.zmq_transport import (
 )
 
 __all__ = [
+    "DEPART_CLOSE",
+    "DEPART_ERROR",
+    "DEPART_EXIT",
     "HEALTH_CHECK_S",
     "POLL_SLICE_S",
     "QUERY_WAIT_S",
@@ -100,14 +104,28 @@ MAX_UNEXPECTED_MESSAGES = 65536
 MAX_UNEXPECTED_BYTES = 1 << 30
 #: Shortest wait for goodbyes to be written out at close (even with no linger).
 GOODBYE_MIN_S = 0.5
+#: Longest a rank going down waits for its farewells to be written out (to a peer that
+#: is gone already, libzmq would hold one until then).
+FAREWELL_S = 0.25
 #: Longest text a rank puts in a control message.
 _CTRL_TEXT_MAX = 2000
 
 # Control messages: their tag says what they are (module docstring).
+#: Goodbye; its fingerprint says how the sender leaves: None (``close()``), or
+#: ``[DEPART_EXIT, ""]`` (its process ended without closing), ``[DEPART_ERROR, why]``
+#: (it goes down: an uncaught exception, ``abort()``, a signal).
 CTRL_BYE = 1
 CTRL_PEER_FAILED = 2
 CTRL_QUERY = 3
 CTRL_STATE = 4
+
+#: How a rank leaves (:meth:`Engine.close`, :meth:`Engine.farewell`); the other two
+#: kinds are the process's exit paths (lifecycle.py).
+DEPART_CLOSE = "close"
+_DEPARTURE_NOTES = {
+    DEPART_CLOSE: "it closed its process group",
+    DEPART_EXIT: "its process ended without closing its process group",
+}
 
 #: Longest a driver blocks in one poll before re-checking deadlines and its operation.
 POLL_SLICE_S = 0.05
@@ -269,6 +287,11 @@ class Engine:
         self.failure: RingcommError | None = None
         self.failed_peers: set[int] = set()
         self._departed: set[int] = set()  # peers that said goodbye
+        self._departure: dict[int, str] = {}  # peer -> how it left (_DEPARTURE_NOTES)
+        # Departed peers that a receiver still waits on (or a send goes to): they fail the
+        # engine at the start of the next round (found where failing at once is unsafe).
+        self._orphaned: set[int] = set()
+        self._said_goodbye = False
         self._suspects: dict[int, float] = {}  # peer -> when its connection dropped
         self._next_health = time.monotonic() + HEALTH_CHECK_S
         # Per-peer accounting of the unexpected queues: src -> [messages, bytes].
@@ -438,7 +461,7 @@ class Engine:
             if (
                 self._closed or self._submitted or self._loopback or self._tracking
                 or self._async_pending or (serial is not None and serial.active is not None)
-                or nbytes >= ZERO_COPY_MIN_BYTES
+                or nbytes >= ZERO_COPY_MIN_BYTES or self._orphaned
             ):  # fmt: skip
                 return False
             if time.monotonic() >= self._next_health:
@@ -574,6 +597,8 @@ class Engine:
     # -- used by ops (driver lock held) ------------------------------------------------
     def send(self, peer: int, header: Header, payload: Any, nbytes: int) -> Tracker | None:
         """Queue one message to global rank ``peer`` (see :meth:`send_packed`)."""
+        if peer in self._departed:
+            self._orphaned.add(peer)
         if nbytes < INLINE_MAX_BYTES and peer != self.rank:
             return self.send_packed(peer, pack_header(header, bytes(payload)), None, nbytes)
         return self.send_packed(peer, pack_header(header), payload, nbytes)
@@ -586,12 +611,16 @@ class Engine:
         stream. When it did not go that way, the stream's later messages must not either
         (ZmqTransport.send_one).
         """
+        if peer in self._departed:
+            self._orphaned.add(peer)
         return self.transport.send_one(peer, frame, nbytes, lane)
 
     def send_lane(self, peer: int, header: bytes, payload: Any, nbytes: int) -> bool:
         """Send a header and its payload to global rank ``peer`` as one same-host lane
         datagram, copied now; False (nothing sent) if it cannot go that way (see
         :meth:`send_frame` for when it may)."""
+        if peer in self._departed:
+            self._orphaned.add(peer)
         return self.transport.send_lane(peer, header, payload, nbytes)
 
     def send_packed(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
@@ -601,6 +630,8 @@ class Engine:
         ``INLINE_MAX_BYTES``); the message is that one frame. To ourselves: copied now onto
         the loopback queue (the caller may reuse its buffer once the op completes).
         """
+        if peer in self._departed:
+            self._orphaned.add(peer)
         if peer == self.rank:
             h, inline = unpack_header(header)
             data = bytes(payload) if payload is not None else inline or b""
@@ -626,6 +657,8 @@ class Engine:
         if q is None:
             self._posted[key] = q = collections.deque()
         q.append(receiver)
+        if key[0] in self._departed:  # nothing more can come from it
+            self._orphaned.add(key[0])
 
     def unpost(self, key: Key, receiver: Receiver) -> bool:
         q = self._posted.get(key)
@@ -724,8 +757,7 @@ class Engine:
         """Handle a control message (its contents came off the wire: check everything)."""
         src, tag, fp = header.src, header.tag, header.fp
         if tag == CTRL_BYE:
-            self._departed.add(src)
-            self._suspects.pop(src, None)
+            self._on_goodbye(src, fp)
         elif tag == CTRL_PEER_FAILED and _is_list(fp, 2) and type(fp[0]) is int:
             dead = fp[0]
             if dead != self.rank and dead not in self.failed_peers:
@@ -738,6 +770,42 @@ class Engine:
                 query[1][src] = str(fp[1])[:_CTRL_TEXT_MAX]
         else:
             self.dropped_frames += 1
+
+    def _on_goodbye(self, src: int, fp: Any) -> None:
+        """Peer ``src`` leaves: a failure if it goes down with an error; else a departure,
+        which fails the engine only if something here still waits on ``src``."""
+        self._suspects.pop(src, None)
+        if src in self._departed:
+            return
+        self._departed.add(src)
+        kind = fp[0] if _is_list(fp, 2) else DEPART_CLOSE
+        if kind == DEPART_ERROR:
+            why = str(fp[1])[:_CTRL_TEXT_MAX]
+            self._fail_engine(
+                PeerFailedError(f"rank {self.rank}: peer rank {src} exited: {why}", peer=src),
+                peer=src,
+            )
+            return
+        self._departure[src] = _DEPARTURE_NOTES.get(kind, _DEPARTURE_NOTES[DEPART_CLOSE])
+        # Every message src sent before its goodbye was dispatched before it: a receiver
+        # still posted for src waits for nothing that can come.
+        if any(key[0] == src and q for key, q in self._posted.items()):
+            self._orphaned.add(src)
+            self._fail_orphaned()
+
+    def _fail_orphaned(self) -> None:
+        """Fail the engine for a departed peer that something here still needs."""
+        peer = min(self._orphaned)
+        self._orphaned.clear()
+        note = self._departure.get(peer, _DEPARTURE_NOTES[DEPART_CLOSE])
+        self._fail_engine(
+            PeerFailedError(
+                f"rank {self.rank}: peer rank {peer} left the group ({note}) while this "
+                "rank still expected messages from it or sent it more",
+                peer=peer,
+            ),
+            peer=peer,
+        )
 
     def where(self) -> str:
         """Where this rank is: each unfinished operation and its progress."""
@@ -780,7 +848,7 @@ class Engine:
             elif peer in self.failed_peers:
                 lines.append(f"  rank {peer}: failed")
             elif peer in self._departed:
-                lines.append(f"  rank {peer}: closed its process group")
+                lines.append(f"  rank {peer}: left the group ({self._departure.get(peer)})")
             else:
                 lines.append(
                     f"  rank {peer}: no answer within {wait_s:g} s (busy outside ringcomm, "
@@ -875,6 +943,8 @@ class Engine:
         With ``until``, dispatching stops as soon as that op is done (its caller returns
         without paying for another look at the socket).
         """
+        if self._orphaned:
+            self._fail_orphaned()
         while self._submitted:
             self._admit(self._submitted.popleft())
         while self._loopback:
@@ -1062,7 +1132,7 @@ class Engine:
                         self._hand_over()
 
     # -- closing -----------------------------------------------------------------------
-    def _say_goodbye(self, linger_s: float) -> None:
+    def _say_goodbye(self, linger_s: float, kind: str = DEPART_CLOSE) -> None:
         """Tell every live peer we are leaving (so our disconnection is no failure) and
         wait, up to ``linger_s``, until libzmq took each goodbye (and so everything queued
         before it) off its queue, or the peer left or failed itself (the close then
@@ -1071,7 +1141,8 @@ class Engine:
         ``linger_s``, so the wait ends for it as soon as its own goodbye is read."""
         self._read_control()
         linger_s = max(linger_s, GOODBYE_MIN_S)  # even a failed group says goodbye
-        frame = pack_header(Header(KIND_CTRL, self.rank, 0, CTRL_BYE), b"")
+        fp = None if kind == DEPART_CLOSE else [kind, ""]
+        frame = pack_header(Header(KIND_CTRL, self.rank, 0, CTRL_BYE, fp=fp), b"")
         pending = {}
         for peer in self._live_peers():
             try:
@@ -1089,16 +1160,52 @@ class Engine:
                 self._read_control()
 
     def _read_control(self) -> None:
-        """Take what arrived off the socket, acting on control messages only (the
-        group is closing: nothing may reach a receiver any more)."""
+        """Take what arrived off the socket, acting on goodbyes and failure reports only
+        (the group is closing: nothing may reach a receiver any more)."""
         for _ in range(MAX_DISPATCH_PER_ROUND):
             message = self._recv()
             if message is None:
                 return
             if message is not False and message[0].kind == KIND_CTRL:
                 header = message[0]
-                if header.src in self._known_src and header.tag == CTRL_BYE:
+                if header.src in self._known_src and header.tag in (CTRL_BYE, CTRL_PEER_FAILED):
                     self._on_ctrl(header)
+
+    def read_control(self) -> None:
+        """Before closing (every operation finished): act on the goodbyes and failure
+        reports that arrived, and on dropped connections, so the caller knows who is gone
+        (:attr:`failure`, :meth:`departed`)."""
+        with self._lock:
+            if not self._closed:
+                self._read_control()
+                self._check_health(drain=False)
+
+    def departed(self, peer: int) -> bool:
+        """Whether global rank ``peer`` said goodbye or failed."""
+        return peer in self._departed or peer in self.failed_peers
+
+    def farewell(
+        self, why: str, timeout_s: float = FAREWELL_S, skip: Callable[[int], bool] | None = None
+    ) -> None:
+        """Tell every live peer this rank goes down because of ``why`` (their calls then
+        raise :class:`PeerFailedError` saying ``rank N exited: why``).
+
+        Takes no lock and touches no data socket (:meth:`ZmqTransport.send_farewell`), so
+        it may run from a signal handler that interrupted this engine's driver.
+        ``skip(peer)``: True for peers not to tell (known to be gone).
+        """
+        fp = [DEPART_ERROR, why[:_CTRL_TEXT_MAX]]
+        frame = pack_header(Header(KIND_CTRL, self.rank, 0, CTRL_BYE, fp=fp), b"")
+        # Peers that said goodbye are told too (one may still wait for check-outs); not
+        # those that dropped without one (dead: a farewell to them would only linger).
+        try:
+            dead = self.failed_peers - self._departed
+            peers = [p for p in self.transport.peers() if p != self.rank and p not in dead]
+        except RuntimeError:  # a set changed under us (another thread): tell everyone
+            peers = [p for p in self.transport.peers() if p != self.rank]
+        if skip is not None:  # e.g. peers known to be gone
+            peers = [p for p in peers if not skip(p)]
+        self.transport.send_farewell(frame, peers, timeout_s)
 
     def abort(self, error_for: Callable[[Op], BaseException], group: int | None = None) -> None:
         """Fail every unfinished operation (all, or those of one group id)."""
@@ -1109,7 +1216,18 @@ class Engine:
                         op.serial.pending.remove(op)
                     op.finish(error_for(op))
 
-    def close(self, linger_s: float | None = None) -> None:
+    def say_goodbye(self, linger_s: float, kind: str = DEPART_CLOSE) -> None:
+        """Tell every live peer this rank leaves (``kind``), before :meth:`close`: peers
+        waiting on it fail at once instead of when the transport closes."""
+        with self._lock:
+            if not self._closed and not self._said_goodbye:
+                self._said_goodbye = True
+                self._say_goodbye(linger_s, kind)
+
+    def close(self, linger_s: float | None = None, kind: str = DEPART_CLOSE) -> None:
+        """Finish every operation (GroupClosedError), say goodbye unless
+        :meth:`say_goodbye` did (``kind``: how this rank leaves; none for
+        :data:`DEPART_ERROR`, whose :meth:`farewell` was sent), close the transport."""
         if self._closed:
             return
         with self._cv:
@@ -1123,8 +1241,14 @@ class Engine:
                 op.finish(GroupClosedError(f"rank {self.rank}: {op.desc}: the process group was closed"))
             # Goodbyes written out (tracked) leave libzmq's batch buffer only on a
             # lingering close: live peers get a short linger, gone ones none.
-            self._say_goodbye(self.transport.linger_s if linger_s is None else linger_s)
-            self.transport.close(GOODBYE_MIN_S, abandon=self.failed_peers | self._departed)
+            if kind == DEPART_ERROR:
+                self.transport.close(0.0)
+            else:
+                if not self._said_goodbye:
+                    self._say_goodbye(
+                        self.transport.linger_s if linger_s is None else linger_s, kind
+                    )
+                self.transport.close(GOODBYE_MIN_S, abandon=self.failed_peers | self._departed)
             self._posted.clear()
             self._unexpected.clear()
             self._loopback.clear()

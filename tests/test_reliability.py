@@ -46,16 +46,16 @@ def test_unexpected_message_cap_fails_with_a_clear_error(
 
 def job_where(pg: rc.ProcessGroup) -> str:
     """Ranks 0 and 1 wait in an all_reduce for rank 2, which waits in a recv: rank 0's
-    timeout names where everybody was."""
+    timeout names where everybody was. Rank 2's receive then fails as rank 0 closes."""
     if pg.rank == 2:
         try:
-            pg.recv(np.zeros(3, np.int64), src=0, tag=99, timeout_s=4)
-        except rc.CommTimeoutError as exc:
+            pg.recv(np.zeros(3, np.int64), src=0, tag=99, timeout_s=30)
+        except rc.RingcommError as exc:
             return str(exc)
         return "no timeout"
-    try:
-        pg.all_reduce(np.ones(1000, np.float32), timeout_s=1.5, algo="ring")
-    except rc.CommTimeoutError as exc:
+    try:  # rank 0 times out first; rank 1 then learns that rank 0 left
+        pg.all_reduce(np.ones(1000, np.float32), timeout_s=1.5 * (pg.rank + 1), algo="ring")
+    except rc.RingcommError as exc:
         return str(exc)
     return "no timeout"
 
@@ -72,7 +72,8 @@ def test_timeout_error_carries_the_progress_map(no_child_processes: None) -> Non
     assert "recv from peer 0 (op recv, tag 99" in lines["rank 2"], text
     # rank 1 timed out too: still inside its all_reduce, asking around, or closed already
     assert any(w in lines["rank 1"] for w in ("all_reduce", "no answer", "closed")), text
-    assert "where each rank was:" in texts[2], texts[2]
+    # rank 0 closed after its timeout: rank 2's receive from it fails at once
+    assert "peer rank 0 left the group (it closed its process group)" in texts[2], texts[2]
 
 
 class _Records(logging.Handler):

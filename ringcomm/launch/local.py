@@ -30,6 +30,7 @@ import ctypes.util
 import os
 import re
 import secrets
+import select
 import shlex
 import signal
 import socket
@@ -38,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
@@ -401,6 +402,7 @@ class _RankProcess:
     rank: int
     popen: subprocess.Popen[bytes]
     copiers: tuple[_LineCopier, ...]
+    _pidfd: int | None = field(default=None, init=False, repr=False)
 
     def signal_group(self, sig: int) -> None:
         """Signal the rank's whole process group (its session, started by us)."""
@@ -417,6 +419,21 @@ class _RankProcess:
     def kill(self) -> None:
         """Stop the rank now (and sweep what it left in its process group)."""
         self.signal_group(signal.SIGKILL)
+
+    def exit_fd(self) -> int | None:
+        """A descriptor that becomes readable when the rank's process exits (a pidfd,
+        closed with the Popen's ``wait``); None where the system has none."""
+        if self._pidfd is None and hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(self.popen.pid)
+            except OSError:
+                self._pidfd = -1
+        return None if self._pidfd is None or self._pidfd < 0 else self._pidfd
+
+    def close_exit_fd(self) -> None:
+        if self._pidfd is not None and self._pidfd >= 0:
+            os.close(self._pidfd)
+        self._pidfd = -1
 
     def describe_exit(self, code: int) -> str:
         """``rank R exited with code C`` / ``rank R was killed by SIGNAME``."""
@@ -542,8 +559,18 @@ def _supervise(ranks: list[_RankProcess], signals: _Signals, grace_s: float, pol
                 _stop(ranks, signal.SIGTERM, grace_s, signals)
                 return _exit_status(code)
         if running:
-            time.sleep(poll_s)
+            _wait_for_exits(list(running.values()), poll_s)
     return 0
+
+
+def _wait_for_exits(ranks: list[_RankProcess], timeout_s: float) -> None:
+    """Sleep until one of ``ranks`` exits, at most ``timeout_s``: the first failure is
+    seen as it happens (Linux pidfds), so ranks that fail moments apart keep their order."""
+    fds = [fd for fd in (r.exit_fd() for r in ranks) if fd is not None]
+    if len(fds) < len(ranks):
+        time.sleep(timeout_s)
+        return
+    select.select(fds, [], [], timeout_s)
 
 
 def _signal_name(signum: int) -> str:
@@ -575,5 +602,6 @@ def _join_copiers(ranks: list[_RankProcess], timeout_s: float) -> None:
     """Let the output copiers drain; a grandchild holding a pipe open must not hang us."""
     deadline = time.monotonic() + timeout_s
     for r in ranks:
+        r.close_exit_fd()
         for c in r.copiers:
             c.thread.join(max(0.0, deadline - time.monotonic()))

@@ -21,6 +21,7 @@ command line or in the environment.
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import pickle
 import secrets
@@ -132,10 +133,8 @@ class _GroupEntry:
             token=self.token,
             host_store=False,
         )
-        try:
+        with pg:  # an exception: peers are told why (ProcessGroup.abort), else close()
             return self.fn(pg, *self.args)
-        finally:
-            pg.close()
 
 
 # --------------------------------------------------------------------------------------
@@ -206,6 +205,7 @@ def _child_main(
     stack_file = open(stack_path, "w")  # noqa: SIM115  (must stay open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     exitcode = 0
+    interrupted = False
     try:
         value = entry(rank, world_size)
         message: tuple[str, Any] = ("ok", value)
@@ -213,6 +213,7 @@ def _child_main(
         message = ("err", f"rank {rank} raised:\n{_format_user_traceback(exc)}")
         exitcode = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
         exitcode = exitcode or 1
+        interrupted = isinstance(exc, KeyboardInterrupt)
     try:  # pickle first, so that a value that does not pickle is reported as such
         payload = ForkingPickler.dumps(message)
     except Exception as exc:  # noqa: BLE001  (pickling raises anything)
@@ -223,6 +224,9 @@ def _child_main(
         result.close()
     except OSError:
         os._exit(1)  # the parent is gone
+    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     if exitcode:
         raise SystemExit(exitcode)
 
@@ -254,6 +258,7 @@ class _Rank:
     reported: bool = False  # its ("ok"|"err", ...) report was read
     signalled: bool = False  # stopped by us: its exit code says nothing
     outcome: str | None = None  # None while running, then "ok" | "failed" | "stopped"
+    failed_at: float = math.inf  # when its failure was seen (the first one is reported)
     value: Any = None
     error: str | None = None
 
@@ -313,6 +318,7 @@ def _run_ranks(
                 for r in failed
                 if r.process.exitcode is not None and not r.signalled
             },
+            first=min(failed, key=lambda r: r.failed_at).rank,
         )
     return [r.value for r in ranks]
 
@@ -355,6 +361,7 @@ def _read_result(r: _Rank) -> bool:
         r.outcome, r.value = "ok", payload
     else:
         r.outcome, r.error = "failed", str(payload)
+        r.failed_at = time.monotonic()
     return True
 
 
@@ -369,6 +376,7 @@ def _settle(r: _Rank, *, exited: bool) -> None:
         return
     code = r.process.exitcode
     r.outcome = "failed"
+    r.failed_at = time.monotonic()
     r.error = f"rank {r.rank} {_describe_exit(code)} without returning a result"
 
 
@@ -407,6 +415,7 @@ def _record_timeout(ranks: list[_Rank], timeout_s: float | None) -> None:
         if stacks:
             text += f"\nrank {r.rank} Python stacks at the timeout:\n{stacks}"
         r.outcome, r.error = "failed", text
+        r.failed_at = time.monotonic()
 
 
 def _stop_all(ranks: list[_Rank], grace_s: float) -> None:

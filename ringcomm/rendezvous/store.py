@@ -435,11 +435,13 @@ class Store:
         value = reply.get("value")
         return None if value is None else _reply_bytes(reply, "value")
 
-    def add(self, key: str, delta: int = 1) -> int:
-        """Atomically add ``delta`` to the integer at ``key`` (missing: 0); the new value."""
+    def add(self, key: str, delta: int = 1, *, timeout_s: float | None = None) -> int:
+        """Atomically add ``delta`` to the integer at ``key`` (missing: 0); the new value.
+        ``timeout_s``: this call's deadline (default: the store's)."""
         if isinstance(delta, bool) or not isinstance(delta, int):
             raise TypeError(f"add: delta must be an int, got {delta!r}")
-        reply = self._request("add", {"key": self._key(key), "delta": delta}, self._timeout_s)
+        limit_s = self._timeout_s if timeout_s is None else _check_timeout(timeout_s)
+        reply = self._request("add", {"key": self._key(key), "delta": delta}, limit_s)
         value = reply.get("value")
         if not isinstance(value, int):
             raise RendezvousError(f"{self.label}, op store.add: malformed reply {reply!r}")

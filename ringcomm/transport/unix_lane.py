@@ -187,6 +187,10 @@ class UnixLane:
         except (BlockingIOError, InterruptedError):
             return None
 
+    def remove_files(self) -> None:
+        """Remove the socket's folder, leaving the socket open (the process is ending)."""
+        shutil.rmtree(self._dir, ignore_errors=True)
+
     def close(self) -> None:
         if getattr(self, "_closed", False):
             return

@@ -356,6 +356,30 @@ class ZmqTransport:
                 self.auth_failures += 1
         return found
 
+    def _configure_tx(self, sock: zmq.Socket[Any]) -> None:
+        """Options of a send socket to a peer: queueing, heartbeats, credentials."""
+        # Unlimited send queue: sends never block or fail with EAGAIN. Large payloads
+        # are zero-copy references to user buffers (no memory), small ones are bounded
+        # by the protocol; a bounded queue would deadlock rings where all ranks send
+        # first. Flow control comes from the collectives' structure.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        # Queue messages for a peer whose connection is still being set up (the default,
+        # made explicit): connect is asynchronous and we send right after it.
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+        # Liveness: libzmq's I/O thread pings the peer; no answer within the timeout
+        # drops the connection (a DISCONNECTED event, as when the peer dies).
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_ivl_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.heartbeat_timeout_s * 1000)))
+        creds = self._creds
+        if creds is not None:
+            if self.security == "curve":
+                sock.setsockopt(zmq.CURVE_SERVERKEY, creds["server_public"])
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, creds["client_public"])
+                sock.setsockopt(zmq.CURVE_SECRETKEY, creds["client_secret"])
+            else:
+                sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER.encode())
+                sock.setsockopt(zmq.PLAIN_PASSWORD, creds["password"])
+
     def _socket_to(self, peer: int) -> zmq.Socket[Any]:
         sock = self._tx.get(peer)
         if sock is None:
@@ -364,27 +388,7 @@ class ZmqTransport:
             except KeyError:
                 raise RingcommError(f"rank {self.rank}: no endpoint known for peer {peer}") from None
             sock = self._ctx.socket(zmq.PUSH)
-            # Unlimited send queue: sends never block or fail with EAGAIN. Large payloads
-            # are zero-copy references to user buffers (no memory), small ones are bounded
-            # by the protocol; a bounded queue would deadlock rings where all ranks send
-            # first. Flow control comes from the collectives' structure.
-            sock.setsockopt(zmq.SNDHWM, 0)
-            # Queue messages for a peer whose connection is still being set up (the default,
-            # made explicit): connect is asynchronous and we send right after it.
-            sock.setsockopt(zmq.IMMEDIATE, 0)
-            # Liveness: libzmq's I/O thread pings the peer; no answer within the timeout
-            # drops the connection (a DISCONNECTED event, as when the peer dies).
-            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_ivl_s * 1000)))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.heartbeat_timeout_s * 1000)))
-            creds = self._creds
-            if creds is not None:
-                if self.security == "curve":
-                    sock.setsockopt(zmq.CURVE_SERVERKEY, creds["server_public"])
-                    sock.setsockopt(zmq.CURVE_PUBLICKEY, creds["client_public"])
-                    sock.setsockopt(zmq.CURVE_SECRETKEY, creds["client_secret"])
-                else:
-                    sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER.encode())
-                    sock.setsockopt(zmq.PLAIN_PASSWORD, creds["password"])
+            self._configure_tx(sock)
             self._monitors[peer] = sock.get_monitor_socket(_TX_EVENTS)
             sock.connect(endpoint)
             self._tx[peer] = sock
@@ -582,6 +586,44 @@ class ZmqTransport:
             if exc.errno != errno.EBADF:
                 raise
 
+    def send_farewell(self, frame: bytes, peers: Collection[int], timeout_s: float) -> None:
+        """Send the one-frame message ``frame`` to each of ``peers`` over connections of
+        its own, made now, and wait up to ``timeout_s`` for libzmq to write them out.
+
+        For a rank that is going down (an uncaught exception, a signal): it may run on a
+        thread that interrupted this transport's user between two frames of a message,
+        so it touches neither the data sockets nor their context. Order against earlier
+        messages is not kept (a peer that reads it fails the group anyway).
+        """
+        ctx = zmq.Context(io_threads=1)
+        try:
+            for peer in peers:
+                endpoint = self._peer_endpoints.get(peer)
+                if endpoint is None:
+                    continue
+                sock = ctx.socket(zmq.PUSH)
+                self._configure_tx(sock)
+                sock.setsockopt(zmq.LINGER, max(0, int(timeout_s * 1000)))
+                sock.connect(endpoint)
+                try:
+                    sock.send(frame, _NOBLOCK, copy=True)
+                except zmq.ZMQError:
+                    pass  # best effort: the peer learns of us from the dropped connection
+        finally:
+            # Each socket lingers up to timeout_s (all at once): term waits for no more.
+            ctx.destroy(linger=max(0, int(timeout_s * 1000)))
+
+    def remove_files(self) -> None:
+        """Remove what this rank left in the file system (the ipc:// socket and the
+        lane's folder) without closing anything: for a process about to be killed."""
+        if self._ipc_file is not None:
+            try:
+                os.unlink(self._ipc_file)
+            except OSError:
+                pass
+        if self._lane is not None:
+            self._lane.remove_files()
+
     # -- closing -----------------------------------------------------------------------
     def close(self, linger_s: float | None = None, abandon: Collection[int] = ()) -> None:
         """Close every socket; pending outgoing messages get ``linger_s`` to flush, but
@@ -600,7 +642,9 @@ class ZmqTransport:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        self._ctx.term()
+        # Every socket above is closed; destroy (not term) also closes any left open
+        # (linger 0), so closing never waits on libzmq for more than the lingers above.
+        self._ctx.destroy(linger=0)
         if self._lane is not None:
             self._lane.close()
         if self._shm is not None:
