@@ -142,6 +142,9 @@ Key = tuple[int, int, int, int]
 
 
 class Receiver(Protocol):
+    """Takes the pieces of messages with one key. An :class:`Op`, or an object with
+    ``op`` (the Op it feeds, None once detached) and ``sealed`` (see ``_needs_more``)."""
+
     def on_piece(self, header: Header, payload: memoryview) -> bool:
         """Consume one piece; return True when this receiver wants no more pieces."""
 
@@ -657,7 +660,7 @@ class Engine:
         if q is None:
             self._posted[key] = q = collections.deque()
         q.append(receiver)
-        if key[0] in self._departed:  # nothing more can come from it
+        if key[0] in self._departed and _needs_more(receiver):  # nothing more can come
             self._orphaned.add(key[0])
 
     def unpost(self, key: Key, receiver: Receiver) -> bool:
@@ -789,7 +792,7 @@ class Engine:
         self._departure[src] = _DEPARTURE_NOTES.get(kind, _DEPARTURE_NOTES[DEPART_CLOSE])
         # Every message src sent before its goodbye was dispatched before it: a receiver
         # still posted for src waits for nothing that can come.
-        if any(key[0] == src and q for key, q in self._posted.items()):
+        if any(key[0] == src and any(map(_needs_more, q)) for key, q in self._posted.items()):
             self._orphaned.add(src)
             self._fail_orphaned()
 
@@ -1252,6 +1255,16 @@ class Engine:
             self._posted.clear()
             self._unexpected.clear()
             self._loopback.clear()
+
+
+def _needs_more(receiver: Receiver) -> bool:
+    """Whether ``receiver`` feeds an unfinished operation. A receiver is an :class:`Op`
+    itself, or exposes the one it feeds as ``op`` (None once detached) and ``sealed``
+    (True: it only swallows what is left of a failed call's stream)."""
+    if getattr(receiver, "sealed", False):
+        return False
+    op = receiver if isinstance(receiver, Op) else getattr(receiver, "op", None)
+    return op is not None and not op.done
 
 
 def _is_list(value: Any, n: int) -> bool:
