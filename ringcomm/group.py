@@ -60,6 +60,8 @@ CHECKOUT_MAX_S = 60.0
 _CHECKOUT_SLICE_S = 0.02
 #: Longest a rank failing because of a same-host peer waits for that peer's exit.
 CULPRIT_WAIT_S = 0.5
+#: How much longer a rank waits once a culprit on another host is gone.
+CULPRIT_REMOTE_LEAD_S = 0.1
 
 
 class _Shared:
@@ -153,15 +155,19 @@ class _Shared:
                 server.close()
 
     def _let_culprit_go_first(self) -> None:
-        """This rank fails because a peer on this host did: wait (briefly) until that
-        peer's process is gone, so a launcher sees the culprit's exit first and reports
-        its exit code, not this victim's."""
+        """This rank fails because a peer did: wait (briefly) until that peer's process
+        is gone (its pid on this host, its connection elsewhere), so a launcher sees the
+        culprit's exit first and reports its exit code, not this victim's."""
         failure = self.engine.failure
         peer = getattr(failure, "peer", None)
         info = self.peers.get(peer) if isinstance(peer, int) else None
-        if info is None or info.host_id != self.host_id or info.pid == os.getpid():
+        if info is None or info.pid == os.getpid() and info.host_id == self.host_id:
             return
-        wait_for_exit(info.pid, CULPRIT_WAIT_S)
+        if info.host_id == self.host_id:
+            wait_for_exit(info.pid, CULPRIT_WAIT_S)
+        elif self.engine.wait_disconnected(peer, CULPRIT_WAIT_S):
+            # Its exit status still travels to the launcher (ssh): give it a head start.
+            time.sleep(CULPRIT_REMOTE_LEAD_S)
 
     def _check_out(self, store: Store, server: StoreServer | None, limit_s: float) -> None:
         """Count this rank out of the store. Its host keeps serving until every rank has

@@ -295,6 +295,7 @@ class Engine:
         # engine at the start of the next round (found where failing at once is unsafe).
         self._orphaned: set[int] = set()
         self._said_goodbye = False
+        self._disconnected: set[int] = set()  # peers whose connection dropped (not back)
         self._suspects: dict[int, float] = {}  # peer -> when its connection dropped
         self._next_health = time.monotonic() + HEALTH_CHECK_S
         # Per-peer accounting of the unexpected queues: src -> [messages, bytes].
@@ -870,10 +871,12 @@ class Engine:
         self._next_health = now + HEALTH_CHECK_S
         for peer, event in self.transport.poll_events():
             if event == EVENT_DISCONNECTED:
+                self._disconnected.add(peer)
                 if peer not in self._departed and peer not in self.failed_peers:
                     self._suspects.setdefault(peer, now)
             elif event == EVENT_HANDSHAKE_OK:
                 self._suspects.pop(peer, None)  # reconnected: alive after all
+                self._disconnected.discard(peer)
         if not self._suspects:
             return
         due = [p for p, t in self._suspects.items() if now - t >= SUSPECT_GRACE_S]
@@ -1182,6 +1185,21 @@ class Engine:
             if not self._closed:
                 self._read_control()
                 self._check_health(drain=False)
+
+    def wait_disconnected(self, peer: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until the connection to global rank ``peer`` drops
+        (its process ended, wherever it ran); True if it did."""
+        give_up_at = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._closed:
+                    return False
+                self._check_health(drain=False)
+                if peer in self._disconnected:
+                    return True
+            if time.monotonic() >= give_up_at:
+                return False
+            time.sleep(0.01)
 
     def departed(self, peer: int) -> bool:
         """Whether global rank ``peer`` said goodbye or failed."""

@@ -508,3 +508,45 @@ def _comm(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+# -- crash safety across hosts (the reduced set of test_exit_matrix.py's matrix) ----------
+EXIT_CAUSES = ("exception", "sys_exit", "sigterm", "normal_end")
+EXIT_STATUS = {"exception": 1, "sys_exit": 3, "sigterm": 143, "normal_end": 1}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("failing", [0, 2])
+@pytest.mark.parametrize("cause", EXIT_CAUSES)
+def test_a_failing_rank_ends_the_job_across_hosts(
+    cluster: SshdHosts, tag: str, tmp_path: Path, cause: str, failing: int
+) -> None:
+    """One rank per host; the failing one goes down without close() while its peers wait
+    in an all_reduce with it: the launcher returns its status within 5 s, the peers that
+    noticed say why, and nothing is left on any host (``normal_end``: the peers fail, so
+    the job's status is theirs, 1)."""
+    report = tmp_path / "report"
+    report.mkdir()
+    res = ringcomm_run(
+        cluster, "-H", "node1,node2,node3", str(SCRIPTS / "exit_scenario.py"), cause,
+        "collective", str(failing), str(report), f"--tag={tag}", tag=tag,
+    )
+    t_end = time.time()
+    t_fail = json.loads((report / f"fail.{failing}").read_text())
+    assert res.returncode == EXIT_STATUS[cause], res.stderr
+    assert t_end - t_fail < 5.0, t_end - t_fail
+    if cause != "normal_end":
+        assert f"ringcomm run: rank {failing} on node{failing + 1} " in res.stderr, res.stderr
+    want = {
+        "exception": f"rank {failing} exited: RuntimeError: user bug on rank {failing}",
+        "sys_exit": f"rank {failing} left the group",
+        "sigterm": f"rank {failing} exited: killed by SIGTERM",
+        "normal_end": f"rank {failing} left the group",
+    }[cause]
+    for peer in {0, 1, 2} - {failing}:
+        path = report / f"peer.{peer}"
+        if path.exists():  # else the launcher stopped it before it noticed
+            got = json.loads(path.read_text())
+            assert want in got["message"], got
+            assert got["t"] - t_fail < 1.0, got
+    assert not processes_with_cmdline(tag, exclude=(os.getpid(),)), "ranks left behind"
