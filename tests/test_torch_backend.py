@@ -671,3 +671,43 @@ def test_single_rank_group_in_process() -> None:
             dist.all_reduce(torch.ones(2, device="meta"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cause", ["exception", "sys_exit", "sigterm"])
+def test_torchrun_job_ends_when_a_rank_goes_down(
+    cause: str, tmp_path: Path, no_child_processes: None
+) -> None:
+    """The crash-safety matrix's reduced set under torchrun: the last of 3 ranks goes down
+    without destroy_process_group while the others wait in an all_reduce with it; torchrun
+    ends the job (its own status, 1) within seconds, and peers that noticed say why."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    for k in list(env):
+        if k.startswith("RINGCOMM_"):
+            env.pop(k)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "3", "--monitor-interval", "0.1",
+         str(REPO / "tests" / "scripts" / "torch_exit_torchrun.py"), cause, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=100, check=False,
+    )
+    t_end = time.time()
+    out = proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode != 0, out
+    t_fail = float((tmp_path / "fail.2").read_text())
+    assert t_end - t_fail < 10.0, (t_end - t_fail, out)
+    want = {
+        "exception": "rank 2 exited: RuntimeError: user bug on rank 2",
+        "sys_exit": "rank 2 left the group",
+        "sigterm": "rank 2 exited: killed by SIGTERM",
+    }[cause]
+    for peer in (0, 1):
+        path = tmp_path / f"peer.{peer}"
+        if path.exists():  # else torchrun stopped it before it noticed
+            import json
+
+            got = json.loads(path.read_text())
+            assert want in got["message"], got
+            assert got["t"] - t_fail < 1.0, got
