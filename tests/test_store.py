@@ -391,28 +391,40 @@ def test_server_without_token_accepts_anyone(server: StoreServer) -> None:
         assert s.get("k") == b"v"
 
 
-def test_server_close_leaves_clients_with_a_bounded_timeout() -> None:
+@pytest.mark.timeout(30)
+def test_server_close_fails_a_parked_wait_at_once() -> None:
+    """A wait parked on a server that closes fails at once, not after its 60 s deadline."""
     srv = StoreServer(HOST, 0).start()
-    client = Store(HOST, srv.port, timeout_s=0.5, label="rank 1")
+    client = Store(HOST, srv.port, timeout_s=60, label="rank 1")
     errors: list[RingcommError] = []
 
     def parked() -> None:
         try:
-            client.get("never", timeout_s=1.0)
+            client.wait(["never"], timeout_s=60)
         except RingcommError as exc:  # reported to the test thread
             errors.append(exc)
 
     t = threading.Thread(target=parked)
     t.start()
-    assert _eventually(lambda: srv.num_waiters == 1)
-    srv.close()
-    start = time.monotonic()
-    t.join(10)
-    assert not t.is_alive() and time.monotonic() - start < 5
-    assert len(errors) == 1 and isinstance(errors[0], CommTimeoutError)
-    with pytest.raises(CommTimeoutError, match="no reply from the store"):
-        client.set("k", b"v")
-    client.close()
+    try:
+        assert _eventually(lambda: srv.num_waiters == 1)
+        start = time.monotonic()
+        srv.close()
+        t.join(10)
+        elapsed = time.monotonic() - start
+        assert not t.is_alive()
+        assert elapsed < 1.5, f"the parked wait failed only after {elapsed:.2f} s"
+        assert len(errors) == 1
+        error = errors[0]
+        assert isinstance(error, RendezvousError) and not isinstance(error, CommTimeoutError)
+        message = str(error)
+        assert message.startswith("rank 1, op store.wait, keys ['never']: "), message
+        assert f"lost the connection to the store at {HOST}:{srv.port}" in message
+        assert "closed or died" in message
+    finally:
+        client.close()
+        srv.close()
+        t.join(10)
 
 
 def test_close_is_idempotent(server: StoreServer) -> None:
