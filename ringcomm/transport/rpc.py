@@ -627,7 +627,10 @@ class RpcClient:
             slots = list(self._pending.values())
             self._pending.clear()
             self._outbox.clear()
-        log.warning(
+        # With no call waiting this is often an orderly shutdown (the store's host closing
+        # it after the last checkout): not worth a warning.
+        log.log(
+            logging.WARNING if slots else logging.INFO,
             "%s: lost the connection to %s; %d waiting call(s) failed",
             self.name,
             self.endpoint,
