@@ -22,9 +22,11 @@ whose deadline passed is answered by :class:`RpcTimeoutError`; note that the ser
 have executed it (at-most-once is not knowable without an answer).
 
 Connection loss: the client watches its DEALER with a socket monitor (read by the I/O thread)
-and sends ZMTP heartbeats (a PING every second; no traffic for 4 s drops the connection, so a
-server that went silent, e.g. a frozen or unplugged host, is noticed too, not only one whose
-socket was closed). Until the first ZMTP handshake succeeds, calls wait as usual: the server
+and sends ZMTP heartbeats (a PING every second; nothing back within 4 s drops the connection;
+the TTL it announces lets the server drop a client silent for 4 s too). A server whose socket
+closes (it shut down, or its process died and the kernel closed the TCP connection) is
+noticed within milliseconds; one that went silent (a frozen or unplugged host) after 4-5 s,
+by the heartbeats. Until the first ZMTP handshake succeeds, calls wait as usual: the server
 may simply not be up yet (ranks start before rank 0 serves the store). Once a connection was
 established and drops, every pending call fails at once with :class:`RpcConnectionLost`, and
 so does every call made while it stays down (nothing is queued for later). libzmq keeps
