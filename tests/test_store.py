@@ -6,12 +6,18 @@ checks that no ringcomm thread outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -19,6 +25,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import ringcomm
 from ringcomm.errors import (
     AuthenticationError,
     CommTimeoutError,
@@ -29,9 +36,11 @@ from ringcomm.rendezvous import Store, StoreServer
 from ringcomm.transport.rpc import (
     RpcCall,
     RpcClient,
+    RpcConnectionLost,
     RpcRemoteError,
     RpcServer,
     RpcTimeoutError,
+    tcp_endpoint,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,6 +90,28 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[RingcommError]]:
+    """Run ``fn`` in a started thread; the RingcommError it raises lands in the list."""
+    errors: list[RingcommError] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except RingcommError as exc:  # reported to the test thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, errors
+
+
+def _lost_message(label: str, what: str, port: int) -> str:
+    return (
+        f"{label}, {what}: lost the connection to the store at {HOST}:{port} "
+        "(its host closed or died)"
+    )
 
 
 # -- basic operations ----------------------------------------------------------------------
@@ -391,28 +422,52 @@ def test_server_without_token_accepts_anyone(server: StoreServer) -> None:
         assert s.get("k") == b"v"
 
 
-def test_server_close_leaves_clients_with_a_bounded_timeout() -> None:
+@pytest.mark.timeout(30)
+def test_server_close_fails_a_parked_wait_at_once() -> None:
+    """A wait parked on a server that closes fails at once, not after its 60 s deadline."""
     srv = StoreServer(HOST, 0).start()
-    client = Store(HOST, srv.port, timeout_s=0.5, label="rank 1")
-    errors: list[RingcommError] = []
+    client = Store(HOST, srv.port, timeout_s=60, label="rank 1")
+    t, errors = _in_thread(lambda: client.wait(["never"], timeout_s=60))
+    try:
+        assert _eventually(lambda: srv.num_waiters == 1)
+        start = time.monotonic()
+        srv.close()
+        t.join(10)
+        elapsed = time.monotonic() - start
+        assert not t.is_alive()
+        assert elapsed < 1.5, f"the parked wait failed only after {elapsed:.2f} s"
+        assert len(errors) == 1
+        assert isinstance(errors[0], RendezvousError)
+        assert str(errors[0]) == _lost_message("rank 1", "op store.wait, keys ['never']", srv.port)
+    finally:
+        client.close()
+        srv.close()
+        t.join(10)
 
-    def parked() -> None:
-        try:
-            client.get("never", timeout_s=1.0)
-        except RingcommError as exc:  # reported to the test thread
-            errors.append(exc)
 
-    t = threading.Thread(target=parked)
-    t.start()
-    assert _eventually(lambda: srv.num_waiters == 1)
-    srv.close()
-    start = time.monotonic()
-    t.join(10)
-    assert not t.is_alive() and time.monotonic() - start < 5
-    assert len(errors) == 1 and isinstance(errors[0], CommTimeoutError)
-    with pytest.raises(CommTimeoutError, match="no reply from the store"):
-        client.set("k", b"v")
-    client.close()
+@pytest.mark.timeout(30)
+def test_calls_after_the_server_closed_fail_at_once() -> None:
+    """Nothing is queued while the connection is down: each call fails at once."""
+    srv = StoreServer(HOST, 0).start()
+    try:
+        with Store(HOST, srv.port, timeout_s=60, label="rank 1") as client:
+            client.set("k", b"v")
+            srv.close()
+            calls: list[tuple[str, Callable[[], object]]] = [
+                ("op store.add, key '__closed__'", lambda: client.add("__closed__", 1)),
+                ("op store.get, key 'k'", lambda: client.get("k")),
+                ("op store.wait, keys ['k']", lambda: client.wait(["k"], timeout_s=60)),
+                ("op store.set, key 'k'", lambda: client.set("k", b"w")),
+            ]
+            for what, call in calls:
+                start = time.monotonic()
+                with pytest.raises(RendezvousError) as info:
+                    call()
+                elapsed = time.monotonic() - start
+                assert elapsed < 1.5, f"{what} failed only after {elapsed:.2f} s"
+                assert str(info.value) == _lost_message("rank 1", what, srv.port)
+    finally:
+        srv.close()
 
 
 def test_close_is_idempotent(server: StoreServer) -> None:
@@ -591,7 +646,207 @@ def test_rpc_close_wakes_waiting_callers_and_is_quick() -> None:
     assert time.monotonic() - start < 2  # server close does not wait out a poll timeout
 
 
+@pytest.mark.timeout(30)
+def test_rpc_connection_loss_fails_calls_until_reconnected() -> None:
+    port = _free_port()
+    parked: queue.Queue[RpcCall] = queue.Queue()
+
+    def handler(call: RpcCall) -> dict[str, object] | None:
+        if call.body.get("park"):
+            parked.put(call)  # never answered
+            return None
+        return {"ok": True}
+
+    server = RpcServer(handler, HOST, port, name="ringcomm-test-rpc").start()
+    client = RpcClient(server.endpoint, name="ringcomm-test-client")
+    t, errors = _in_thread(lambda: client.call({"park": True}, 60))
+    try:
+        assert client.call({}, 5) == {"ok": True}
+        assert client.connected and client.losses == 0
+        parked.get(timeout=5)
+        start = time.monotonic()
+        server.close()
+        t.join(10)
+        assert not t.is_alive() and time.monotonic() - start < 1.5
+        assert len(errors) == 1 and isinstance(errors[0], RpcConnectionLost)
+        assert str(errors[0]) == (
+            f"ringcomm-test-client: lost the connection to tcp://{HOST}:{port} "
+            "(the server closed or died)"
+        )
+        assert not client.connected and client.losses == 1
+        start = time.monotonic()
+        with pytest.raises(RpcConnectionLost):
+            client.call({}, 60)  # while down: at once, not queued
+        assert time.monotonic() - start < 0.5
+        # libzmq keeps reconnecting: a server on the same port makes calls work again.
+        with RpcServer(handler, HOST, port, name="ringcomm-test-rpc"):
+            assert _eventually(lambda: client.connected, 10)
+            assert client.call({}, 5) == {"ok": True}
+            assert client.losses == 1
+    finally:
+        client.close()
+        server.close()
+        t.join(10)
+
+
+def test_rpc_drops_before_any_handshake_are_not_a_loss() -> None:
+    """First contact: a port that accepts TCP but never completes a ZMTP handshake (here: a
+    listener that closes every connection) is "not up yet", so calls wait their deadline;
+    a real server on that port later is reached."""
+    listener = socket.create_server((HOST, 0))
+    listener.settimeout(0.05)
+    port = int(listener.getsockname()[1])
+    stop = threading.Event()
+    accepted: list[int] = []
+
+    def refuse_zmtp() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(1)
+            conn.close()
+
+    refuser = threading.Thread(target=refuse_zmtp)
+    refuser.start()
+    client = RpcClient(tcp_endpoint(HOST, port), name="ringcomm-test-client")
+    try:
+        start = time.monotonic()
+        with pytest.raises(RpcTimeoutError):
+            client.call({}, 1.0)
+        assert time.monotonic() - start >= 0.9
+        assert accepted, "the client never connected"
+        assert client.losses == 0 and not client.connected
+        stop.set()
+        refuser.join(5)
+        listener.close()
+        with RpcServer(lambda call: {"ok": True}, HOST, port, name="ringcomm-test-rpc"):
+            assert client.call({}, 10) == {"ok": True}
+            assert client.losses == 0
+    finally:
+        stop.set()
+        refuser.join(5)
+        listener.close()
+        client.close()
+
+
+def test_rpc_client_close_leaves_a_shared_context_free_to_terminate() -> None:
+    """close() closes the monitor socket too; ctx.term() would hang on it otherwise."""
+    ctx = zmq.Context()
+    with RpcServer(lambda call: {"ok": True}, HOST, 0, name="ringcomm-test-rpc") as server:
+        client = RpcClient(server.endpoint, context=ctx, name="ringcomm-test-client")
+        assert client.call({}, 5) == {"ok": True}
+        start = time.monotonic()
+        client.close()
+        client.close()
+        assert time.monotonic() - start < 2
+    terminator = threading.Thread(target=ctx.term, daemon=True)
+    terminator.start()
+    terminator.join(5)
+    assert not terminator.is_alive(), "ctx.term() hangs: a socket of the client is still open"
+
+
 # -- several processes -------------------------------------------------------------------------
+
+# A store server in a process of its own: prints its port, then "parked" once a get/wait is
+# parked on it, then serves until it is killed.
+_SERVE_SCRIPT = """
+import sys, time
+from ringcomm.rendezvous import StoreServer
+server = StoreServer("127.0.0.1", 0).start()
+print(server.port, flush=True)
+while server.num_waiters == 0:
+    time.sleep(0.01)
+print("parked", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def _server_process() -> Iterator[tuple[subprocess.Popen[str], int, queue.Queue[str]]]:
+    """(process, port, its later stdout lines); the process is killed on the way out."""
+    env = dict(os.environ)
+    root = str(Path(ringcomm.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.strip())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield proc, int(lines.get(timeout=20)), lines
+    finally:
+        proc.kill()  # also ends a stopped (SIGSTOP) process
+        proc.wait(10)
+        reader.join(5)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.mark.timeout(30)
+def test_killed_server_process_fails_the_pending_call_fast() -> None:
+    """The process hosting the store is SIGKILLed: its kernel closes the connection, the
+    pending wait and later calls fail at once instead of waiting out 60 s."""
+    with (
+        _server_process() as (proc, port, lines),
+        Store(HOST, port, timeout_s=60, label="rank 3") as client,
+    ):
+        t, errors = _in_thread(lambda: client.wait(["never"], timeout_s=60))
+        try:
+            assert lines.get(timeout=10) == "parked"
+            start = time.monotonic()
+            proc.kill()
+            t.join(10)
+            elapsed = time.monotonic() - start
+            assert not t.is_alive()
+            assert elapsed < 1.5, f"the pending wait failed only after {elapsed:.2f} s"
+            assert len(errors) == 1
+            assert str(errors[0]) == _lost_message("rank 3", "op store.wait, keys ['never']", port)
+            start = time.monotonic()
+            with pytest.raises(RendezvousError, match="lost the connection"):
+                client.add("__closed__", 1)
+            assert time.monotonic() - start < 1.5
+        finally:
+            proc.kill()
+            t.join(10)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+def test_silent_server_is_noticed_by_heartbeats() -> None:
+    """A frozen server host (SIGSTOP: its kernel keeps the TCP connection open, so only the
+    ZMTP heartbeats can tell) fails the pending wait after the 4 s heartbeat timeout."""
+    with (
+        _server_process() as (proc, port, lines),
+        Store(HOST, port, timeout_s=60, label="rank 3") as client,
+    ):
+        t, errors = _in_thread(lambda: client.wait(["never"], timeout_s=60))
+        try:
+            assert lines.get(timeout=10) == "parked"
+            start = time.monotonic()
+            proc.send_signal(signal.SIGSTOP)
+            t.join(15)
+            elapsed = time.monotonic() - start
+            assert not t.is_alive()
+            assert 2.0 < elapsed < 8.0, f"the pending wait failed after {elapsed:.2f} s"
+            assert len(errors) == 1
+            assert str(errors[0]) == _lost_message("rank 3", "op store.wait, keys ['never']", port)
+        finally:
+            proc.kill()
+            t.join(10)
 
 
 def _rank_main(port: int, rank: int, world_size: int, results: mp.Queue) -> None:  # type: ignore[type-arg]

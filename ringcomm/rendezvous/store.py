@@ -8,9 +8,13 @@ torch.distributed's ``Store``: values are bytes, ``add`` keeps a decimal ASCII i
 Waiting happens on the server: a ``get``/``wait`` for missing keys is parked there (a deferred
 RPC reply) and answered by the ``set``/``add`` that completes it, or by a timeout reply when
 its deadline passes (which also removes the parked waiter). The client adds a short grace to
-its own deadline, so a server that died or shut down still yields a bounded
-:class:`CommTimeoutError`. Every request carries the job token; the server compares it with
-``hmac.compare_digest`` and answers a wrong or missing one with an auth error only.
+its own deadline, so a server that never answers still yields a bounded
+:class:`CommTimeoutError`. A server that was reached and then closed or died (its host went
+down) is noticed by the RPC client (:class:`~ringcomm.transport.rpc.RpcConnectionLost`): the
+calls waiting on it, and every call while it stays unreachable, raise
+:class:`RendezvousError` at once instead of waiting out their deadlines. Every request
+carries the job token; the server compares it with ``hmac.compare_digest`` and answers a
+wrong or missing one with an auth error only.
 
 Request bodies (msgpack maps, see :mod:`ringcomm.transport.rpc`)::
 
@@ -37,6 +41,7 @@ from ringcomm.transport.rpc import (
     RpcCall,
     RpcClient,
     RpcClosedError,
+    RpcConnectionLost,
     RpcError,
     RpcRemoteError,
     RpcServer,
@@ -149,7 +154,8 @@ class StoreServer:
         return self
 
     def close(self) -> None:
-        """Stop serving; parked waiters are not answered (their clients time out)."""
+        """Stop serving; parked waiters are not answered (their clients see the connection
+        drop and raise :class:`RendezvousError` at once)."""
         self._rpc.close()
 
     def __enter__(self) -> Self:
@@ -339,8 +345,10 @@ class Store:
 
     Connects at construction: raises :class:`RendezvousError` when the server does not
     answer within ``timeout_s`` and :class:`AuthenticationError` when it refuses ``token``.
-    ``timeout_s`` is also the default deadline of every later call. ``prefix`` namespaces
-    every key as ``f"{prefix}/{key}"``; ``label`` (e.g. ``"rank 3"``) starts error messages.
+    ``timeout_s`` is also the default deadline of every later call, except that once the
+    server was reached, losing it (it closed, or its host died) makes waiting and later calls
+    raise :class:`RendezvousError` at once. ``prefix`` namespaces every key as
+    ``f"{prefix}/{key}"``; ``label`` (e.g. ``"rank 3"``) starts error messages.
 
     Thread safety: the socket is owned by one I/O thread (see :class:`RpcClient`); callers
     share a locked request queue, so a thread blocked in ``get`` does not hold up others.
@@ -528,6 +536,11 @@ class Store:
             ) from exc
         except RpcClosedError as exc:
             raise RendezvousError(f"{conn.label}, {what}: this store client is closed") from exc
+        except RpcConnectionLost as exc:
+            raise RendezvousError(
+                f"{conn.label}, {what}: lost the connection to the store at {conn.address} "
+                "(its host closed or died)"
+            ) from exc
         except RpcRemoteError as exc:
             raise RendezvousError(f"{conn.label}, {what}: {exc}") from exc
         status = reply.get("status")

@@ -20,6 +20,20 @@ issue :meth:`RpcClient.call` concurrently, each with its own deadline. Requests 
 a reply whose id nobody waits for any more (its caller timed out) is discarded. A request
 whose deadline passed is answered by :class:`RpcTimeoutError`; note that the server may still
 have executed it (at-most-once is not knowable without an answer).
+
+Connection loss: the client watches its DEALER with a socket monitor (read by the I/O thread)
+and sends ZMTP heartbeats (a PING every second; nothing back within 4 s drops the connection;
+the TTL it announces lets the server drop a client silent for 4 s too). A server whose socket
+closes (it shut down, or its process died and the kernel closed the TCP connection) is
+noticed within milliseconds; one that went silent (a frozen or unplugged host) after 4-5 s,
+by the heartbeats. Until the first ZMTP handshake succeeds, calls wait as usual: the server
+may simply not be up yet (ranks start before rank 0 serves the store). Once a connection was
+established and drops, every pending call fails at once with :class:`RpcConnectionLost`, and
+so does every call made while it stays down (nothing is queued for later). libzmq keeps
+reconnecting in the background; when a handshake succeeds again, calls work again. The
+DEALER sets ``IMMEDIATE``, so a request is handed only to a live connection: requests of
+calls that failed are dropped with the connection, never delivered by a later reconnect. As
+with a timeout, a call that failed this way may still have been executed by the server.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import itertools
 import logging
 import math
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -50,6 +65,7 @@ __all__ = [
     "RpcCall",
     "RpcClient",
     "RpcClosedError",
+    "RpcConnectionLost",
     "RpcError",
     "RpcRemoteError",
     "RpcServer",
@@ -64,6 +80,13 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 _RECV_BATCH = 256  # messages handled per wake-up before timers and the outbox get a turn
 _JOIN_TIMEOUT_S = 10.0
 _MAX_POLL_MS = 60_000  # the loop re-polls at least this often (huge deadlines overflow poll)
+# Client heartbeats (ZMTP PING/PONG): a PING every second; no traffic from the server for 4 s
+# drops the connection; the server drops ours after 4 s without traffic from us.
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 4000
+_HEARTBEAT_TTL_MS = 4000
+# Monitor events the client acts on: a handshake done (connection usable) or a connection gone.
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 # What msgpack.unpackb raises on bad input (FormatError, ExtraData, StackError, bad UTF-8,
 # unhashable or non-str map keys, ...).
 _DECODE_ERRORS = (ValueError, TypeError, OverflowError, msgpack.UnpackException)
@@ -79,6 +102,11 @@ class RpcTimeoutError(RpcError, CommTimeoutError):
 
 class RpcClosedError(RpcError):
     """The client was closed (before or while the call was waiting)."""
+
+
+class RpcConnectionLost(RpcError):
+    """The connection to a server that had been reached dropped (it closed or died, or went
+    silent); raised for the calls pending at that moment and for calls made while it is down."""
 
 
 class RpcRemoteError(RpcError):
@@ -232,7 +260,8 @@ class RpcServer:
 
     def close(self) -> None:
         """Stop serving and release the socket. Idempotent, callable from any thread;
-        requests not yet answered stay unanswered (their clients time out)."""
+        requests not yet answered stay unanswered (connected clients see the connection
+        drop and fail them with :class:`RpcConnectionLost`)."""
         with self._lock:
             if self._closed:
                 return
@@ -395,13 +424,15 @@ class _Slot:
     body: dict[str, Any] | None = None
     error: str | None = None
     closed: bool = False
+    lost: bool = False
 
 
 class RpcClient:
     """A DEALER connected to ``endpoint`` (``tcp://host:port``); see the module docstring.
 
     Thread-safe: the socket belongs to one I/O thread, callers share a locked queue.
-    ``stale`` counts replies discarded because their caller had given up.
+    ``stale`` counts replies discarded because their caller had given up; ``losses`` counts
+    established connections that dropped; ``connected`` tells whether one is up now.
     """
 
     def __init__(
@@ -414,6 +445,7 @@ class RpcClient:
         self.endpoint = endpoint
         self.name = name
         self.stale = 0
+        self.losses = 0
         self._own_ctx = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._lock = threading.Lock()
@@ -421,28 +453,46 @@ class RpcClient:
         self._pending: dict[int, _Slot] = {}
         self._ids = itertools.count(1)
         self._closed = False
+        self._ever_up = False  # a handshake succeeded once: a drop is now a loss
+        self._up = False  # a connection is established right now
+        self._monitor: zmq.Socket[Any] | None = None
         self._sock = self._ctx.socket(zmq.DEALER)
         try:
             # LINGER=0: close() must not block on requests a dead server will never read.
             self._sock.setsockopt(zmq.LINGER, 0)
+            # IMMEDIATE: queue only to a live connection, so the requests of calls failed
+            # by a lost connection die with it instead of going out after a reconnect.
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            self._sock.setsockopt(zmq.HEARTBEAT_TTL, _HEARTBEAT_TTL_MS)
             if "[" in endpoint:
                 self._sock.setsockopt(zmq.IPV6, 1)
+            # Before connect, so the first handshake is seen.
+            self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            if self._own_ctx:
-                self._ctx.term()
+            self._close_sockets()
             raise RpcError(f"{name}: cannot connect to {endpoint}: {exc}") from exc
         self._wake_r, self._wake_w = _wake_pair()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        """True while a connection to the server is established (handshake done)."""
+        return self._up
+
+    def _lost_message(self) -> str:
+        return f"{self.name}: lost the connection to {self.endpoint} (the server closed or died)"
 
     def call(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send ``body``, return the reply body.
 
         Raises :class:`RpcTimeoutError` when no reply arrives within ``timeout_s``,
         :class:`RpcRemoteError` when the server's handler raised, :class:`RpcClosedError`
-        when the client is closed.
+        when the client is closed, :class:`RpcConnectionLost` at once when the connection
+        to the server dropped (while waiting, or before the call while it is still down).
         """
         if not (timeout_s >= 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
@@ -452,6 +502,8 @@ class RpcClient:
         with self._lock:
             if self._closed:
                 raise RpcClosedError(f"{self.name}: call on a closed client ({self.endpoint})")
+            if self._ever_up and not self._up:
+                raise RpcConnectionLost(self._lost_message())
             self._pending[request_id] = slot
             self._outbox.append((request_id, payload))
         _poke(self._wake_w)
@@ -467,6 +519,8 @@ class RpcClient:
             )
         if slot.closed:
             raise RpcClosedError(f"{self.name}: client closed while waiting ({self.endpoint})")
+        if slot.lost:
+            raise RpcConnectionLost(self._lost_message())
         if slot.error is not None:
             raise RpcRemoteError(f"{self.endpoint}: server error: {slot.error}")
         assert slot.body is not None
@@ -498,8 +552,10 @@ class RpcClient:
     # -- I/O thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        assert self._monitor is not None
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         try:
@@ -509,19 +565,82 @@ class RpcClient:
                     break
                 if wake_fd in events:
                     _drain(self._wake_r)
+                # Replies first (one that arrived before a drop still counts), then the
+                # connection's state, then requests (none go out once a loss is known).
+                if events.get(self._sock, 0) & zmq.POLLIN:
+                    self._receive_all()
+                if self._monitor in events:
+                    self._read_monitor()
                 blocked = self._flush_outbox()
                 # Ask for POLLOUT only while ZeroMQ's queue is full, else it fires constantly.
                 poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
-                if events.get(self._sock, 0) & zmq.POLLIN:
-                    self._receive_all()
         except Exception:
             log.exception("%s: client I/O loop failed", self.name)
         finally:
-            self._sock.close(linger=0)
+            self._close_sockets()
             self._wake_r.close()
             self._wake_w.close()
-            if self._own_ctx:
-                self._ctx.term()
+
+    def _close_sockets(self) -> None:
+        """Close the monitor (before the DEALER and the context: a live monitor socket
+        makes ``ctx.term()`` hang), then the DEALER, then our own context."""
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError as exc:
+                log.debug("%s: disable_monitor: %s", self.name, exc)
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _read_monitor(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2 or len(frames[0]) != 6:  # not from libzmq: ignore it
+                log.debug("%s: unreadable monitor event %r", self.name, frames)
+                continue
+            # First frame: 16-bit event id, 32-bit value (native order); second: endpoint.
+            (event,) = struct.unpack_from("=H", frames[0])
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                with self._lock:
+                    reconnected = self._ever_up and not self._up
+                    self._up = self._ever_up = True
+                if reconnected:
+                    log.info("%s: connected to %s again", self.name, self.endpoint)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._on_disconnected()
+
+    def _on_disconnected(self) -> None:
+        """An established connection dropped: fail every waiting call at once.
+
+        A drop before any handshake (a connect that never became a ZMTP connection) is
+        not a loss: the server may not be up yet."""
+        with self._lock:
+            if not self._up:
+                return
+            self._up = False
+            self.losses += 1
+            slots = list(self._pending.values())
+            self._pending.clear()
+            self._outbox.clear()
+        # With no call waiting this is often an orderly shutdown (the store's host closing
+        # it after the last checkout): not worth a warning.
+        log.log(
+            logging.WARNING if slots else logging.INFO,
+            "%s: lost the connection to %s; %d waiting call(s) failed",
+            self.name,
+            self.endpoint,
+            len(slots),
+        )
+        for slot in slots:
+            slot.lost = True
+            slot.event.set()
 
     def _flush_outbox(self) -> bool:
         """Hand queued requests to ZeroMQ; True when its queue is full (try again later)."""
