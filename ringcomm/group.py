@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from . import lifecycle
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
-from . import lifecycle
 from .config import InitConfig, resolve_init_config
 from .errors import CommTimeoutError, GroupClosedError, RendezvousError, RingcommError
 from .p2p import RecvOp, SendOp

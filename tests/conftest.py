@@ -11,12 +11,18 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import leakcheck
 
 
 def _live_children(pid: int) -> list[tuple[int, str]]:
@@ -55,6 +61,21 @@ def no_child_processes() -> Iterator[None]:
     for p, _ in left:
         try:
             os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture
+def tag() -> Iterator[str]:
+    """A unique tag for the environment of every process a test starts (leakcheck.py):
+    none may outlive the test (by 5 s); leftovers are killed and fail it."""
+    value = uuid.uuid4().hex
+    yield value
+    left = leakcheck.wait_gone(value, 5.0, exclude=(os.getpid(),))
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     assert not left, f"processes left behind: {left}"

@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -74,19 +73,6 @@ def peer_text(cause: str, failing: int, launcher: str) -> str:
 
 def shell_status(code: int) -> int:
     return 128 - code if code < 0 else code
-
-
-@pytest.fixture
-def tag() -> str:
-    value = uuid.uuid4().hex
-    yield value
-    left = leakcheck.wait_gone(value, 5.0, exclude=(os.getpid(),))
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"processes left behind: {left}"
 
 
 def _env(tag: str, **extra: str) -> dict[str, str]:

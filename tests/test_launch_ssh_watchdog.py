@@ -29,19 +29,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 WATCHDOG_FILE = REPO / "ringcomm" / "launch" / "watchdog.py"
 
 
-@pytest.fixture
-def tag() -> str:
-    value = uuid.uuid4().hex
-    yield value
-    left = leakcheck.wait_gone(value, 5.0, exclude=(os.getpid(),))
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"processes left behind: {left}"
-
-
 def start(tag: str, *command: str, options: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env[leakcheck.TAG_VAR] = tag
