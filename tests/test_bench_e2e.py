@@ -8,9 +8,7 @@ multi-chunk paths are exercised by the collectives' own tests, not here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +21,6 @@ from ringcomm.cli import main
 from ringcomm.group import ProcessGroup
 
 TINY = ["-b", "8", "-e", "64K", "--iters", "3", "--warmup", "1", "--check", "-q"]
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def _needs(op: str) -> pytest.MarkDecorator:
@@ -64,7 +61,7 @@ def test_op_checks_clean(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (pip install torch)")
+@pytest.mark.needs_torch
 @pytest.mark.parametrize(
     ("op", "n"),
     [
@@ -110,10 +107,7 @@ def test_compare_gloo(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(
-    importlib.util.find_spec("matplotlib") is None,
-    reason="matplotlib is not installed (pip install 'ringcomm[plot]')",
-)
+@pytest.mark.needs_plot
 def test_plot_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], no_child_processes: None
 ) -> None:
@@ -180,10 +174,7 @@ def test_console_entry_point_unchecked(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(
-    importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None,
-    reason="needs mpirun and mpi4py (apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)",
-)
+@pytest.mark.needs_mpi
 @pytest.mark.parametrize("op", [pytest.param("all_gather", marks=_needs("all_gather")), "sendrecv"])
 def test_compare_mpi(
     op: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_child_processes: None

@@ -333,6 +333,12 @@ def test_config_from_args_defaults() -> None:
     assert (config.begin, config.end, config.factor) == (8, 64 << 20, 2)
     assert (config.iters, config.warmup, config.dtype, config.redop) == (20, 5, "float32", "sum")
     assert config.rounds == 1 and config.compare is None
+
+
+def test_config_from_args_compare_defaults_to_two_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing only, so it runs without torch: whether this installation can run Gloo is
+    ``_check_available``'s business (tested through ``main`` below), stubbed out here."""
+    monkeypatch.setattr(bench_cli, "_check_available", lambda config, plot: None)
     c2 = bench_cli.config_from_args(
         _args(
             "all_gather",
@@ -363,7 +369,7 @@ def test_config_from_args_defaults() -> None:
         (["all_reduce", "-n", "2", "--iters", "0"], "--iters"),
         (["broadcast", "-n", "2", "--root", "2"], "--root"),
         (["all_reduce", "-n", "2", "--dtype", "bool", "--op", "avg"], "avg"),
-        (["all_reduce", "-n", "2", "--compare", "gloo", "--dtype", "uint32"], "Gloo"),
+        (["all_reduce", "-n", "2", "--compare", "gloo", "--dtype", "uint32"], "Gloo does not"),
         (["all_reduce", "-n", "2", "--mpi-tcp"], "--compare mpi"),
     ],
 )
@@ -388,6 +394,22 @@ def test_compare_mpi_missing_exits_2(
     assert main(["bench", "all_reduce", "-n", "2", "--compare", "mpi"]) == 2
     err = capsys.readouterr().err
     assert "--compare mpi needs mpirun" in err and "apt-get install" in err
+
+
+def test_compare_gloo_without_torch_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from ringcomm.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    assert main(["bench", "all_reduce", "-n", "2", "--compare", "gloo"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare gloo needs PyTorch" in err and "pip install" in err
 
 
 def test_plot_without_matplotlib_exits_2(

@@ -31,7 +31,6 @@ from sshd_hosts import (
     descendants,
     netns_unavailable,
     processes_with_cmdline,
-    sshd_unavailable,
 )
 
 from ringcomm._version import __version__
@@ -39,7 +38,7 @@ from ringcomm._version import __version__
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "scripts"
 
-pytestmark = pytest.mark.skipif(sshd_unavailable() is not None, reason=str(sshd_unavailable()))
+pytestmark = pytest.mark.needs_ssh  # skipped without sshd/ssh/root (tests/conftest.py)
 
 
 def _start_cluster(tmp_path_factory: pytest.TempPathFactory, mode: str) -> SshdHosts:

@@ -221,13 +221,13 @@ def _check_available(config: BenchConfig, plot: str | None) -> None:
     if config.compare == "gloo":
         import importlib.util
 
+        if config.dtype not in GLOO_DTYPES:  # wrong with or without torch: say so first
+            raise UsageError(f"--compare gloo: Gloo does not support {config.dtype}")
         if importlib.util.find_spec("torch") is None:
             raise UsageError(
                 "--compare gloo needs PyTorch (torch.distributed with Gloo): "
                 "pip install 'ringcomm[torch]' (or pip install torch)"
             )
-        if config.dtype not in GLOO_DTYPES:
-            raise UsageError(f"--compare gloo: Gloo does not support {config.dtype}")
     if config.compare == "mpi":
         from .mpi import mpi_missing
 
