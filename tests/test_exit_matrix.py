@@ -49,6 +49,7 @@ STATUS = {
     "sys_exit": exit_scenario.EXIT_CODE,
     "os_exit": exit_scenario.EXIT_CODE,
     "sigterm": -signal.SIGTERM,
+    "sighup": -signal.SIGHUP,
     "keyboard": -signal.SIGINT,
     "normal_end": 0,
 }
@@ -64,8 +65,8 @@ def peer_text(cause: str, failing: int, launcher: str) -> str:
         return f"rank {failing} left the group"
     if cause == "os_exit":
         return "its connection dropped without a goodbye"
-    if cause == "sigterm":
-        return f"rank {failing} exited: killed by SIGTERM"
+    if cause in ("sigterm", "sighup"):
+        return f"rank {failing} exited: killed by SIG{cause[3:].upper()}"
     if cause == "keyboard":
         return f"rank {failing} exited: KeyboardInterrupt"
     return f"rank {failing} left the group"
@@ -128,10 +129,13 @@ CAUSES = exit_scenario.CAUSES
 WHERES = exit_scenario.WHERES
 MATRIX = [(c, w, f) for f in (0, WORLD - 1) for c in CAUSES for w in WHERES]
 IDS = [f"{c}-{w}-rank{f}" for c, w, f in MATRIX]
+# SIGHUP takes the same path as SIGTERM (lifecycle.py): one case of it, plain processes.
+DIRECT = [*MATRIX, ("sighup", "collective", WORLD - 1)]
+DIRECT_IDS = [*IDS, f"sighup-collective-rank{WORLD - 1}"]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("cause", "where", "failing"), MATRIX, ids=IDS)
+@pytest.mark.parametrize(("cause", "where", "failing"), DIRECT, ids=DIRECT_IDS)
 def test_direct(cause: str, where: str, failing: int, tag: str, tmp_path: Path) -> None:
     """Plain processes, rank 0 hosting the store: every process ends with its code."""
     port = free_port()

@@ -3,7 +3,7 @@
     python exit_scenario.py CAUSE WHERE FAILING REPORT_DIR      (under any launcher)
     exit_scenario.scenario(pg, CAUSE, WHERE, FAILING, REPORT_DIR)  (rc.spawn)
 
-CAUSE: exception | sys_exit | os_exit | sigterm | keyboard | normal_end (each without
+CAUSE: exception | sys_exit | os_exit | sigterm | keyboard | normal_end | sighup (each without
 ``close()``); WHERE the peers are when it happens: idle | collective | async | subgroup;
 FAILING: a rank number, or -1 for the last rank.
 
@@ -49,13 +49,13 @@ def _go_down(cause: str, rank: int) -> None:
         sys.exit(EXIT_CODE)
     if cause == "os_exit":
         os._exit(EXIT_CODE)
-    if cause == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
+    if cause in ("sigterm", "sighup"):
+        os.kill(os.getpid(), signal.SIGTERM if cause == "sigterm" else signal.SIGHUP)
     elif cause == "keyboard":
         os.kill(os.getpid(), signal.SIGINT)
     elif cause != "normal_end":
         raise ValueError(f"unknown cause {cause!r}")
-    if cause in ("sigterm", "keyboard"):  # the signal acts at the next bytecode
+    if cause in ("sigterm", "sighup", "keyboard"):  # the signal acts at the next bytecode
         threading.Event().wait(30)
         raise AssertionError(f"rank {rank}: still alive 30 s after {cause}")
 
