@@ -19,8 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,10 +29,11 @@ from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
 from .config import InitConfig, resolve_init_config
-from .errors import CommTimeoutError, GroupClosedError, RendezvousError, RingcommError
+from .errors import GroupClosedError, RendezvousError, RingcommError
+from .group_core import CHECKOUT_MAX_S, WORLD_GROUP_ID, GroupCore, ProcessState
 from .p2p import RecvOp, SendOp
 from .p2p_device import recv_op_class, send_op_class
-from .progress import DEPART_CLOSE, DEPART_ERROR, Engine, Op, SerialQueue
+from .progress import DEPART_CLOSE, DEPART_ERROR, Engine
 from .rendezvous import Store, StoreServer
 from .transport.endpoints import (
     TRANSPORT_MODES,
@@ -51,313 +50,130 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 #: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
 DEFAULT_CHUNK_BYTES = 4 << 20
 
-_WORLD_GROUP_ID = 0
-
-
-#: Longest close() waits, as the store's host, for every rank to check out.
-CHECKOUT_MAX_S = 60.0
-#: How often a rank waiting for check-outs looks for goodbyes and failures meanwhile.
-_CHECKOUT_SLICE_S = 0.02
-#: Longest a rank failing because of a same-host peer waits for that peer's exit.
-CULPRIT_WAIT_S = 0.5
-#: How much longer a rank waits once a culprit on another host is gone.
-CULPRIT_REMOTE_LEAD_S = 0.1
-
-
-class _Shared:
-    """What all groups of one process share: the engine, the store, the config; and how
-    the process leaves them all (``close``/``abort`` of the world group, or the exit
-    hooks of :mod:`ringcomm.lifecycle`, for which this is the registered leaver)."""
-
-    def __init__(
-        self,
-        config: InitConfig,
-        engine: Engine,
-        store: Store | None,
-        server: StoreServer | None,
-        chunk_bytes: int,
-    ) -> None:
-        self.config = config
-        self.engine = engine
-        self.store = store
-        self.server = server
-        self.chunk_bytes = chunk_bytes
-        self.closed = False
-        self.lock = threading.Lock()
-        #: Every rank's published endpoint info (pid, host), by global rank.
-        self.peers: dict[int, EndpointInfo] = {}
-        self.host_id = host_identity()
-
-    # -- lifecycle.Leaver --------------------------------------------------------------
-    def leave(self, kind: str, why: str, budget_s: float) -> None:
-        """The process ends without ``close()`` (lifecycle.py): leave within ``budget_s``."""
-        self.shutdown(kind, why, checkout_s=budget_s / 3, linger_s=budget_s / 3)
-
-    def farewell(self, why: str) -> None:
-        """From a signal handler: tell the peers, remove our files; nothing else."""
-        if self.closed:
-            return
-        self.closed = True
-        self.engine.farewell(why, skip=self._gone)
-        self.engine.transport.remove_files()
-
-    def _gone(self, peer: int) -> bool:
-        """Whether global rank ``peer`` is known to have exited (a same-host process)."""
-        info = self.peers.get(peer)
-        if info is None or info.host_id != self.host_id:
-            return False
-        try:
-            os.kill(info.pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
-
-    # -- leaving -------------------------------------------------------------------------
-    def shutdown(
-        self, kind: str, why: str = "", *, checkout_s: float, linger_s: float
-    ) -> None:
-        """Leave every group of this process; idempotent.
-
-        ``kind``: ``DEPART_CLOSE`` (``close()``), ``DEPART_EXIT`` (the process ends
-        without it) or ``DEPART_ERROR`` (``abort()``, an uncaught exception: peers are
-        told ``why`` first and nobody waits for anybody). The store's host waits up to
-        ``checkout_s`` for the other ranks to check out, giving up as soon as one of
-        them is gone; pending sends get ``linger_s``.
-        """
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-        lifecycle.unregister(self)
-        engine, store, server = self.engine, self.store, self.server
-        rank = self.config.rank
-        try:
-            if kind == DEPART_ERROR:
-                engine.farewell(why, skip=self._gone)
-                self._let_culprit_go_first()
-            engine.abort(
-                lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first")
-            )
-            if kind != DEPART_ERROR:
-                engine.read_control()  # who left or failed meanwhile
-                if engine.failure is None:
-                    engine.say_goodbye(linger_s, kind)  # peers waiting on us fail now
-                if store is not None and engine.failure is None and checkout_s > 0:
-                    self._check_out(store, server, checkout_s)
-        finally:
-            failed = kind == DEPART_ERROR or engine.failure is not None
-            engine.close(0.0 if failed else linger_s, kind)
-            if store is not None:
-                store.close()
-            if server is not None:
-                server.close()
-
-    def _let_culprit_go_first(self) -> None:
-        """This rank fails because a peer did: wait (briefly) until that peer's process
-        is gone (its pid on this host, its connection elsewhere), so a launcher sees the
-        culprit's exit first and reports its exit code, not this victim's."""
-        failure = self.engine.failure
-        peer = getattr(failure, "peer", None)
-        info = self.peers.get(peer) if isinstance(peer, int) else None
-        if info is None or info.pid == os.getpid() and info.host_id == self.host_id:
-            return
-        if info.host_id == self.host_id:
-            wait_for_exit(info.pid, CULPRIT_WAIT_S)
-        elif self.engine.wait_disconnected(peer, CULPRIT_WAIT_S):
-            # Its exit status still travels to the launcher (ssh): give it a head start.
-            time.sleep(CULPRIT_REMOTE_LEAD_S)
-
-    def _check_out(self, store: Store, server: StoreServer | None, limit_s: float) -> None:
-        """Count this rank out of the store. Its host keeps serving until every rank has
-        checked out (a rank may still be reading its last rendezvous reply), at most
-        ``limit_s``, and no longer once a rank is gone (it will never check out)."""
-        engine = self.engine
-        world = self.config.world_size
-        if not self.config.store_external and engine.departed(0) and server is None:
-            return  # rank 0 served the store and has left
-        try:
-            n = store.add("__closed__", 1, timeout_s=max(limit_s, 0.1))
-            if n >= world:
-                store.set("__all_closed__", b"1")
-                return
-            if server is None:
-                return
-            give_up_at = time.monotonic() + limit_s
-            while True:
-                remaining = give_up_at - time.monotonic()
-                if remaining <= 0:
-                    return
-                try:
-                    store.wait(["__all_closed__"], timeout_s=min(remaining, _CHECKOUT_SLICE_S))
-                    return
-                except CommTimeoutError:
-                    pass
-                engine.read_control()
-                if engine.failure is not None or all(
-                    engine.departed(r) for r in range(world) if r != self.config.rank
-                ):
-                    return  # a rank failed (it never checks out), or everyone left
-        except RingcommError:
-            pass  # best effort: the store or its host may be gone
 
 
 class ProcessGroup:
     """A set of ranks that communicate. Use as a context manager; ``close()`` is idempotent.
 
     Ranks given to and returned by methods are ranks *of this group* (0..world_size-1).
+    The facade over a :class:`~ringcomm.group_core.GroupCore` (``core``), which is what
+    the collectives and point-to-point operations use.
     """
 
-    def __init__(self, shared: _Shared, ranks: Sequence[int], group_id: int) -> None:
-        self._shared = shared
-        self._engine = shared.engine
-        self._ranks = tuple(ranks)  # group rank -> global rank
-        self._group_id = group_id
-        me = shared.config.rank
-        self._rank = self._ranks.index(me)
-        self._world_size = len(self._ranks)
-        self._global_rank = me
-        self.timeout_s: float = shared.config.timeout_s
-        self.chunk_bytes: int = shared.chunk_bytes
-        self._serial = SerialQueue()
-        # Per-call-shape state of this group's collectives (collectives.base.ShapeCache).
-        self._plans: dict[Any, Any] = {}
-        self._coll_seq = 0
-        self._subgroup_count = 0
-        self._failed: BaseException | None = None
-        self._closed = False
+    def __init__(self, core: GroupCore) -> None:
+        self.core = core
 
     # -- identity ----------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self._rank
+        return self.core.rank
 
     @property
     def world_size(self) -> int:
-        return self._world_size
+        return self.core.world_size
 
     @property
     def group_id(self) -> int:
-        return self._group_id
+        return self.core.group_id
 
     @property
     def ranks(self) -> tuple[int, ...]:
         """Global ranks of this group's members, in group-rank order."""
-        return self._ranks
+        return self.core.ranks
 
     @property
     def config(self) -> InitConfig:
-        return self._shared.config
+        return self.core.config
+
+    # Tunables of this group's calls (tests force tiny pieces with chunk_bytes).
+    @property
+    def timeout_s(self) -> float:
+        """Default deadline of this group's calls (``timeout_s=None``)."""
+        return self.core.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.core.timeout_s = value
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Piece size of this group's pipelined transfers."""
+        return self.core.chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        self.core.chunk_bytes = value
 
     def __repr__(self) -> str:
+        core = self.core
         return (
-            f"<ProcessGroup rank {self._rank}/{self._world_size} group {self._group_id}"
-            f"{' closed' if self._closed else ''}>"
+            f"<ProcessGroup rank {core.rank}/{core.world_size} group {core.group_id}"
+            f"{' closed' if core.closed else ''}>"
         )
-
-    # -- internals used by collectives -------------------------------------------------
-    def _check_usable(self, what: str) -> None:
-        if self._closed or self._shared.closed:
-            raise GroupClosedError(f"rank {self._rank}: {what}: the process group is closed")
-        engine = self._engine
-        if engine.failure is not None:  # a peer failed: this and every later call raise
-            raise engine.failed_error(what)
-        if self._failed is not None:
-            raise GroupClosedError(
-                f"rank {self._rank}: {what}: the process group failed earlier and stays "
-                f"failed: {self._failed}"
-            ) from self._failed
-
-    def _timeout(self, timeout_s: float | None) -> float:
-        t = self.timeout_s if timeout_s is None else float(timeout_s)
-        if not t > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        return t
-
-    def _run(
-        self, op: Op, timeout_s: float | None, async_op: bool, deadline: float | None = None
-    ) -> Any:
-        """Submit ``op`` (unless a fast lane started it already); wait for it (blocking,
-        until ``deadline`` if given, a ``time.monotonic()`` instant) or return its Work."""
-        t = self._timeout(timeout_s)
-        if not op.started:
-            self._engine.submit(op)
-        if async_op:
-            return Work(self._engine, op, t)
-        try:
-            return self._engine.wait(op, t, deadline)
-        except RingcommError as exc:
-            if not isinstance(op, (SendOp, RecvOp)):
-                self._fail(exc)
-            raise
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._failed is None:
-            self._failed = exc
 
     def next_collective_seq(self) -> int:
         """Sequence number tagging the next collective (all ranks call them in one order)."""
-        self._coll_seq += 1
-        return self._coll_seq
+        return self.core.next_collective_seq()
 
     def global_rank(self, group_rank: int) -> int:
-        return self._ranks[group_rank]
+        return self.core.ranks[group_rank]
 
     # -- point-to-point ----------------------------------------------------------------
     def _send_op(self, x: Any, dst: Any, tag: Any, async_op: bool) -> SendOp:
-        what = f"rank {self._rank}: send"
+        core = self.core
+        what = f"rank {core.rank}: send"
         x = check_array(x, what, device=True)
-        dst = check_peer(dst, self._world_size, what, "dst")
+        dst = check_peer(dst, core.world_size, what, "dst")
         tag = check_tag(tag, what)
-        self._check_usable("send")
+        core.check_usable("send")
         return send_op_class(x)(
-            self._engine,
+            core.engine,
             x,
-            src_global=self._global_rank,
-            dst_global=self._ranks[dst],
+            src_global=core.global_rank,
+            dst_global=core.ranks[dst],
             dst=dst,
-            group_id=self._group_id,
+            group_id=core.group_id,
             tag=tag,
-            chunk_bytes=self.chunk_bytes,
-            rank=self._rank,
+            chunk_bytes=core.chunk_bytes,
+            rank=core.rank,
             async_op=async_op,
         )
 
     def _recv_op(self, x: Any, src: Any, tag: Any, async_op: bool) -> RecvOp:
-        what = f"rank {self._rank}: recv"
+        core = self.core
+        what = f"rank {core.rank}: recv"
         x = check_array(x, what, writeable=True, device=True)
-        src = check_peer(src, self._world_size, what, "src")
+        src = check_peer(src, core.world_size, what, "src")
         tag = check_tag(tag, what)
-        self._check_usable("recv")
+        core.check_usable("recv")
         return recv_op_class(x)(
-            self._engine,
+            core.engine,
             x,
-            src_global=self._ranks[src],
+            src_global=core.ranks[src],
             src=src,
-            group_id=self._group_id,
+            group_id=core.group_id,
             tag=tag,
-            rank=self._rank,
+            rank=core.rank,
             async_op=async_op,
         )
 
     def send(self, x: np.ndarray, dst: int, tag: int = 0, *, timeout_s: float | None = None) -> None:
         """Send ``x`` to ``dst``; returns once ``x`` may be modified again."""
-        self._run(self._send_op(x, dst, tag, False), timeout_s, False)
+        self.core.run(self._send_op(x, dst, tag, False), timeout_s, False)
 
     def recv(
         self, x: np.ndarray, src: int, tag: int = 0, *, timeout_s: float | None = None
     ) -> np.ndarray:
         """Receive the next message from ``src`` with ``tag`` into ``x`` (in place)."""
-        return self._run(self._recv_op(x, src, tag, False), timeout_s, False)  # type: ignore[no-any-return]
+        return self.core.run(self._recv_op(x, src, tag, False), timeout_s, False)  # type: ignore[no-any-return]
 
     def isend(self, x: np.ndarray, dst: int, tag: int = 0) -> Work:
         """Start a send; do not modify ``x`` until the returned Work is done."""
-        return self._run(self._send_op(x, dst, tag, True), None, True)  # type: ignore[no-any-return]
+        return self.core.run(self._send_op(x, dst, tag, True), None, True)  # type: ignore[no-any-return]
 
     def irecv(self, x: np.ndarray, src: int, tag: int = 0) -> Work:
         """Start a receive into ``x``; ``Work.wait()`` returns ``x``."""
-        return self._run(self._recv_op(x, src, tag, True), None, True)  # type: ignore[no-any-return]
+        return self.core.run(self._recv_op(x, src, tag, True), None, True)  # type: ignore[no-any-return]
 
     # -- collectives -------------------------------------------------------------------
     # Thin delegates to ringcomm.collectives.api (argument checks, algorithm choice and the
@@ -372,7 +188,7 @@ class ProcessGroup:
         algo: str | None = None,
     ) -> Any:
         """Reduce ``x`` over the group in place; return ``x`` (a Work if ``async_op``)."""
-        return _collectives.all_reduce(self, x, op, async_op, timeout_s=timeout_s, algo=algo)
+        return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s, algo=algo)
 
     def reduce_scatter(
         self,
@@ -384,13 +200,13 @@ class ProcessGroup:
         timeout_s: float | None = None,
     ) -> Any:
         """This rank's row of the reduction of ``x`` (``x.shape[0] == world_size``)."""
-        return _collectives.reduce_scatter(self, x, out, op, async_op, timeout_s=timeout_s)
+        return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s)
 
     def all_gather(
         self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
     ) -> Any:
         """Every rank's ``x`` as ``(world_size, *x.shape)`` in rank order."""
-        return _collectives.all_gather(self, x, out, async_op, timeout_s=timeout_s)
+        return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s)
 
     def broadcast(
         self,
@@ -402,7 +218,7 @@ class ProcessGroup:
         algo: str | None = None,
     ) -> Any:
         """``src``'s ``x`` into every rank's ``x`` (in place)."""
-        return _collectives.broadcast(self, x, src, async_op, timeout_s=timeout_s, algo=algo)
+        return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s, algo=algo)
 
     def reduce(
         self,
@@ -414,7 +230,7 @@ class ProcessGroup:
         timeout_s: float | None = None,
     ) -> Any:
         """Reduction of ``x`` over the group, in place on ``dst``."""
-        return _collectives.reduce(self, x, dst, op, async_op, timeout_s=timeout_s)
+        return _collectives.reduce(self.core, x, dst, op, async_op, timeout_s=timeout_s)
 
     def gather(
         self,
@@ -426,7 +242,7 @@ class ProcessGroup:
         timeout_s: float | None = None,
     ) -> Any:
         """``(world_size, *x.shape)`` on ``dst``, None elsewhere."""
-        return _collectives.gather(self, x, dst, out, async_op, timeout_s=timeout_s)
+        return _collectives.gather(self.core, x, dst, out, async_op, timeout_s=timeout_s)
 
     def scatter(
         self,
@@ -438,17 +254,17 @@ class ProcessGroup:
         timeout_s: float | None = None,
     ) -> Any:
         """Row ``x[rank]`` of ``src``'s ``x`` on every rank (``x`` may be None off ``src``)."""
-        return _collectives.scatter(self, x, src, out, async_op, timeout_s=timeout_s)
+        return _collectives.scatter(self.core, x, src, out, async_op, timeout_s=timeout_s)
 
     def all_to_all(
         self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
     ) -> Any:
         """``out[j]`` is rank ``j``'s ``x[rank]``."""
-        return _collectives.all_to_all(self, x, out, async_op, timeout_s=timeout_s)
+        return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s)
 
     def barrier(self, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
         """Return once every rank of the group has entered the barrier."""
-        return _collectives.barrier(self, async_op, timeout_s=timeout_s)
+        return _collectives.barrier(self.core, async_op, timeout_s=timeout_s)
 
     # -- end of collectives --------------------------------------------------------------
 
@@ -460,26 +276,25 @@ class ProcessGroup:
         order relative to its other ``new_group`` calls (as in torch.distributed);
         members get the sub-group, others get None.
         """
-        self._check_usable("new_group")
-        members = [check_peer(r, self._world_size, f"rank {self._rank}: new_group", "rank") for r in ranks]
+        core = self.core
+        core.check_usable("new_group")
+        what = f"rank {core.rank}: new_group"
+        members = [check_peer(r, core.world_size, what, "rank") for r in ranks]
         if len(set(members)) != len(members) or not members:
-            raise ValueError(f"rank {self._rank}: new_group: ranks must be distinct and non-empty, got {list(ranks)}")
-        self._subgroup_count += 1
+            raise ValueError(f"{what}: ranks must be distinct and non-empty, got {list(ranks)}")
+        index = core.next_subgroup_index()
         digest = hashlib.blake2b(
-            repr((self._group_id, self._subgroup_count, tuple(members))).encode(), digest_size=8
+            repr((core.group_id, index, tuple(members))).encode(), digest_size=8
         ).digest()
         gid = int.from_bytes(digest, "little") >> 1 or 1  # 63-bit, never the world's 0
-        if self._rank not in members:
+        if core.rank not in members:
             return None
-        sub = ProcessGroup(self._shared, [self._ranks[r] for r in members], gid)
-        sub.timeout_s = self.timeout_s
-        sub.chunk_bytes = self.chunk_bytes
-        return sub
+        return ProcessGroup(core.sub([core.ranks[r] for r in members], gid))
 
     # -- introspection -----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Counters of this process's transport (shared by all its groups)."""
-        e = self._engine
+        e = self.core.engine
         t = e.transport
         e.check_health()  # reads pending connection events (auth failures, drops)
         return {
@@ -496,27 +311,28 @@ class ProcessGroup:
 
     def failed_peers(self) -> list[int]:
         """Global ranks this process saw fail (empty while the group is healthy)."""
-        return sorted(self._engine.failed_peers)
+        return sorted(self.core.engine.failed_peers)
 
     # -- closing -----------------------------------------------------------------------
     def close(self) -> None:
         """Release the group. Closing the world group closes the process's transport:
         peers learn that this rank left (a goodbye), and calls of theirs that still wait
         on it raise ``PeerFailedError`` ("rank N left the group")."""
-        if self._closed:
+        core = self.core
+        if core.closed:
             return
-        self._closed = True
-        if self._group_id != _WORLD_GROUP_ID:  # its unfinished operations fail
-            rank = self._rank
-            self._engine.abort(
+        core.closed = True
+        if not core.is_world:  # its unfinished operations fail
+            rank = core.rank
+            core.engine.abort(
                 lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first"),
-                group=self._group_id,
+                group=core.group_id,
             )
             return
-        self._shared.shutdown(
+        core.state.shutdown(
             DEPART_CLOSE,
-            checkout_s=min(self.timeout_s, CHECKOUT_MAX_S),
-            linger_s=min(3.0, self.timeout_s),
+            checkout_s=min(core.timeout_s, CHECKOUT_MAX_S),
+            linger_s=min(3.0, core.timeout_s),
         )
 
     def abort(self, reason: BaseException | str | None = None) -> None:
@@ -528,12 +344,12 @@ class ProcessGroup:
         Idempotent; ``close()`` after it does nothing. ``with pg:`` calls it when an
         exception leaves the block, and an uncaught exception calls it at exit.
         """
-        self._closed = True
+        self.core.closed = True
         if isinstance(reason, BaseException):
             why = lifecycle.describe_exit(reason)
         else:
             why = str(reason) if reason else "aborted"
-        self._shared.shutdown(DEPART_ERROR, why, checkout_s=0.0, linger_s=0.0)
+        self.core.state.shutdown(DEPART_ERROR, why, checkout_s=0.0, linger_s=0.0)
 
     def __enter__(self) -> ProcessGroup:  # noqa: PYI034 (subclasses are not expected)
         return self
@@ -545,20 +361,6 @@ class ProcessGroup:
             self.abort(exc)
         else:
             self.close()
-
-
-def wait_for_exit(pid: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for process ``pid`` (of this host) to end; True if it did."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        return False  # gone already, or no pidfds here: do not wait
-    try:
-        import select
-
-        return bool(select.select([fd], [], [], timeout_s)[0])
-    finally:
-        os.close(fd)
 
 
 def _bind_to_core(local_rank: int) -> None:
@@ -720,10 +522,10 @@ def init_process_group(
         if (cfg.log or "").lower() == "debug":
             _enable_debug_log()
             engine.log_ops = True
-        shared = _Shared(cfg, engine, store, server, chunk)
-        shared.peers = infos
-        lifecycle.register(shared)  # however the process ends, it leaves (lifecycle.py)
-        return ProcessGroup(shared, range(cfg.world_size), _WORLD_GROUP_ID)
+        state = ProcessState(cfg, engine, store, server, chunk)
+        state.peers = infos
+        lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
+        return ProcessGroup(GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID))
     except BaseException:
         if net is not None:
             net.close(0.0)

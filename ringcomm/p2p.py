@@ -23,6 +23,8 @@ __all__ = ["RecvOp", "SendOp"]
 
 
 class SendOp(Op):
+    fails_group = False  # a failed send or receive leaves the group usable
+
     def __init__(
         self,
         engine: Engine,
@@ -81,6 +83,8 @@ class SendOp(Op):
 
 
 class RecvOp(Op):
+    fails_group = False
+
     def __init__(
         self,
         engine: Engine,

@@ -163,6 +163,8 @@ class Op:
     """An operation the engine carries out; completion is observed through ``done``."""
 
     serial: SerialQueue | None = None
+    #: Whether the op failing leaves its group failed for good (collectives; not p2p).
+    fails_group = True
     #: Completion callbacks (``Work.add_done_callback``); None until one is added.
     _callbacks: list[Callable[[Op], None]] | None = None
 

@@ -125,7 +125,7 @@ def job_argument_checks(pg: rc.ProcessGroup) -> tuple[list[str], list[float], in
     """Rank 0 makes bad calls: each raises at once, nothing is sent, the group still works."""
     problems = []
     if pg.rank == 0:
-        before = (pg.stats()["sent_messages"], pg._coll_seq)
+        before = (pg.stats()["sent_messages"], pg.core.collective_seq)
         for name, exc_type, call in _bad_calls(pg):
             try:
                 call()
@@ -138,7 +138,7 @@ def job_argument_checks(pg: rc.ProcessGroup) -> tuple[list[str], list[float], in
                 )
             else:
                 problems.append(f"{name}: no error")
-        if (pg.stats()["sent_messages"], pg._coll_seq) != before:
+        if (pg.stats()["sent_messages"], pg.core.collective_seq) != before:
             problems.append("a rejected call sent a message or took a sequence number")
     x = np.full(3, pg.rank + 1.0)
     pg.all_reduce(x)

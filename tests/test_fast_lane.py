@@ -27,7 +27,7 @@ from ringcomm.ops import reference_reduce
 
 def _count_lane(pg: rc.ProcessGroup) -> collections.Counter[str]:
     """Wrap the engine's exchange: counts 'done', 'not taken' and 'handed over'."""
-    engine = pg._engine
+    engine = pg.core.engine
     counts: collections.Counter[str] = collections.Counter()
     original = engine.exchange
 
@@ -120,7 +120,7 @@ def job_early_message(pg: rc.ProcessGroup, bad: bool) -> tuple[str, bool, dict[s
             work.wait(timeout_s=30)
         else:
             sub.recv(token, 1)  # drains rank 1's all_reduce message into the queue
-            assert pg._engine.unexpected_count == 1
+            assert pg.core.engine.unexpected_count == 1
             sub.all_reduce(x, timeout_s=30)
     except rc.CollectiveMismatchError:
         outcome = "mismatch"
@@ -188,7 +188,7 @@ def job_submission_meanwhile(
     got = np.zeros(3, np.int64)
     if pg.rank == 0:
         progress.POLL_SLICE_S = 5.0
-        engine = pg._engine
+        engine = pg.core.engine
         in_lane = threading.Event()
         submitted_then: list[bool] = []
         exchange, give_back = engine.exchange, engine._give_back

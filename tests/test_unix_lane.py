@@ -191,7 +191,7 @@ def test_local_lane_setting() -> None:
 
 def job_small_collectives(pg: rc.ProcessGroup, junk: bool) -> dict[str, Any]:
     r, n = pg.rank, pg.world_size
-    transport = pg._engine.transport
+    transport = pg.core.engine.transport
     before = pg.stats()
     if junk and r == 0 and transport.lane_endpoint:
         # A stranger with access to the path (same user): datagrams that are not

@@ -1,4 +1,5 @@
-"""The public collective calls (``ProcessGroup`` methods delegate here).
+"""The public collective calls (``ProcessGroup`` methods delegate here, passing their
+:class:`~ringcomm.group_core.GroupCore`).
 
 Each call: check the arguments on the calling rank (TypeError/ValueError, before anything
 is sent), choose the algorithm, take the group's next collective sequence number, build the
@@ -32,7 +33,7 @@ from .base import Call, Comm
 from .staged import PIPELINED, DeviceCall, staged_class
 
 if TYPE_CHECKING:
-    from ..group import ProcessGroup
+    from ..group_core import GroupCore
 
 __all__ = [
     "all_gather",
@@ -48,8 +49,8 @@ __all__ = [
 
 
 # -- argument checks -------------------------------------------------------------------
-def _what(pg: ProcessGroup, name: str) -> str:
-    return f"rank {pg._rank}: {name}"
+def _what(group: GroupCore, name: str) -> str:
+    return f"rank {group.rank}: {name}"
 
 
 # (op as passed, dtype) -> ReduceOp, for pairs that passed _check_op (ops passed as a
@@ -142,12 +143,12 @@ def _same_memory(a: Any, b: Any) -> bool:
     )
 
 
-def _check_root(root: Any, pg: ProcessGroup, what: str, name: str) -> int:
-    return check_peer(root, pg.world_size, what, name)
+def _check_root(root: Any, group: GroupCore, what: str, name: str) -> int:
+    return check_peer(root, group.world_size, what, name)
 
 
-def _check_chunk_bytes(pg: ProcessGroup, what: str) -> int:
-    chunk = pg.chunk_bytes
+def _check_chunk_bytes(group: GroupCore, what: str) -> int:
+    chunk = group.chunk_bytes
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
         raise ValueError(f"{what}: pg.chunk_bytes must be a positive int, got {chunk!r}")
     return int(chunk)
@@ -155,18 +156,18 @@ def _check_chunk_bytes(pg: ProcessGroup, what: str) -> int:
 
 # -- running ---------------------------------------------------------------------------
 def _run(
-    pg: ProcessGroup, call: Call, timeout_s: float | None, async_op: bool, what: str | None = None
+    group: GroupCore, call: Call, timeout_s: float | None, async_op: bool, what: str | None = None
 ) -> Any:
     if what is None:
-        what = _what(pg, call.name)
-    chunk = pg.chunk_bytes
+        what = _what(group, call.name)
+    chunk = group.chunk_bytes
     if type(chunk) is not int or chunk <= 0:
-        chunk = _check_chunk_bytes(pg, what)
+        chunk = _check_chunk_bytes(group, what)
     try:
-        timeout = pg._timeout(timeout_s)
+        timeout = group.timeout(timeout_s)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
-    pg._check_usable(call.name)
+    group.check_usable(call.name)
     cls = get_algorithm(call.name, call.algo)
     arr = call.x if call.x is not None else call.out
     device = None
@@ -178,37 +179,37 @@ def _run(
             cls = staged_class(cls)
     start_s = time.monotonic()
     comm = Comm(
-        pg._engine,
-        pg._rank,
-        pg._world_size,
-        pg._group_id,
-        pg._ranks,
-        pg.next_collective_seq(),  # after every check: only a call that will run takes a number
+        group.engine,
+        group.rank,
+        group.world_size,
+        group.group_id,
+        group.ranks,
+        group.next_collective_seq(),  # after every check: only a call that will run takes a number
         chunk,
         timeout,
-        pg._serial,
-        pg._plans,
+        group.serial,
+        group.plans,
     )
     op = cls(comm, call, async_op=async_op)
     if device is not None:
         op.device = device  # type: ignore[attr-defined]
     if async_op:
-        return pg._run(op, timeout, True)
+        return group.run(op, timeout, True)
     deadline = start_s + timeout
     # The algorithm's fast lane, if it has one (not with RINGCOMM_LOG=debug: every op then
     # goes through the engine, which logs its start and end).
-    if not pg._engine.log_ops and op.run_now(deadline):
+    if not group.engine.log_ops and op.run_now(deadline):
         return op.result
-    return pg._run(op, timeout, False, deadline)
+    return group.run(op, timeout, False, deadline)
 
 
-def _env_algo(pg: ProcessGroup) -> str | None:
-    return pg._shared.config.algo
+def _env_algo(group: GroupCore) -> str | None:
+    return group.config.algo
 
 
 # -- the collectives -------------------------------------------------------------------
 def all_reduce(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     op: ReduceOp | str = "sum",
     async_op: bool = False,
@@ -217,22 +218,22 @@ def all_reduce(
     algo: str | None = None,
 ) -> Any:
     """Reduce ``x`` over all ranks, in place on every rank; return ``x`` (or a Work)."""
-    what = _what(pg, "all_reduce")
+    what = _what(group, "all_reduce")
     x = check_array(x, what, writeable=True, device=True)
     dtype = x.dtype
     rop = _check_op(op, dtype, what)
     if async_op is not False:
         async_op = _check_flag(async_op, what)
     try:
-        chosen = choose_algorithm("all_reduce", algo, _env_algo(pg), x.nbytes, pg._world_size)
+        chosen = choose_algorithm("all_reduce", algo, _env_algo(group), x.nbytes, group.world_size)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape)
-    return _run(pg, call, timeout_s, async_op, what)
+    return _run(group, call, timeout_s, async_op, what)
 
 
 def reduce_scatter(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     out: Any = None,
     op: ReduceOp | str = "sum",
@@ -242,21 +243,21 @@ def reduce_scatter(
 ) -> Any:
     """Reduce ``x`` (``x.shape[0] == world_size``) and return this rank's row ``x[rank]``
     of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified."""
-    what = _what(pg, "reduce_scatter")
+    what = _what(group, "reduce_scatter")
     x = check_array(x, what, device=True)
-    _check_rows(x, pg.world_size, what)
+    _check_rows(x, group.world_size, what)
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
     shape = tuple(x.shape[1:])
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    if _may_share_memory(out, x) and not _same_memory(out, x[pg.rank]):
+    if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
         raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
     call = Call("reduce_scatter", "ring", x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(pg, call, timeout_s, async_op)
+    return _run(group, call, timeout_s, async_op)
 
 
 def all_gather(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     out: Any = None,
     async_op: bool = False,
@@ -264,17 +265,17 @@ def all_gather(
     timeout_s: float | None = None,
 ) -> Any:
     """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order."""
-    what = _what(pg, "all_gather")
+    what = _what(group, "all_gather")
     x = check_array(x, what, device=True)
     async_op = _check_flag(async_op, what)
-    shape = (pg.world_size, *x.shape)
+    shape = (group.world_size, *x.shape)
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     call = Call("all_gather", "ring", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(pg, call, timeout_s, async_op)
+    return _run(group, call, timeout_s, async_op)
 
 
 def broadcast(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     src: int = 0,
     async_op: bool = False,
@@ -283,20 +284,20 @@ def broadcast(
     algo: str | None = None,
 ) -> Any:
     """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work)."""
-    what = _what(pg, "broadcast")
-    src = _check_root(src, pg, what, "src")
-    x = check_array(x, what, writeable=pg.rank != src, device=True)
+    what = _what(group, "broadcast")
+    src = _check_root(src, group, what, "src")
+    x = check_array(x, what, writeable=group.rank != src, device=True)
     async_op = _check_flag(async_op, what)
     try:
-        chosen = choose_algorithm("broadcast", algo, _env_algo(pg), x.nbytes)
+        chosen = choose_algorithm("broadcast", algo, _env_algo(group), x.nbytes)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(pg, call, timeout_s, async_op)
+    return _run(group, call, timeout_s, async_op)
 
 
 def reduce(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     dst: int = 0,
     op: ReduceOp | str = "sum",
@@ -306,17 +307,17 @@ def reduce(
 ) -> Any:
     """Reduce ``x`` over all ranks into ``dst``'s ``x`` (in place there); return ``x``.
     Other ranks' ``x`` is not modified."""
-    what = _what(pg, "reduce")
-    dst = _check_root(dst, pg, what, "dst")
-    x = check_array(x, what, writeable=pg.rank == dst, device=True)
+    what = _what(group, "reduce")
+    dst = _check_root(dst, group, what, "dst")
+    x = check_array(x, what, writeable=group.rank == dst, device=True)
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
     call = Call("reduce", "tree", x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(pg, call, timeout_s, async_op)
+    return _run(group, call, timeout_s, async_op)
 
 
 def gather(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     dst: int = 0,
     out: Any = None,
@@ -326,21 +327,21 @@ def gather(
 ) -> Any:
     """Every rank's ``x`` as ``(world_size, *x.shape)`` on ``dst`` (in ``out`` if given
     there); None on the other ranks (which ignore ``out``)."""
-    what = _what(pg, "gather")
-    dst = _check_root(dst, pg, what, "dst")
+    what = _what(group, "gather")
+    dst = _check_root(dst, group, what, "dst")
     x = check_array(x, what, device=True)
     async_op = _check_flag(async_op, what)
-    if pg.rank == dst:
-        shape = (pg.world_size, *x.shape)
+    if group.rank == dst:
+        shape = (group.world_size, *x.shape)
         out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     else:
         out = None
     call = Call("gather", "direct", x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(pg, call, timeout_s, async_op)
+    return _run(group, call, timeout_s, async_op)
 
 
 def scatter(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     src: int = 0,
     out: Any = None,
@@ -354,13 +355,13 @@ def scatter(
     an array of ``src``'s shape and dtype (checked against it; not written). The row is
     returned, in ``out`` if given (shape ``x.shape[1:]``).
     """
-    what = _what(pg, "scatter")
-    src = _check_root(src, pg, what, "src")
-    n = pg.world_size
+    what = _what(group, "scatter")
+    src = _check_root(src, group, what, "src")
+    n = group.world_size
     async_op = _check_flag(async_op, what)
     dtype: np.dtype[Any] | None = None
     shape: tuple[int, ...] | None = None
-    if x is not None or pg.rank == src:
+    if x is not None or group.rank == src:
         x = check_array(x, what, device=True)
         _check_rows(x, n, what)
         dtype, shape = x.dtype, tuple(x.shape)
@@ -373,11 +374,11 @@ def scatter(
     elif dtype is not None and shape is not None:  # src, or a rank that passed x
         out = _empty(x, shape[1:])
     call = Call("scatter", "direct", x=x, out=out, root=src, dtype=dtype, shape=shape)
-    return _run(pg, call, timeout_s, async_op)
+    return _run(group, call, timeout_s, async_op)
 
 
 def all_to_all(
-    pg: ProcessGroup,
+    group: GroupCore,
     x: Any,
     out: Any = None,
     async_op: bool = False,
@@ -385,9 +386,9 @@ def all_to_all(
     timeout_s: float | None = None,
 ) -> Any:
     """``out[j]`` is rank ``j``'s ``x[rank]`` (``x.shape[0] == world_size``); return out."""
-    what = _what(pg, "all_to_all")
+    what = _what(group, "all_to_all")
     x = check_array(x, what, device=True)
-    _check_rows(x, pg.world_size, what)
+    _check_rows(x, group.world_size, what)
     async_op = _check_flag(async_op, what)
     if out is None:
         out = _empty(x, tuple(x.shape))
@@ -396,10 +397,10 @@ def all_to_all(
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
     call = Call("all_to_all", "direct", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(pg, call, timeout_s, async_op)
+    return _run(group, call, timeout_s, async_op)
 
 
-def barrier(pg: ProcessGroup, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
+def barrier(group: GroupCore, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
     """Return once every rank of the group has entered the barrier."""
-    async_op = _check_flag(async_op, _what(pg, "barrier"))
-    return _run(pg, Call("barrier", "dissemination"), timeout_s, async_op)
+    async_op = _check_flag(async_op, _what(group, "barrier"))
+    return _run(group, Call("barrier", "dissemination"), timeout_s, async_op)

@@ -1,0 +1,299 @@
+"""The group core: what collectives and point-to-point calls need of a group.
+
+Two public classes, below the collectives (DESIGN.md §3) and above the progress engine:
+
+* :class:`ProcessState`: what every group of one process shares (the config, the progress
+  engine, the rendezvous store and, on rank 0, its server) and how the process leaves them
+  all: ``close()``/``abort()`` of the world group, or the exit hooks of
+  :mod:`ringcomm.lifecycle`, for which it is the registered leaver.
+* :class:`GroupCore`: one group as its calls see it: rank translation, the serial queue of
+  its collectives, their per-shape plans and sequence numbers, deadlines, whether it may
+  still be used, and running an operation (blocking, or a ``Work``).
+
+``ringcomm.group.ProcessGroup`` is the facade users call; it holds a ``GroupCore`` and
+hands it to ``ringcomm.collectives.api``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from . import lifecycle
+from .config import InitConfig
+from .errors import CommTimeoutError, GroupClosedError, RingcommError
+from .progress import DEPART_ERROR, Engine, Op, SerialQueue
+from .rendezvous import Store, StoreServer
+from .transport.endpoints import EndpointInfo, host_identity
+from .work import Work
+
+__all__ = [
+    "CHECKOUT_MAX_S",
+    "CULPRIT_WAIT_S",
+    "GroupCore",
+    "ProcessState",
+    "wait_for_exit",
+]
+
+WORLD_GROUP_ID = 0
+
+
+#: Longest close() waits, as the store's host, for every rank to check out.
+CHECKOUT_MAX_S = 60.0
+#: How often a rank waiting for check-outs looks for goodbyes and failures meanwhile.
+_CHECKOUT_SLICE_S = 0.02
+#: Longest a rank failing because of a same-host peer waits for that peer's exit.
+CULPRIT_WAIT_S = 0.5
+#: How much longer a rank waits once a culprit on another host is gone.
+CULPRIT_REMOTE_LEAD_S = 0.1
+
+
+class ProcessState:
+    """What all groups of one process share: the engine, the store, the config; and how
+    the process leaves them all (``close``/``abort`` of the world group, or the exit
+    hooks of :mod:`ringcomm.lifecycle`, for which this is the registered leaver)."""
+
+    def __init__(
+        self,
+        config: InitConfig,
+        engine: Engine,
+        store: Store | None,
+        server: StoreServer | None,
+        chunk_bytes: int,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.store = store
+        self.server = server
+        self.chunk_bytes = chunk_bytes
+        self.closed = False
+        self.lock = threading.Lock()
+        #: Every rank's published endpoint info (pid, host), by global rank.
+        self.peers: dict[int, EndpointInfo] = {}
+        self.host_id = host_identity()
+
+    # -- lifecycle.Leaver --------------------------------------------------------------
+    def leave(self, kind: str, why: str, budget_s: float) -> None:
+        """The process ends without ``close()`` (lifecycle.py): leave within ``budget_s``."""
+        self.shutdown(kind, why, checkout_s=budget_s / 3, linger_s=budget_s / 3)
+
+    def farewell(self, why: str) -> None:
+        """From a signal handler: tell the peers, remove our files; nothing else."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.farewell(why, skip=self._gone)
+        self.engine.transport.remove_files()
+
+    def _gone(self, peer: int) -> bool:
+        """Whether global rank ``peer`` is known to have exited (a same-host process)."""
+        info = self.peers.get(peer)
+        if info is None or info.host_id != self.host_id:
+            return False
+        try:
+            os.kill(info.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    # -- leaving -------------------------------------------------------------------------
+    def shutdown(
+        self, kind: str, why: str = "", *, checkout_s: float, linger_s: float
+    ) -> None:
+        """Leave every group of this process; idempotent.
+
+        ``kind``: ``DEPART_CLOSE`` (``close()``), ``DEPART_EXIT`` (the process ends
+        without it) or ``DEPART_ERROR`` (``abort()``, an uncaught exception: peers are
+        told ``why`` first and nobody waits for anybody). The store's host waits up to
+        ``checkout_s`` for the other ranks to check out, giving up as soon as one of
+        them is gone; pending sends get ``linger_s``.
+        """
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        lifecycle.unregister(self)
+        engine, store, server = self.engine, self.store, self.server
+        rank = self.config.rank
+        try:
+            if kind == DEPART_ERROR:
+                engine.farewell(why, skip=self._gone)
+                self._let_culprit_go_first()
+            engine.abort(
+                lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first")
+            )
+            if kind != DEPART_ERROR:
+                engine.read_control()  # who left or failed meanwhile
+                if engine.failure is None:
+                    engine.say_goodbye(linger_s, kind)  # peers waiting on us fail now
+                if store is not None and engine.failure is None and checkout_s > 0:
+                    self._check_out(store, server, checkout_s)
+        finally:
+            failed = kind == DEPART_ERROR or engine.failure is not None
+            engine.close(0.0 if failed else linger_s, kind)
+            if store is not None:
+                store.close()
+            if server is not None:
+                server.close()
+
+    def _let_culprit_go_first(self) -> None:
+        """This rank fails because a peer did: wait (briefly) until that peer's process
+        is gone (its pid on this host, its connection elsewhere), so a launcher sees the
+        culprit's exit first and reports its exit code, not this victim's."""
+        failure = self.engine.failure
+        peer = getattr(failure, "peer", None)
+        info = self.peers.get(peer) if isinstance(peer, int) else None
+        if info is None or info.pid == os.getpid() and info.host_id == self.host_id:
+            return
+        if info.host_id == self.host_id:
+            wait_for_exit(info.pid, CULPRIT_WAIT_S)
+        elif self.engine.wait_disconnected(peer, CULPRIT_WAIT_S):
+            # Its exit status still travels to the launcher (ssh): give it a head start.
+            time.sleep(CULPRIT_REMOTE_LEAD_S)
+
+    def _check_out(self, store: Store, server: StoreServer | None, limit_s: float) -> None:
+        """Count this rank out of the store. Its host keeps serving until every rank has
+        checked out (a rank may still be reading its last rendezvous reply), at most
+        ``limit_s``, and no longer once a rank is gone (it will never check out)."""
+        engine = self.engine
+        world = self.config.world_size
+        if not self.config.store_external and engine.departed(0) and server is None:
+            return  # rank 0 served the store and has left
+        try:
+            n = store.add("__closed__", 1, timeout_s=max(limit_s, 0.1))
+            if n >= world:
+                store.set("__all_closed__", b"1")
+                return
+            if server is None:
+                return
+            give_up_at = time.monotonic() + limit_s
+            while True:
+                remaining = give_up_at - time.monotonic()
+                if remaining <= 0:
+                    return
+                try:
+                    store.wait(["__all_closed__"], timeout_s=min(remaining, _CHECKOUT_SLICE_S))
+                    return
+                except CommTimeoutError:
+                    pass
+                engine.read_control()
+                if engine.failure is not None or all(
+                    engine.departed(r) for r in range(world) if r != self.config.rank
+                ):
+                    return  # a rank failed (it never checks out), or everyone left
+        except RingcommError:
+            pass  # best effort: the store or its host may be gone
+
+
+class GroupCore:
+    """One group of this process, as its calls see it (module docstring).
+
+    Ranks are ranks *of this group* (0..world_size-1) unless named global.
+    """
+
+    def __init__(self, state: ProcessState, ranks: Sequence[int], group_id: int) -> None:
+        self.state = state
+        self.engine: Engine = state.engine
+        self.ranks: tuple[int, ...] = tuple(ranks)  # group rank -> global rank
+        self.group_id = group_id
+        me = state.config.rank
+        self.rank = self.ranks.index(me)
+        self.world_size = len(self.ranks)
+        self.global_rank = me
+        self.timeout_s: float = state.config.timeout_s
+        self.chunk_bytes: int = state.chunk_bytes
+        self.serial = SerialQueue()
+        #: Per-call-shape state of this group's collectives (collectives.base.ShapeCache).
+        self.plans: dict[Any, Any] = {}
+        self.closed = False
+        #: The error of a collective that failed here: the group stays failed.
+        self.failed: BaseException | None = None
+        self._coll_seq = 0
+        self._subgroup_count = 0
+
+    @property
+    def config(self) -> InitConfig:
+        return self.state.config
+
+    @property
+    def is_world(self) -> bool:
+        return self.group_id == WORLD_GROUP_ID
+
+    def check_usable(self, what: str) -> None:
+        """Raise if a call named ``what`` may not run: the group is closed, or failed."""
+        if self.closed or self.state.closed:
+            raise GroupClosedError(f"rank {self.rank}: {what}: the process group is closed")
+        engine = self.engine
+        if engine.failure is not None:  # a peer failed: this and every later call raise
+            raise engine.failed_error(what)
+        if self.failed is not None:
+            raise GroupClosedError(
+                f"rank {self.rank}: {what}: the process group failed earlier and stays "
+                f"failed: {self.failed}"
+            ) from self.failed
+
+    def timeout(self, timeout_s: float | None) -> float:
+        """The deadline of a call: ``timeout_s``, or the group's default."""
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not t > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        return t
+
+    def run(
+        self, op: Op, timeout_s: float | None, async_op: bool, deadline: float | None = None
+    ) -> Any:
+        """Submit ``op`` (unless a fast lane started it already); wait for it (blocking,
+        until ``deadline`` if given, a ``time.monotonic()`` instant) or return its Work.
+        A failed op whose class says so (``Op.fails_group``: collectives) fails the group."""
+        t = self.timeout(timeout_s)
+        if not op.started:
+            self.engine.submit(op)
+        if async_op:
+            return Work(self.engine, op, t)
+        try:
+            return self.engine.wait(op, t, deadline)
+        except RingcommError as exc:
+            if op.fails_group and self.failed is None:
+                self.failed = exc
+            raise
+
+    @property
+    def collective_seq(self) -> int:
+        """The sequence number of this group's latest collective (0: none yet)."""
+        return self._coll_seq
+
+    def next_collective_seq(self) -> int:
+        """Sequence number tagging the next collective (all ranks call them in one order)."""
+        self._coll_seq += 1
+        return self._coll_seq
+
+    def next_subgroup_index(self) -> int:
+        """How many sub-groups this group has made, this one included (their ids)."""
+        self._subgroup_count += 1
+        return self._subgroup_count
+
+    def sub(self, global_ranks: Sequence[int], group_id: int) -> GroupCore:
+        """The core of a sub-group of this process (same state, deadline and piece size)."""
+        sub = GroupCore(self.state, global_ranks, group_id)
+        sub.timeout_s = self.timeout_s
+        sub.chunk_bytes = self.chunk_bytes
+        return sub
+
+
+def wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for process ``pid`` (of this host) to end; True if it did."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return False  # gone already, or no pidfds here: do not wait
+    try:
+        import select
+
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
