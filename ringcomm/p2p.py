@@ -17,7 +17,7 @@ import numpy as np
 from .errors import CommTimeoutError, MessageMismatchError
 from .progress import Engine, Op
 from .schedule.chunks import chunk_spans
-from .transport.wire import KIND_P2P, Header, dtype_to_wire
+from .transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 
 __all__ = ["RecvOp", "SendOp"]
 
@@ -74,7 +74,9 @@ class SendOp(Op):
                 off,
                 tuple(x.shape) if i == 0 else None,
             )
-            self.add_tracker(self.engine.send(self.dst_global, header, mv[off : off + length], length))
+            self.add_tracker(
+                self.engine.send(self.dst_global, None, pack_header(header), mv[off : off + length], length)
+            )
             self.sent_pieces = i + 1
         self.settle()
 

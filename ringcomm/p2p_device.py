@@ -22,7 +22,7 @@ import numpy as np
 from .p2p import RecvOp, SendOp
 from .schedule.chunks import chunk_spans
 from .staging import DeviceStager, Slot, backend_for
-from .transport.wire import KIND_P2P, Header, dtype_to_wire
+from .transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 
 __all__ = ["STAGING_TIMEOUT_S", "StagedRecvOp", "StagedSendOp", "recv_op_class", "send_op_class"]
 
@@ -70,7 +70,7 @@ class StagedSendOp(SendOp):
         self.settle()
 
     def _send_piece(self, header: Header, length: int, payload: Any) -> Any:
-        tracker = self.engine.send(self.dst_global, header, payload, length)
+        tracker = self.engine.send(self.dst_global, None, pack_header(header), payload, length)
         self.add_tracker(tracker)
         self.sent_pieces += 1
         return tracker

@@ -59,36 +59,41 @@ from .errors import (
     RingcommError,
 )
 from .lifecycle import DEPART_ERROR, DEPART_EXIT
-from .transport.wire import (
+from .transport.base import (
+    EVENT_DISCONNECTED,
+    EVENT_HANDSHAKE_OK,
     INLINE_MAX_BYTES,
-    KIND_CTRL,
     ZERO_COPY_MIN_BYTES,
+    Completion,
+    Stream,
+    Transport,
+)
+from .transport.wire import (
+    KIND_CTRL,
     Header,
     WireError,
     pack_header,
     unpack_header,
 )
-from .transport.zmq_transport import (
-    EVENT_DISCONNECTED,
-    EVENT_HANDSHAKE_OK,
-    Tracker,
-    ZmqTransport,
-    tracker_wait,
-)
+
+Tracker = Completion
 
 __all__ = [
     "DEPART_CLOSE",
     "DEPART_ERROR",
     "DEPART_EXIT",
     "HEALTH_CHECK_S",
+    "INLINE_MAX_BYTES",
     "POLL_SLICE_S",
     "QUERY_WAIT_S",
     "SUSPECT_GRACE_S",
     "WAIT_SLICE_S",
+    "ZERO_COPY_MIN_BYTES",
     "Engine",
     "Op",
     "Receiver",
     "SerialQueue",
+    "Stream",
 ]
 
 log = logging.getLogger("ringcomm")
@@ -271,7 +276,7 @@ class Op:
 class Engine:
     """Owns the transport; matches incoming pieces to posted receivers."""
 
-    def __init__(self, transport: ZmqTransport, rank: int) -> None:
+    def __init__(self, transport: Transport, rank: int) -> None:
         self.transport = transport
         self.rank = rank
         self._lock = threading.Lock()
@@ -360,7 +365,7 @@ class Engine:
             tracker = op.pending_tracker() if op._settled else None
             if tracker is not None:
                 # Only libzmq's I/O thread can finish this: wait without holding the lock.
-                tracker_wait(tracker, min(remaining, POLL_SLICE_S))
+                self.transport.wait_sent(tracker, min(remaining, POLL_SLICE_S))
                 if self._lock.acquire(blocking=False):
                     try:
                         self._round(0.0)
@@ -426,12 +431,12 @@ class Engine:
         keys: Sequence[Key],
         fp: Any,
         deadline: float,
-        reply: tuple[Callable[[list[memoryview]], bytes], Sequence[int]] | None = None,
+        reply: tuple[Callable[[list[memoryview]], tuple[bytes, bytes]], Sequence[int]] | None = None,
     ) -> list[memoryview] | bool:
         """The fast lane of a blocking one-step exchange (the small all_reduce, ``op``).
 
-        Sends the message ``header`` (packed), ``payload`` (``nbytes``; None: inline in
-        the header) to each of ``peers`` (global ranks, not this one) and collects one
+        Sends the message ``header`` (packed, without an inline payload) and ``payload``
+        (``nbytes``) to each of ``peers`` (global ranks, not this one) and collects one
         message per ``keys`` entry, on this thread, holding the driver lock throughout.
         Payloads are copied as they are queued (sizes the transport would send zero-copy
         are not taken), so the caller may write its buffer once this returns. Returns
@@ -454,9 +459,8 @@ class Engine:
           send again. Wait for it (an error while sending fails it, as in ``_start``).
 
         ``reply``: ``(make, to)``: once every message is in, ``make(payloads)`` returns
-        a one-frame message (header with its payload inline, ``nbytes``) sent to each
-        global rank in ``to`` before this returns the payloads (the star all_reduce's
-        rank 0). Messages for anyone else are dispatched as they arrive, as in a regular round.
+        a message (header, payload of ``nbytes``) sent to each global rank in ``to``
+        before this returns the payloads (the star all_reduce's rank 0). Messages for anyone else are dispatched as they arrive, as in a regular round.
         So the fast lane keeps every guarantee of the regular path; it only skips its
         bookkeeping (inboxes, queues, rounds) while nothing else needs the engine.
         """
@@ -481,9 +485,10 @@ class Engine:
                 )
                 if reply is not None and type(got_all) is list:
                     make, to = reply
-                    frame = make(got_all)
-                    for peer in to:  # the op's only message to peer: lane-safe
-                        self.transport.send_one(peer, frame, nbytes, True)
+                    answer, data = make(got_all)
+                    send = self.transport.send
+                    for peer in to:  # the op's only message to peer: a stream of its own
+                        send(peer, Stream(), answer, data, nbytes)
                 return got_all
             except Exception as exc:  # noqa: BLE001 (as in _start: fail the op, not the rank)
                 err = (
@@ -516,12 +521,9 @@ class Engine:
     ) -> list[memoryview] | bool:
         """The body of exchange (driver lock held, the engine idle)."""
         transport = self.transport
+        stream = Stream()  # the op's only message to each peer: nothing to overtake
         for peer in peers:
-            # The op's first and only message to peer: lane-safe.
-            if payload is None:
-                transport.send_one(peer, header, nbytes, True)
-            elif not transport.send_lane(peer, header, payload, nbytes):
-                transport.send(peer, header, payload, nbytes)  # copied: below zero-copy size
+            transport.send(peer, stream, header, payload, nbytes)  # copied: below zero-copy
         for key in keys:  # what arrived before we asked, as post would feed it
             waiting = self._unexpected.get(key)
             if waiting:
@@ -601,52 +603,22 @@ class Engine:
         return op.done
 
     # -- used by ops (driver lock held) ------------------------------------------------
-    def send(self, peer: int, header: Header, payload: Any, nbytes: int) -> Tracker | None:
-        """Queue one message to global rank ``peer`` (see :meth:`send_packed`)."""
-        if peer in self._departed:
-            self._orphaned.add(peer)
-        if nbytes < INLINE_MAX_BYTES and peer != self.rank:
-            return self.send_packed(peer, pack_header(header, bytes(payload)), None, nbytes)
-        return self.send_packed(peer, pack_header(header), payload, nbytes)
-
-    def send_frame(self, peer: int, frame: bytes, nbytes: int, lane: bool) -> bool:
-        """Queue a one-frame message (payload inline) to global rank ``peer`` (not this
-        rank); True when it went through the same-host lane.
-
-        ``lane``: it may: nothing went to ``peer`` over zmq earlier on this message's
-        stream. When it did not go that way, the stream's later messages must not either
-        (ZmqTransport.send_one).
-        """
-        if peer in self._departed:
-            self._orphaned.add(peer)
-        return self.transport.send_one(peer, frame, nbytes, lane)
-
-    def send_lane(self, peer: int, header: bytes, payload: Any, nbytes: int) -> bool:
-        """Send a header and its payload to global rank ``peer`` as one same-host lane
-        datagram, copied now; False (nothing sent) if it cannot go that way (see
-        :meth:`send_frame` for when it may)."""
-        if peer in self._departed:
-            self._orphaned.add(peer)
-        return self.transport.send_lane(peer, header, payload, nbytes)
-
-    def send_packed(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
-        """Queue one message whose header is packed already; a tracker if it went zero-copy.
-
-        ``payload`` None: ``header`` carries the payload inline (``nbytes`` below
-        ``INLINE_MAX_BYTES``); the message is that one frame. To ourselves: copied now onto
-        the loopback queue (the caller may reuse its buffer once the op completes).
-        """
+    def send(
+        self, peer: int, stream: Stream | None, header: bytes, payload: Any, nbytes: int
+    ) -> Completion | None:
+        """Queue one message to global rank ``peer``: ``header`` (packed without an
+        inline payload) and ``payload`` (``nbytes``); the transport picks the path
+        (transport/base.py; ``stream``: the op's messages, whose order it keeps; None:
+        point-to-point, never overtaking). Returns a completion if the payload went
+        zero-copy. To ourselves: copied now onto the loopback queue (the caller may reuse
+        its buffer once the op completes)."""
         if peer in self._departed:
             self._orphaned.add(peer)
         if peer == self.rank:
-            h, inline = unpack_header(header)
-            data = bytes(payload) if payload is not None else inline or b""
-            self._loopback.append((h, memoryview(data)))
+            h, _ = unpack_header(header)
+            self._loopback.append((h, memoryview(bytes(payload))))
             return None
-        if payload is None:
-            self.transport.send_one(peer, header, nbytes)
-            return None
-        return self.transport.send(peer, header, payload, nbytes)
+        return self.transport.send(peer, stream, header, payload, nbytes)
 
     def post(self, key: Key, receiver: Receiver) -> None:
         """Post a receiver for messages with ``key``; queued pieces are fed to it first."""
@@ -749,9 +721,9 @@ class Engine:
     # -- control messages --------------------------------------------------------------
     def _send_ctrl(self, peer: int, tag: int, fp: Any) -> None:
         """Queue a control message to global rank ``peer`` (best effort)."""
-        frame = pack_header(Header(KIND_CTRL, self.rank, 0, tag, fp=fp), b"")
+        header = pack_header(Header(KIND_CTRL, self.rank, 0, tag, fp=fp))
         try:
-            self.transport.send_one(peer, frame, 0)
+            self.transport.send(peer, None, header, b"", 0)
         except Exception as exc:  # noqa: BLE001 (a control message never fails the caller)
             log.debug("rank %d: control message to rank %d not sent: %r", self.rank, peer, exc)
 

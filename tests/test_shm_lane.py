@@ -117,8 +117,8 @@ def test_transports_set_up_segments_and_a_piece_goes_through_one() -> None:
             th.join(15)
         assert done == {0: [1], 1: [0], 2: []}  # rank 2 is left out, nobody waits for it
         x = np.arange(1 << 16, dtype=np.float32)
-        assert ts[0].send(1, b"hdr", memoryview(x), x.nbytes) is None  # no tracker: copied
-        assert ts[0].send(2, b"hdr", memoryview(x), x.nbytes) is not None  # zmq, zero-copy
+        assert ts[0].send(1, None, b"hdr", memoryview(x), x.nbytes) is None  # no tracker: copied
+        assert ts[0].send(2, None, b"hdr", memoryview(x), x.nbytes) is not None  # zmq, zero-copy
         assert ts[0].shm_pieces == 1
         assert ts[1].poll(5)
         first = ts[1].recv_first(True)

@@ -21,8 +21,9 @@ import pytest
 import ringcomm as rc
 from ringcomm.config import resolve_init_config
 from ringcomm.errors import RendezvousError
+from ringcomm.transport.base import Stream
 from ringcomm.transport.unix_lane import PARTS_TAG, UnixLane
-from ringcomm.transport.wire import KIND_COLL, Header, pack_header
+from ringcomm.transport.wire import KIND_COLL, Header, pack_header, unpack_header
 from ringcomm.transport.zmq_transport import ZmqTransport
 
 # -- the lane alone ------------------------------------------------------------------------
@@ -106,7 +107,8 @@ def test_a_closed_peer_sends_it_off_the_lane() -> None:
 # -- the order rule in the transport -------------------------------------------------------
 
 
-def _receive(t: ZmqTransport, count: int, out: list[bytes], deadline: float) -> None:
+def _receive(t: ZmqTransport, count: int, out: list[int], deadline: float) -> None:
+    """Read ``count`` messages; record their tags (each message's name) in arrival order."""
     while len(out) < count and time.monotonic() < deadline:
         if not t.poll(0.05):
             continue
@@ -115,10 +117,13 @@ def _receive(t: ZmqTransport, count: int, out: list[bytes], deadline: float) -> 
             if first is None:
                 break
             frame, more = first
+            header, inline = unpack_header(frame)
             if more:
                 payload = t.recv_payload(copy=True)
-                assert isinstance(payload, memoryview) and len(payload) == 3000
-            out.append(frame)
+                assert isinstance(payload, memoryview) and len(payload) == header.nbytes
+            else:
+                assert inline is not None and len(inline) == header.nbytes
+            out.append(header.tag)
 
 
 @pytest.mark.timeout(60)
@@ -133,28 +138,26 @@ def test_a_datagram_sent_before_a_zmq_message_is_received_before_it(seed: int) -
         tx.set_peer_endpoint(1, rx.ipc_endpoint or "")
         assert tx.set_peer_lane(1, rx.lane_endpoint)
         rng = random.Random(seed)
-        plan = [rng.random() < 0.5 for _ in range(600)]  # True: lane
-        got: list[bytes] = []
-        reader = threading.Thread(target=_receive, args=(rx, len(plan), got, time.monotonic() + 40))
+        # Per message: its stream (None: never the lane) and payload size: one frame
+        # (below the inline size) or a header with its payload (3000 or 5000 bytes).
+        kinds = [rng.choice(("lane1", "lane2", "zmq1", "zmq2")) for _ in range(600)]
+        plan: list[bool] = []
+        got: list[int] = []
+        reader = threading.Thread(target=_receive, args=(rx, len(kinds), got, time.monotonic() + 40))
         reader.start()
-        for i, lane in enumerate(plan):
-            name = b"%c%d" % (b"L" if lane else b"Z", i)
-            if lane and i % 2:
-                # A full queue sends it over zmq (then it is ordered as one).
-                plan[i] = tx.send_one(1, name, 0, lane=True)
-            elif lane:  # a header and its payload in one datagram
-                plan[i] = tx.send_lane(1, name, b"p" * 3000, 3000)
-                if not plan[i]:
-                    tx.send(1, name, b"p" * 3000, 3000)
-            elif i % 3:
-                tx.send_one(1, name, 0)  # one frame over zmq
-            else:
-                tx.send(1, name, b"p" * 3000, 3000)  # header + payload frame
+        for i, kind in enumerate(kinds):
+            nbytes = 100 if kind.endswith("1") else 5000 if i % 2 else 3000
+            # A fresh stream per lane message (nothing of its own to keep order with); a
+            # full queue sends it over zmq (then it is ordered as one).
+            stream = Stream() if kind.startswith("lane") else None
+            before = tx.lane_messages
+            tx.send(1, stream, pack_header(Header(KIND_COLL, 0, 0, i, nbytes=nbytes)), b"p" * nbytes, nbytes)
+            plan.append(tx.lane_messages > before)  # True: it went through the lane
             if i % 50 == 0:
                 time.sleep(0.002)  # let the reader catch up now and then
         reader.join()
         assert len(got) == len(plan), len(got)
-        where = {int(name[1:]): pos for pos, name in enumerate(got)}
+        where = {tag: pos for pos, tag in enumerate(got)}
         lanes = [i for i, lane in enumerate(plan) if lane is True]
         zmqs = [i for i, lane in enumerate(plan) if lane is not True]
         assert len(lanes) > 20 and len(zmqs) > 100

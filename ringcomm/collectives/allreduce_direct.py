@@ -34,8 +34,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
+from ..progress import INLINE_MAX_BYTES
 from ..schedule.chunks import chunk_spans
-from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL, Header
+from ..transport.wire import KIND_COLL, Header
 from .base import CollectiveOp, byte_view
 
 __all__ = ["AllReduceDirect"]
@@ -98,10 +99,8 @@ class AllReduceDirect(CollectiveOp):
         ranks, group, seq = self.comm.ranks, self.group_id, self.seq
         nbytes = x.nbytes
         template = self._template(0, 0, 1, plan.dtype, nbytes, 0)
-        if nbytes < INLINE_MAX_BYTES:
-            header, payload = template.pack(seq, x.tobytes()), None
-        else:  # exchange copies it as it sends (it takes no zero-copy sizes)
-            header, payload = template.pack(seq), byte_view(x)
+        # exchange copies the payload as it sends (it takes no zero-copy sizes)
+        header, payload = template.pack(seq), (x.tobytes() if nbytes < INLINE_MAX_BYTES else byte_view(x))
         peers = [ranks[p] for p in plan.peers]
         keys = [(g, group, KIND_COLL, seq) for g in peers]
         self._sent_early = True  # before: a hand-over starts us inside exchange

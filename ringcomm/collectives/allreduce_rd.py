@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from ..ops import finalize, reduce_into
+from ..progress import ZERO_COPY_MIN_BYTES
 from ..schedule.chunks import chunk_spans
 from ..schedule.rd import rd_allreduce_plan
-from ..transport.wire import ZERO_COPY_MIN_BYTES, Header
+from ..transport.wire import Header
 from .base import CollectiveOp, byte_view
 
 __all__ = ["AllReduceRd"]

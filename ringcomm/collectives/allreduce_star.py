@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL
+from ..progress import INLINE_MAX_BYTES
+from ..transport.wire import KIND_COLL
 from .allreduce_direct import AllReduceDirect
 
 __all__ = ["AllReduceStar"]
@@ -59,20 +60,19 @@ class AllReduceStar(AllReduceDirect):
             others = [ranks[p] for p in range(1, n)]
             keys = [(g, group, KIND_COLL, seq) for g in others]
 
-            def reply(got: list[memoryview]) -> bytes:
+            def reply(got: list[memoryview]) -> tuple[bytes, bytes]:
                 self.pieces = [None, *got]
                 self.reduce_all()
-                return template.pack(seq, x.tobytes())
+                return template.pack(seq), x.tobytes()
 
             result = self.engine.exchange(
-                self, b"", None, nbytes, [], keys, self.fp, deadline, reply=(reply, others)
+                self, b"", b"", nbytes, [], keys, self.fp, deadline, reply=(reply, others)
             )
         else:
             root = ranks[ROOT]
-            header = template.pack(seq, x.tobytes())
             key = (root, group, KIND_COLL, seq)
             result = self.engine.exchange(
-                self, header, None, nbytes, [root], [key], self.fp, deadline
+                self, template.pack(seq), x.tobytes(), nbytes, [root], [key], self.fp, deadline
             )
             if type(result) is list:
                 self.touched = True

@@ -73,8 +73,8 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, CommTimeoutError, RingcommError
 from ..ops import ReduceOp
-from ..progress import Engine, Op, SerialQueue
-from ..transport.wire import INLINE_MAX_BYTES, KIND_COLL, Header, HeaderTemplate
+from ..progress import Engine, Op, SerialQueue, Stream
+from ..transport.wire import KIND_COLL, Header, HeaderTemplate, pack_header
 
 __all__ = [
     "ABORT",
@@ -322,7 +322,8 @@ class CollectiveOp(Op):
         self._unsent = 0  # messages declared with will_send and not fully queued yet
         # Group ranks this op sent a two-frame message (over zmq); its later one-frame
         # messages to them must not take the same-host lane (they could overtake).
-        self._zmq_to: set[int] | None = None
+        #: This call's messages: the transport keeps their order to each peer.
+        self.stream = Stream()
         self._posted = False
         self.touched = False  # set by algorithms when they first write a user buffer
         self._fp_missing = 0  # peers not heard from yet (gate_writes)
@@ -488,14 +489,11 @@ class CollectiveOp(Op):
         """
         template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
         nbytes = len(payload)
-        to = self.comm.ranks[peer]
-        tracker = None
-        if nbytes < INLINE_MAX_BYTES and to != self._me_global:
-            self._send_frame(peer, to, template.pack(self.seq, bytes(payload)), nbytes)
-        elif not self._send_lane(peer, to, template.pack(self.seq), payload, nbytes):
-            tracker = self.engine.send_packed(to, template.pack(self.seq), payload, nbytes)
-            if track and tracker is not None:
-                self.add_tracker(tracker)
+        tracker = self.engine.send(
+            self.comm.ranks[peer], self.stream, template.pack(self.seq), payload, nbytes
+        )
+        if track and tracker is not None:
+            self.add_tracker(tracker)
         if piece + 1 == npieces:
             self._out_left[peer] -= 1
             self._unsent -= 1
@@ -506,60 +504,17 @@ class CollectiveOp(Op):
     ) -> None:
         """Queue the same one-piece message (``payload``, step ``step``) to each of ``peers``.
 
-        The header is the same for every peer, so it is packed once (and the payload copied
-        into it once, below the inline size). Everything is queued here and now, so these
-        messages need no :meth:`will_send`. ``track``: as in :meth:`send_piece`.
+        The header is the same for every peer, so it is packed once. Everything is queued
+        here and now, so these messages need no :meth:`will_send`. ``track``: as in
+        :meth:`send_piece`.
         """
         nbytes = len(payload)
-        template = self._template(step, 0, 1, dtype, nbytes, 0)
-        send_packed, ranks = self.engine.send_packed, self.comm.ranks
-        if nbytes < INLINE_MAX_BYTES:
-            frame = template.pack(self.seq, payload)
-            for peer in peers:
-                self._send_frame(peer, ranks[peer], frame, nbytes)
-            return
-        header = template.pack(self.seq)
+        header = self._template(step, 0, 1, dtype, nbytes, 0).pack(self.seq)
+        send, ranks, stream = self.engine.send, self.comm.ranks, self.stream
         for peer in peers:
-            if self._send_lane(peer, ranks[peer], header, payload, nbytes):
-                continue
-            tracker = send_packed(ranks[peer], header, payload, nbytes)
+            tracker = send(ranks[peer], stream, header, payload, nbytes)
             if track and tracker is not None:
                 self.add_tracker(tracker)
-
-    def _send_frame(self, peer: int, to: int, frame: bytes, nbytes: int) -> None:
-        """Queue a one-frame message to group rank ``peer`` (global rank ``to``): through
-        the same-host lane unless an earlier message of this op to the peer went over
-        zmq (which a datagram could overtake; unix_lane.py, "Order")."""
-        if to == self._me_global:
-            self.engine.send_packed(to, frame, None, nbytes)  # the loopback queue
-            return
-        zmq_to = self._zmq_to
-        lane = zmq_to is None or peer not in zmq_to
-        if not self.engine.send_frame(to, frame, nbytes, lane) and lane:
-            self._went_zmq(peer)
-
-    def _send_lane(self, peer: int, to: int, header: bytes, payload: Any, nbytes: int) -> bool:
-        """Send a header and its payload to group rank ``peer`` (global ``to``) as one
-        same-host lane datagram if it may go that way (as in :meth:`_send_frame`) and
-        does; else (False) the caller sends it over zmq, and so will the op's later
-        messages to the peer."""
-        zmq_to = self._zmq_to
-        if (
-            to != self._me_global
-            and (zmq_to is None or peer not in zmq_to)
-            and self.engine.send_lane(to, header, payload, nbytes)
-        ):
-            return True
-        self._went_zmq(peer)
-        return False
-
-    def _went_zmq(self, peer: int) -> None:
-        """A message of this op to group rank ``peer`` went over zmq: the rest will too."""
-        zmq_to = self._zmq_to
-        if zmq_to is None:
-            self._zmq_to = {peer}
-        else:
-            zmq_to.add(peer)
 
     def _template(
         self, step: int, piece: int, npieces: int, dtype: str, msg_nbytes: int, offset: int
@@ -756,7 +711,7 @@ class CollectiveOp(Op):
                 KIND_COLL, self._me_global, self.group_id, self.seq, 0, 0, 1, "|u1", 0, 0, None, fp
             )
             try:
-                self.engine.send(self.comm.ranks[peer], header, b"", 0)
+                self.engine.send(self.comm.ranks[peer], self.stream, pack_header(header), b"", 0)
             except RingcommError:
                 pass  # best effort: the peer's deadline still bounds its wait
         self.finish(err)

@@ -42,11 +42,12 @@ import struct
 import tempfile
 from typing import Any
 
+from .base import LANE_MAX_PAYLOAD_BYTES
+
 __all__ = ["LANE_MAX_PAYLOAD_BYTES", "LANE_RECV_BYTES", "PARTS_TAG", "UnixLane"]
 
-#: Largest payload sent through the lane (the zero-copy threshold of the socket path:
-#: larger pieces go through shared memory or zero-copy frames).
-LANE_MAX_PAYLOAD_BYTES = 64 * 1024
+# LANE_MAX_PAYLOAD_BYTES: the largest payload sent through the lane (transport/base.py,
+# with the other path thresholds): larger pieces go through shared memory or zero-copy.
 #: Receive buffer per datagram: the largest message (payload plus header) fits with room to
 #: spare; a longer datagram (not sent by ringcomm) arrives truncated and fails to parse.
 LANE_RECV_BYTES = LANE_MAX_PAYLOAD_BYTES + 4096

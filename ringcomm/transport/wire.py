@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
+from .base import INLINE_MAX_BYTES, ZERO_COPY_MIN_BYTES
+
 __all__ = [
     "INLINE_MAX_BYTES",
     "KIND_COLL",
@@ -48,6 +50,7 @@ __all__ = [
     "WireError",
     "dtype_from_wire",
     "dtype_to_wire",
+    "inline_frame",
     "pack_header",
     "unpack_header",
 ]
@@ -81,12 +84,8 @@ _WIRE_DTYPES = {dt.str: dt for dt in SUPPORTED_DTYPES}
 
 _NFIELDS = 15
 
-#: Payloads smaller than this ride inside the header frame (one frame per message).
-INLINE_MAX_BYTES = 4096
-#: Payloads at least this large go zero-copy: libzmq reads the sender's buffer until the
-#: send's tracker is done (smaller ones are cheaper to copy than to track: a zero-copy
-#: frame costs a free-callback round trip through pyzmq's gc thread).
-ZERO_COPY_MIN_BYTES = 64 * 1024
+# The path thresholds live with the transport boundary (re-exported here, where the
+# framing is described).
 _MAX_U64 = (1 << 64) - 1
 
 
@@ -153,6 +152,18 @@ def pack_header(h: Header, inline: bytes | None = None) -> bytes:
 # Safe to share between threads: packing None, ints, str, bytes and lists of them runs
 # entirely in C under the GIL (no Python callback), and autoreset hands back a new bytes.
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+
+
+_NIL = _packb(None)
+
+
+def inline_frame(header: bytes, payload: Any) -> bytes:
+    """The one-frame message of ``header`` (packed without an inline payload: its last
+    element is nil) carrying ``payload`` inline: the same bytes as packing the header
+    with ``inline=bytes(payload)``."""
+    if header[-1:] != _NIL:
+        raise WireError("inline_frame: the header already carries a payload")
+    return header[:-1] + _packb(bytes(payload))
 
 
 class HeaderTemplate:

@@ -55,10 +55,18 @@ from zmq.utils import z85
 
 from ..errors import RingcommError
 from . import shm_lane
+from .base import (
+    EVENT_DISCONNECTED,
+    EVENT_HANDSHAKE_OK,
+    INLINE_MAX_BYTES,
+    LANE_MAX_PAYLOAD_BYTES,
+    ZERO_COPY_MIN_BYTES,
+    Stream,
+)
 from .endpoints import ipc_path
 from .shm_lane import ShmSegments
-from .unix_lane import LANE_MAX_PAYLOAD_BYTES, UnixLane
-from .wire import ZERO_COPY_MIN_BYTES
+from .unix_lane import UnixLane
+from .wire import inline_frame
 
 __all__ = [
     "EVENT_DISCONNECTED",
@@ -77,9 +85,9 @@ _ZAP_DOMAIN = "ringcomm"
 _PLAIN_USER = "ringcomm"
 #: Most events read off one monitor socket per look (the rest wait for the next look).
 _MAX_EVENTS_PER_LOOK = 256
-#: Connection events :meth:`ZmqTransport.poll_events` reports.
-EVENT_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
-EVENT_HANDSHAKE_OK = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+# Connection events :meth:`ZmqTransport.poll_events` reports (transport/base.py's values).
+assert int(zmq.EVENT_DISCONNECTED) == EVENT_DISCONNECTED
+assert int(zmq.EVENT_HANDSHAKE_SUCCEEDED) == EVENT_HANDSHAKE_OK
 _EVENTS_AUTH_FAILED = (
     int(zmq.EVENT_HANDSHAKE_FAILED_AUTH),
     int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
@@ -395,12 +403,33 @@ class ZmqTransport:
         return sock
 
     # -- sending -----------------------------------------------------------------------
-    def send(self, peer: int, header: bytes, payload: Any, nbytes: int) -> Tracker | None:
-        """Queue a two-frame message; return a tracker when the payload went zero-copy.
+    def send(
+        self, peer: int, stream: Stream | None, header: bytes, payload: Any, nbytes: int
+    ) -> Tracker | None:
+        """Queue one message to ``peer`` (transport/base.py: the path is chosen here).
 
-        ``payload`` is anything with the buffer protocol. While the tracker is not done,
-        libzmq may still read the payload's memory: do not modify it.
+        ``header``: packed without an inline payload; ``payload``: ``nbytes`` bytes
+        (anything with the buffer protocol). Returns a tracker when the payload went
+        zero-copy: while it is not done, libzmq may still read the payload's memory.
         """
+        self.sent_bytes += nbytes
+        self.sent_messages += 1
+        lane = self._lane if stream is not None and stream.may_overtake(peer) else None
+        if nbytes < INLINE_MAX_BYTES:
+            frame = inline_frame(header, payload)
+            if lane is not None and lane.send(peer, frame):
+                return None
+            if stream is not None:
+                stream.keep_ordered(peer)
+            sock = self._tx.get(peer) or self._socket_to(peer)
+            sock.send(frame, _NOBLOCK, copy=True)
+            return None
+        if lane is not None and nbytes < LANE_MAX_PAYLOAD_BYTES and lane.send_parts(
+            peer, header, payload
+        ):
+            return None
+        if stream is not None:
+            stream.keep_ordered(peer)
         sock = self._tx.get(peer) or self._socket_to(peer)
         shm = self._shm
         if shm is not None and nbytes >= ZERO_COPY_MIN_BYTES:
@@ -408,49 +437,13 @@ class ZmqTransport:
             if ref is not None:
                 sock.send(header, _SNDMORE_NOBLOCK, copy=True)
                 sock.send(ref, _NOBLOCK, copy=True)
-                self.sent_bytes += nbytes
-                self.sent_messages += 1
                 return None
         sock.send(header, _SNDMORE_NOBLOCK, copy=True)
-        tracker: Tracker | None = None
         if nbytes >= ZERO_COPY_MIN_BYTES:
-            tracker = sock.send(payload, _NOBLOCK, copy=False, track=True)
-        else:
-            sock.send(payload, _NOBLOCK, copy=True)
-        self.sent_bytes += nbytes
-        self.sent_messages += 1
-        return tracker
-
-    def send_lane(self, peer: int, header: bytes, payload: Any, nbytes: int) -> bool:
-        """Send a header and its payload (below ``LANE_MAX_PAYLOAD_BYTES``) as one
-        datagram through the same-host lane, copied now; False (nothing sent) when there
-        is no lane to ``peer`` or its queue is full. Only for a message nothing sent over
-        zmq earlier on its stream could be overtaken by (see :meth:`send_one`)."""
-        lane = self._lane
-        if lane is None or nbytes >= LANE_MAX_PAYLOAD_BYTES or not lane.send_parts(
-            peer, header, payload
-        ):
-            return False
-        self.sent_bytes += nbytes
-        self.sent_messages += 1
-        return True
-
-    def send_one(self, peer: int, frame: bytes, nbytes: int, lane: bool = False) -> bool:
-        """Queue a one-frame message (a header carrying its small payload inline); True
-        when it went through the same-host lane.
-
-        ``lane``: the caller sent nothing to ``peer`` over zmq on this message's stream
-        (its key) that this message could overtake, so it may take the lane
-        (unix_lane.py, "Order"). When it did not go that way (no lane to the peer, its
-        queue full), the caller's later messages on the stream must not either.
-        """
-        self.sent_bytes += nbytes
-        self.sent_messages += 1
-        if lane and self._lane is not None and self._lane.send(peer, frame):
-            return True
-        sock = self._tx.get(peer) or self._socket_to(peer)
-        sock.send(frame, _NOBLOCK, copy=True)
-        return False
+            tracker: Tracker = sock.send(payload, _NOBLOCK, copy=False, track=True)
+            return tracker
+        sock.send(payload, _NOBLOCK, copy=True)
+        return None
 
     def send_tracked(self, peer: int, frame: bytes) -> Tracker:
         """Queue a one-frame message; its tracker is done once libzmq wrote it out (and
@@ -458,6 +451,11 @@ class ZmqTransport:
         sock = self._tx.get(peer) or self._socket_to(peer)
         tracker: Tracker = sock.send(frame, _NOBLOCK, copy=False, track=True)
         return tracker
+
+    def wait_sent(self, completion: Tracker, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for libzmq to release a zero-copy payload; True if
+        done (no lock: only libzmq's I/O thread and pyzmq's gc thread finish it)."""
+        return tracker_wait(completion, timeout_s)
 
     # -- receiving ---------------------------------------------------------------------
     def poll(self, timeout_s: float, spin_s: float = 0.0) -> bool:

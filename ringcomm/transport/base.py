@@ -1,0 +1,147 @@
+"""The transport boundary: the one interface the progress engine sends and receives through.
+
+In the spirit of gloo's ``transport::Pair`` and ps-lite's ``Van``: the layer above hands a
+transport whole messages (a packed header and its payload) for a peer, and reads whole
+messages back; *how* each one travels is the transport's choice, made here and nowhere
+else:
+
+=================================  ==========================================================
+payload size (``nbytes``)          path (ZmqTransport)
+=================================  ==========================================================
+< ``INLINE_MAX_BYTES``             inside the header frame (one frame): a same-host datagram
+                                   when the stream allows it, else one zmq frame
+< ``LANE_MAX_PAYLOAD_BYTES``       header and payload as one same-host datagram when the
+                                   stream allows it, else two zmq frames, copied
+>= ``ZERO_COPY_MIN_BYTES``         a shared-memory slot to a same-host peer when one is free,
+                                   else a zero-copy zmq frame (the send returns its tracker)
+=================================  ==========================================================
+
+Order. Messages to one peer are delivered in the order sent, per :class:`Stream` (the
+messages of one operation): a datagram may overtake a zmq message sent before it, so once
+one message of a stream went to a peer over zmq, the stream's later messages to that peer
+do too. ``stream=None``: the message never takes the datagram path (point-to-point, whose
+order must hold across operations; control messages).
+
+Implementations: :class:`~ringcomm.transport.zmq_transport.ZmqTransport` (zmq with the
+same-host datagram and shared-memory lanes behind it) and
+:class:`~ringcomm.transport.memory.MemoryTransport` (in one process, for tests: seeded
+delivery order, injected delays and deaths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Protocol
+
+__all__ = [
+    "EVENT_DISCONNECTED",
+    "EVENT_HANDSHAKE_OK",
+    "INLINE_MAX_BYTES",
+    "LANE_MAX_PAYLOAD_BYTES",
+    "ZERO_COPY_MIN_BYTES",
+    "Completion",
+    "Stream",
+    "Transport",
+]
+
+#: Payloads smaller than this ride inside the header frame (one frame per message): it
+#: saves a send and a receive call per message, most of an 8-byte message's cost.
+INLINE_MAX_BYTES = 4096
+#: Largest payload sent as a same-host datagram (beyond it: shared memory or zero-copy).
+LANE_MAX_PAYLOAD_BYTES = 64 * 1024
+#: Payloads at least this large go zero-copy (or through shared memory): copying smaller
+#: ones is cheaper than tracking them (a zero-copy frame costs a free-callback round trip
+#: through pyzmq's gc thread).
+ZERO_COPY_MIN_BYTES = 64 * 1024
+
+#: Connection events (:meth:`Transport.poll_events`); the values are libzmq's.
+EVENT_DISCONNECTED = 0x0200
+EVENT_HANDSHAKE_OK = 0x1000
+
+
+class Stream:
+    """The messages of one operation, whose order to each peer the transport keeps.
+
+    It remembers the peers to which one of its messages went over an ordered-only path
+    (zmq): its later messages to them must not take a path that could overtake (the
+    datagram lane; unix_lane.py, "Order").
+    """
+
+    __slots__ = ("_ordered",)
+
+    def __init__(self) -> None:
+        self._ordered: set[int] | None = None
+
+    def may_overtake(self, peer: int) -> bool:
+        """Whether a message to ``peer`` may take a path that overtakes zmq."""
+        ordered = self._ordered
+        return ordered is None or peer not in ordered
+
+    def keep_ordered(self, peer: int) -> None:
+        """A message to ``peer`` went over zmq: the rest of the stream to it will too."""
+        if self._ordered is None:
+            self._ordered = {peer}
+        else:
+            self._ordered.add(peer)
+
+
+class Completion(Protocol):
+    """What a zero-copy send returns: done once the transport let go of the payload."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+class Transport(Protocol):
+    """One rank's end of the data plane (module docstring). Not thread-safe: the
+    progress engine calls it under its driver lock, except :meth:`wake` and
+    :meth:`send_farewell` (any thread) and :meth:`wait_sent` (no lock)."""
+
+    rank: int
+    linger_s: float
+    heartbeat_timeout_s: float
+    sent_bytes: int
+    sent_messages: int
+    auth_failures: int
+
+    def peers(self) -> list[int]:
+        """Every peer with a known endpoint (global ranks, ascending)."""
+
+    def send(
+        self, peer: int, stream: Stream | None, header: bytes, payload: Any, nbytes: int
+    ) -> Completion | None:
+        """Queue one message: ``header`` (packed without an inline payload) and ``payload``
+        (``nbytes`` bytes, anything with the buffer protocol). Returns a completion when
+        the payload went zero-copy: do not modify it until that is done."""
+
+    def send_tracked(self, peer: int, frame: bytes) -> Completion:
+        """Queue a one-frame message over the ordered path; done once written out (and
+        with it every earlier message to ``peer``)."""
+
+    def send_farewell(self, frame: bytes, peers: Collection[int], timeout_s: float) -> None:
+        """Send ``frame`` to ``peers`` without touching the data path (any thread)."""
+
+    def wait_sent(self, completion: Completion, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``completion``; True if done (no lock needed)."""
+
+    def poll(self, timeout_s: float, spin_s: float = 0.0) -> bool:
+        """Wait up to ``timeout_s`` for an incoming message (or a wake-up)."""
+
+    def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
+        """The next message's header frame and whether a payload frame follows; None
+        when nothing is waiting (never blocks)."""
+
+    def recv_payload(self, copy: bool, src: int = -1) -> memoryview | bool:
+        """The payload frame after :meth:`recv_first` said one follows (False: bad)."""
+
+    def poll_events(self) -> list[tuple[int, int]]:
+        """Connection events since the last look, as ``(peer, event)``."""
+
+    def wake(self) -> None:
+        """Interrupt a :meth:`poll` in progress on another thread."""
+
+    def remove_files(self) -> None:
+        """Remove what this rank left in the file system (the process is ending)."""
+
+    def close(self, linger_s: float | None = None, abandon: Collection[int] = ()) -> None:
+        """Close everything; pending messages get ``linger_s`` (none to ``abandon``)."""
