@@ -61,16 +61,16 @@ def byte_view(x: np.ndarray) -> np.ndarray:
 def check_tag(tag: Any, what: str) -> int:
     if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
         raise TypeError(f"{what}: tag must be an int, got {type(tag).__name__}")
-    tag = int(tag)
-    if not 0 <= tag < (1 << 63):
-        raise ValueError(f"{what}: tag must be in [0, 2**63), got {tag}")
-    return tag
+    value = int(tag)
+    if not 0 <= value < (1 << 63):
+        raise ValueError(f"{what}: tag must be in [0, 2**63), got {value}")
+    return value
 
 
 def check_peer(peer: Any, world_size: int, what: str, name: str = "peer") -> int:
     if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
         raise TypeError(f"{what}: {name} must be an int, got {type(peer).__name__}")
-    peer = int(peer)
-    if not 0 <= peer < world_size:
-        raise ValueError(f"{what}: {name} {peer} is out of range for world size {world_size}")
-    return peer
+    value = int(peer)
+    if not 0 <= value < world_size:
+        raise ValueError(f"{what}: {name} {value} is out of range for world size {world_size}")
+    return value

@@ -126,7 +126,7 @@ def _say(line: str) -> None:
 
 def _install() -> None:
     """Install the hooks once (``_lock`` held)."""
-    global _installed, _previous_excepthook
+    global _installed, _previous_excepthook  # noqa: PLW0603 (the one process-wide exit hook)
     if _installed:
         return
     _installed = True

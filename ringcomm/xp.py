@@ -28,7 +28,8 @@ def cupy_or_none() -> ModuleType | None:
         import cupy
     except Exception:  # noqa: BLE001 (ImportError, or a CUDA runtime failure at import)
         return None
-    return cupy
+    module: ModuleType = cupy  # cupy has no stubs: name its type, do not return Any
+    return module
 
 
 def is_cupy_array(x: Any) -> bool:

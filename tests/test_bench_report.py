@@ -308,7 +308,10 @@ def test_sweep_interleaves_checks_and_times() -> None:
 
 def test_aggregate_and_merge_rounds() -> None:
     config = BenchConfig("broadcast", 2, begin=8, end=16, compare="mpi", rounds=2)
-    rec = lambda impl, count, t, e: {"impl": impl, "count": count, "times_s": t, "errors": e}
+
+    def rec(impl: str, count: int, t: list[float], e: int | None) -> dict[str, object]:
+        return {"impl": impl, "count": count, "times_s": t, "errors": e}
+
     job_rc = [[rec("ringcomm", 2, [1e-3], 0), rec("ringcomm", 4, [2e-3], 0)]] * 2
     job_mpi = [[rec("mpi", 2, [3e-3], 0), rec("mpi", 4, [4e-3], None)]] * 2
     job_rc2 = [[rec("ringcomm", 2, [5e-3], None), rec("ringcomm", 4, [6e-3], None)]] * 2

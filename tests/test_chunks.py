@@ -64,7 +64,7 @@ def test_examples() -> None:
 
 
 @pytest.mark.parametrize(
-    "nbytes, chunk_bytes, itemsize",
+    ("nbytes", "chunk_bytes", "itemsize"),
     [
         (8, 0, 1),  # chunk_bytes must be > 0
         (8, -4, 1),

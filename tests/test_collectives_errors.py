@@ -130,7 +130,7 @@ def job_argument_checks(pg: rc.ProcessGroup) -> tuple[list[str], list[float], in
             try:
                 call()
             except exc_type as exc:
-                if f"rank {pg.rank}" not in str(exc) and name not in ("unknown op",):
+                if f"rank {pg.rank}" not in str(exc) and name != "unknown op":
                     problems.append(f"{name}: message does not name the rank: {exc}")
             except Exception as exc:  # noqa: BLE001 (reported)
                 problems.append(

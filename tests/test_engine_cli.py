@@ -52,7 +52,7 @@ def test_every_contract_option_parses() -> None:
 
 
 @pytest.mark.parametrize(
-    "argv,message",
+    ("argv", "message"),
     [
         (["--strategy", "ps", "-n", "2", "--ps-servers", "2"], "--ps-servers"),
         (["--strategy", "ps", "-n", "3", "--batch-size", "1"], "without rows"),

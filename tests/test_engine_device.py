@@ -271,7 +271,10 @@ def test_cupy_pool_meter_bookkeeping() -> None:
 def test_select_device_round_robin() -> None:
     used: list[int] = []
     runtime = SimpleNamespace(getDeviceCount=lambda: 3)
-    device = lambda i: SimpleNamespace(use=lambda: used.append(i))
+
+    def device(i: int) -> SimpleNamespace:
+        return SimpleNamespace(use=lambda: used.append(i))
+
     fake_cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Device=device))
     assert [select_device(fake_cp, r) for r in range(5)] == [0, 1, 2, 0, 1]
     assert used == [0, 1, 2, 0, 1]

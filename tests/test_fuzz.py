@@ -215,7 +215,7 @@ def test_fuzzed_frames_are_dropped_and_the_rank_keeps_computing(no_child_process
     zctx.term()
 
     assert sent["data"] >= 10_000 and sent["store"] >= 4_000, sent
-    for rank, (tag, good, bad, before, after, failed) in enumerate(results):
+    for rank, (tag, good, bad, _, _, failed) in enumerate(results):
         assert tag == "done" and bad == 0 and good > 0, (rank, good, bad)
         assert failed == [], (rank, failed)
     _, _, _, before, after, _ = results[1]

@@ -43,7 +43,7 @@ def test_a_host_named_twice_adds_its_slots_in_first_position() -> None:
 
 
 @pytest.mark.parametrize(
-    "text, message",
+    ("text", "message"),
     [
         ("", "no hosts listed"),
         ("# only a comment\n\n", "no hosts listed"),
@@ -121,7 +121,7 @@ def test_nproc_per_node_overrides_slots() -> None:
 
 
 @pytest.mark.parametrize(
-    "nproc, per_node, message",
+    ("nproc", "per_node", "message"),
     [
         (7, None, r"-n 7 ranks do not fit in 6 slot\(s\) \(a:2, b:4\)"),
         (0, None, "-n must be >= 1"),

@@ -129,7 +129,7 @@ def test_parse_run_arguments() -> None:
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--env", "NOPE_NOT_SET_ANYWHERE"], "not set in the launcher's environment"),
         (["--env", "RANK=3"], "cannot override"),
@@ -147,7 +147,7 @@ def test_config_errors(argv: list[str], message: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "hosts, message",
+    ("hosts", "message"),
     [
         (["--hostfile", "no/such/hosts.txt"], "cannot read hostfile"),
         (["-H", "a:2,b:2"], r"-n 5 ranks do not fit in 4 slot"),
@@ -300,7 +300,7 @@ def test_all_ranks_exit_with_the_same_code(tag: str, code: int) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_to_launcher_is_forwarded(tag: str, sig: int, status: int) -> None:
     proc = start_ringcomm("run", "-n", "2", str(SCRIPTS / "sleep_ready.py"), tag=tag)
     try:

@@ -425,7 +425,7 @@ def test_dry_run_prints_the_exact_ssh_argv_per_rank(loopback: SshdHosts, tag: st
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "args, message",
+    ("args", "message"),
     [
         (["-H", "node1:2", "-n", "3"], r"-n 3 ranks do not fit in 2 slot"),
         (["-H", "node1:x"], r"slots must be a positive integer"),

@@ -65,7 +65,7 @@ def test_parse_op_accepts_enum_and_any_case(op):
 
 @pytest.mark.parametrize("bad", ["mean", "", "su m", 3, None])
 def test_parse_op_rejects_unknown_and_lists_valid_ops(bad):
-    with pytest.raises(ValueError, match="'sum'.*'avg'.*'max'.*'min'.*'prod'"):
+    with pytest.raises(ValueError, match=r"'sum'.*'avg'.*'max'.*'min'.*'prod'"):
         parse_op(bad)
 
 
@@ -105,7 +105,7 @@ VALID_COMBOS = [
 ]
 
 
-@pytest.mark.parametrize(("op", "dtype"), VALID_COMBOS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("op", "dtype"), VALID_COMBOS, ids=str)
 def test_reduce_then_finalize_matches_oracle(op, dtype):
     rng = np.random.default_rng(7)
     inputs = [random_array(rng, dtype, 257) for _ in range(5)]
@@ -117,7 +117,7 @@ def test_reduce_then_finalize_matches_oracle(op, dtype):
     np.testing.assert_array_equal(acc, reference_reduce(op, inputs))
 
 
-@pytest.mark.parametrize(("op", "dtype"), VALID_COMBOS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("op", "dtype"), VALID_COMBOS, ids=str)
 @pytest.mark.parametrize("out_is", [None, 0, 1])
 def test_reduce_in_order_matches_reduce_into_bitwise(op, dtype, out_is):
     """The hot-path fold gives reduce_into's bits, also written over srcs[0] or srcs[1]."""

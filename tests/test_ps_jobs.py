@@ -375,9 +375,9 @@ def test_client_side_misuse_is_refused_before_sending() -> None:
         kv.push(1, np.zeros(4))
     with pytest.raises(ValueError, match="contiguous"):
         kv.pull(1, np.zeros((3, 2))[:, 0])
+    ro = np.zeros(3)
+    ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        ro = np.zeros(3)
-        ro.flags.writeable = False
         kv.pull(1, ro)
     with pytest.raises(TypeError, match="dtype"):
         kv.init(2, np.zeros(3, np.int32))

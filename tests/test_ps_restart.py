@@ -152,18 +152,18 @@ def test_ps_server_usage_errors() -> None:
         "2",
     ]
     bad_index = subprocess.run(
-        base + ["--index", "3", "--ps-servers", "2"], capture_output=True, timeout=60, check=False
+        [*base, "--index", "3", "--ps-servers", "2"], capture_output=True, timeout=60, check=False
     )
     assert bad_index.returncode == 2 and b"--index" in bad_index.stderr
     no_dir = subprocess.run(
-        base + ["--index", "0", "--checkpoint-every", "5"],
+        [*base, "--index", "0", "--checkpoint-every", "5"],
         capture_output=True,
         timeout=60,
         check=False,
     )
     assert no_dir.returncode == 2 and b"checkpoint_dir" in no_dir.stderr
     bad_addr = subprocess.run(
-        base[:4] + ["nowhere", "--num-workers", "2", "--index", "0"],
+        [*base[:4], "nowhere", "--num-workers", "2", "--index", "0"],
         capture_output=True,
         timeout=60,
         check=False,

@@ -146,7 +146,7 @@ CASES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p,m", CASES)
+@pytest.mark.parametrize(("p", "m"), CASES)
 def test_orders_run_every_action_once_without_deadlock(name: str, p: int, m: int) -> None:
     orders = stage_orders(p, m, name)
     for s, order in enumerate(orders):
@@ -165,7 +165,7 @@ def test_orders_run_every_action_once_without_deadlock(name: str, p: int, m: int
         assert [a for a in full if a.stage == s] == orders[s]
 
 
-@pytest.mark.parametrize("p,m", CASES)
+@pytest.mark.parametrize(("p", "m"), CASES)
 def test_1f1b_bounds_live_activations_gpipe_does_not(p: int, m: int) -> None:
     g = stage_orders(p, m, "gpipe")
     f = stage_orders(p, m, "1f1b")

@@ -342,9 +342,9 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         dist.all_gather_into_tensor(big, _inp(R, 6, torch.bfloat16))
         assert torch.equal(big, torch.cat([_inp(r, 6, torch.bfloat16) for r in range(W)]))
         dst = 1 % W
-        glist = [torch.empty(5, dtype=torch.int16) for _ in range(W)] if R == dst else None
+        glist = [torch.empty(5, dtype=torch.int16) for _ in range(W)] if dst == R else None
         dist.gather(_inp(R, 5, torch.int16), glist, dst=dst)
-        if R == dst:
+        if dst == R:
             for r in range(W):
                 assert torch.equal(glist[r], _inp(r, 5, torch.int16))
 
@@ -372,7 +372,7 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         t = _inp(R, 9, torch.float64)
         dist.reduce(t, dst=dst, op=RO.MAX)
         mine = _inp(R, 9, torch.float64)
-        exp = _expected_reduce("max", W, 9, torch.float64) if R == dst else mine
+        exp = _expected_reduce("max", W, 9, torch.float64) if dst == R else mine
         assert torch.equal(t, exp)
         o = torch.empty(3, dtype=torch.int32)
         src_list = (

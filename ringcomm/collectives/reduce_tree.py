@@ -36,6 +36,7 @@ class ReduceTree(CollectiveOp):
     def start_peers(self, rank: int) -> tuple[int, ...]:
         # A leaf sends its x to its parent at once; inner ranks wait for their children.
         root = self.call.root
+        assert root is not None  # checked at the boundary: reduce always has a root
         parent = binomial_parent(rank, self.n, root)
         leaf = not binomial_children(rank, self.n, root)
         return (parent,) if parent is not None and leaf else ()
