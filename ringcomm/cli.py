@@ -22,7 +22,7 @@ __all__ = ["SUBCOMMAND_MODULES", "build_parser", "main"]
 
 #: Modules providing ``add_parser(subparsers)`` and ``main(args)``, in help order.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "ringcomm.launch.local",
+    "ringcomm.launch.cli",
     "ringcomm.bench.cli",
     "ringcomm.engine.cli",
     "ringcomm.ps.cli",

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from ringcomm.cli import build_parser
+from ringcomm.config import UsageError
 from ringcomm.launch import local, ssh
+from ringcomm.launch.envvars import TOKEN_VAR
 from ringcomm.launch.hostfile import HostSlots, assign_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +66,7 @@ def test_remote_command_survives_a_real_shell(tmp_path: Path) -> None:
         )
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         try:
-            proc.stdin.write(json.dumps({local.TOKEN_VAR: token}) + "\n")
+            proc.stdin.write(json.dumps({TOKEN_VAR: token}) + "\n")
             proc.stdin.flush()
             proc.wait(timeout=30)  # stdin held open: EOF would be the stop request
             out, err = proc.stdout.read(), proc.stderr.read()
@@ -153,7 +155,7 @@ def test_read_env_file(tmp_path: Path) -> None:
         ("OK=1\nRANK=3", r":2: RANK is set by the launcher"),
     ):
         path.write_text(bad)
-        with pytest.raises(local.UsageError, match=message):
+        with pytest.raises(UsageError, match=message):
             ssh.read_env_file(str(path))
 
 
@@ -179,12 +181,12 @@ def test_config_from_args(tmp_path: Path) -> None:
         (["-H", "a", "--ssh-port", "0"], "--ssh-port must be in 1..65535"),
         (["-H", "a", "--env", "RANK=1"], "cannot override"),
     ):
-        with pytest.raises(local.UsageError, match=message):
+        with pytest.raises(UsageError, match=message):
             ssh.config_from_args(build_parser().parse_args(["run", *argv, "s.py"]), environ={})
 
 
 def test_local_mode_refuses_multi_host_only_options() -> None:
     for argv in (["--nproc-per-node", "2"], ["--ssh-option", "X=y"], ["--start-timeout", "3"]):
         args = build_parser().parse_args(["run", *argv, str(SCRIPTS / "print_env.py")])
-        with pytest.raises(local.UsageError, match="applies to multi-host launch only"):
+        with pytest.raises(UsageError, match="applies to multi-host launch only"):
             local.config_from_args(args, environ={})

@@ -40,11 +40,10 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ringcomm.errors import RankFailedError
+from ringcomm.launch.supervise import DEFAULT_GRACE_S, describe_exit
 
 __all__ = ["spawn"]
 
-#: Seconds a rank gets between SIGTERM and SIGKILL when it is stopped.
-DEFAULT_GRACE_S = 3.0
 #: Seconds to wait for stack dumps of hung ranks when ``timeout_s`` expires.
 _STACK_DUMP_WAIT_S = 1.0
 _LOCALHOST = "127.0.0.1"
@@ -377,19 +376,8 @@ def _settle(r: _Rank, *, exited: bool) -> None:
     code = r.process.exitcode
     r.outcome = "failed"
     r.failed_at = time.monotonic()
-    r.error = f"rank {r.rank} {_describe_exit(code)} without returning a result"
-
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "did not exit"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name} (exit code {exitcode})"
-    return f"exited with exit code {exitcode}"
+    how = describe_exit(code, raw_code=True)
+    r.error = f"rank {r.rank} {how} without returning a result"
 
 
 def _record_timeout(ranks: list[_Rank], timeout_s: float | None) -> None:

@@ -1,7 +1,7 @@
 """``ringcomm run --hostfile FILE`` / ``-H h1:2,h2:2``: launch ranks on other hosts over ssh.
 
-Pipeline, as in local mode: ``ringcomm run``'s parser -> :func:`config_from_args` (a frozen
-:class:`SshRunConfig`) -> :func:`run`.
+Pipeline, as in local mode: ``ringcomm run``'s parser (:mod:`ringcomm.launch.cli`) ->
+:func:`config_from_args` (a frozen :class:`SshRunConfig`) -> :func:`run`.
 
 What :func:`run` does:
 
@@ -54,7 +54,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ringcomm._version import __version__
-from ringcomm.launch import local
+from ringcomm.config import UsageError
+from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, is_var_name, parse_env_options
 from ringcomm.launch.hostfile import (
     HostfileError,
     HostSlots,
@@ -62,6 +63,18 @@ from ringcomm.launch.hostfile import (
     assign_ranks,
     parse_hosts_option,
     read_hostfile,
+)
+from ringcomm.launch.supervise import (
+    DEFAULT_GRACE_S,
+    LauncherSignals,
+    RankProcess,
+    copy_output,
+    describe_exit,
+    note,
+    pdeathsig_preexec,
+    reap,
+    start_in_session,
+    supervise,
 )
 
 __all__ = [
@@ -133,7 +146,7 @@ class SshRunConfig:
     ssh_identity: str | None = None
     ssh_options: tuple[str, ...] = ()
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
-    grace_s: float = local.DEFAULT_GRACE_S
+    grace_s: float = DEFAULT_GRACE_S
     dry_run: bool = False
     verbose: bool = False
 
@@ -160,7 +173,7 @@ def read_env_file(path: str) -> dict[str, str]:
     except FileNotFoundError:
         return {}
     except OSError as exc:
-        raise local.UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     out: dict[str, str] = {}
     for lineno, line in enumerate(lines, 1):
         stripped = line.strip()
@@ -170,10 +183,10 @@ def read_env_file(path: str) -> dict[str, str]:
         line = line.removeprefix("export ")
         name, sep, value = line.partition("=")
         name = name.strip()
-        if not sep or not local._VAR_NAME.fullmatch(name):
-            raise local.UsageError(f"{path}:{lineno}: expected VAR=VALUE, got {line!r}")
-        if name in local.RESERVED_VARS:
-            raise local.UsageError(f"{path}:{lineno}: {name} is set by the launcher")
+        if not sep or not is_var_name(name):
+            raise UsageError(f"{path}:{lineno}: expected VAR=VALUE, got {line!r}")
+        if name in RESERVED_VARS:
+            raise UsageError(f"{path}:{lineno}: {name} is set by the launcher")
         out[name] = value
     return out
 
@@ -186,7 +199,7 @@ def propagated_env(
     """The variables every host gets besides the rank variables (precedence: see module)."""
     out = dict(env_file)
     for name, value in environ.items():
-        if name in local.RESERVED_VARS:
+        if name in RESERVED_VARS:
             continue  # the rank variables and the token are the launcher's own
         if name.startswith(_PROPAGATED_PREFIX) or name in _PROPAGATED_NAMES:
             out[name] = value
@@ -208,23 +221,23 @@ def config_from_args(
         )
         placements = assign_ranks(hosts, args.nproc, args.nproc_per_node)
     except HostfileError as exc:
-        raise local.UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     port = 0 if args.master_port is None else args.master_port
     if not 0 <= port <= 65535:
-        raise local.UsageError(f"--master-port must be in 0..65535, got {port}")
+        raise UsageError(f"--master-port must be in 0..65535, got {port}")
     if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
-        raise local.UsageError(f"--ssh-port must be in 1..65535, got {args.ssh_port}")
+        raise UsageError(f"--ssh-port must be in 1..65535, got {args.ssh_port}")
     if not args.grace_s >= 0:
-        raise local.UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
+        raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
     start_timeout_s = DEFAULT_START_TIMEOUT_S if args.start_timeout is None else args.start_timeout
     if not start_timeout_s > 0:
-        raise local.UsageError(f"--start-timeout must be > 0, got {args.start_timeout}")
+        raise UsageError(f"--start-timeout must be > 0, got {args.start_timeout}")
     for flag, path in (("--ssh-config", args.ssh_config), ("--ssh-identity", args.ssh_identity)):
         if path is not None and not os.path.isfile(path):
-            raise local.UsageError(f"{flag}: no such file: {path}")
+            raise UsageError(f"{flag}: no such file: {path}")
     python = args.python or sys.executable
     if not os.path.isabs(python):
-        raise local.UsageError(
+        raise UsageError(
             f"--python {python!r}: give an absolute path (the remote PATH is the login shell's)"
         )
     target_args = list(args.target_args)
@@ -233,7 +246,7 @@ def config_from_args(
     env_file: dict[str, str] = {}
     for directory in (os.path.expanduser("~"), cwd):
         env_file.update(read_env_file(os.path.join(directory, ENV_FILE_NAME)))
-    env_options = local.parse_env_options(args.env, environ)
+    env_options = parse_env_options(args.env, environ)
     return SshRunConfig(
         placements=tuple(placements),
         target=args.target,
@@ -363,7 +376,7 @@ def format_dry_run(config: SshRunConfig, master_addr: str) -> str:
             f"the store on {master_addr}:{port}"
         ),
         (
-            f"# each rank reads {local.TOKEN_VAR} (a fresh secret; not shown) from the "
+            f"# each rank reads {TOKEN_VAR} (a fresh secret; not shown) from the "
             "first line of its ssh's stdin"
         ),
     ]
@@ -494,7 +507,7 @@ def preflight(config: SshRunConfig) -> list[PreflightResult]:
 
 
 @dataclass
-class _SshRank(local._RankProcess):
+class _SshRank(RankProcess):
     host: str = ""
 
     def stop(self, sig: int) -> None:
@@ -519,15 +532,15 @@ class _SshRank(local._RankProcess):
             )
         if code < 0:
             return f"rank {self.rank}: the ssh client to {self.host} was killed by signal {-code}"
-        return f"rank {self.rank} on {self.host} exited with code {code}"
+        return f"rank {self.rank} on {self.host} {describe_exit(code)}"
 
 
 def main(args: argparse.Namespace) -> int:
     """Multi-host ``ringcomm run``: the job's exit status; 2 for a usage error."""
     try:
         config = config_from_args(args)
-    except local.UsageError as exc:
-        print(f"{local._PROG}: error: {exc}", file=sys.stderr)
+    except UsageError as exc:
+        note(f"error: {exc}")
         return 2
     if config.dry_run:
         master_addr = config.master_addr or resolve_hostname(config, config.placements[0].host)
@@ -537,7 +550,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return run(config)
     except KeyboardInterrupt:  # during preflight, before any rank started
-        local._note("interrupted")
+        note("interrupted")
         return 130
 
 
@@ -552,64 +565,52 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
     if config.master_addr is None and _is_loopback(master_addr):
         remote = [h for h in config.hosts[1:] if not _is_loopback(resolve_hostname(config, h))]
         if remote:
-            local._note(
+            note(
                 f"warning: MASTER_ADDR {master_addr} (host {config.hosts[0]}) is a loopback "
                 f"address that {', '.join(remote)} cannot reach; pass --master-addr"
             )
     results = preflight(config)
     failed = [res for res in results if res.error is not None]
     for res in failed:
-        local._note(f"preflight: host {res.host}: {res.error}")
+        note(f"preflight: host {res.host}: {res.error}")
     if failed:
-        local._note(f"preflight failed on {len(failed)} of {len(results)} host(s); no rank started")
+        note(f"preflight failed on {len(failed)} of {len(results)} host(s); no rank started")
         return 1
     port = config.master_port or results[0].port
     if not port:
-        local._note(f"preflight: host {results[0].host} reported no free port")
+        note(f"preflight: host {results[0].host} reported no free port")
         return 1
     token = secrets.token_hex(32)
-    ranks: list[local._RankProcess] = []
+    ranks: list[RankProcess] = []
     try:
-        with local._Signals() as signals:
+        with LauncherSignals() as signals:
             ranks = _start_ranks(config, master_addr, int(port), token)
-            return local._supervise(ranks, signals, config.grace_s + STOP_SLACK_S, poll_s)
+            return supervise(ranks, signals, config.grace_s + STOP_SLACK_S, poll_s)
     finally:
-        for rank in ranks:  # never leave one behind, whatever happened above
-            if rank.popen.poll() is None:
-                rank.kill()
-                rank.popen.wait()
-        local._join_copiers(ranks, timeout_s=5.0)
+        reap(ranks)  # never leave one behind, whatever happened above
 
 
 def _start_ranks(
     config: SshRunConfig, master_addr: str, port: int, token: str
-) -> list[local._RankProcess]:
-    preexec = local._pdeathsig_preexec()
-    secret_line = (json.dumps({local.TOKEN_VAR: token}) + "\n").encode()
-    ranks: list[local._RankProcess] = []
+) -> list[RankProcess]:
+    preexec = pdeathsig_preexec()
+    secret_line = (json.dumps({TOKEN_VAR: token}) + "\n").encode()
+    ranks: list[RankProcess] = []
     try:
         for p in config.placements:
-            popen = subprocess.Popen(
+            popen = start_in_session(
                 rank_ssh_argv(config, p, master_addr, port),
+                preexec,
                 stdin=subprocess.PIPE,  # the rank's lifeline: closing it stops the rank
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=preexec,  # noqa: PLW1509  (only prctl + getppid: fork-safe)
             )
-            assert popen.stdin is not None and popen.stdout is not None
-            assert popen.stderr is not None
+            assert popen.stdin is not None
             try:
                 popen.stdin.write(secret_line)
                 popen.stdin.flush()
             except OSError:
                 pass  # ssh already failed: its exit status reports it
             label = f"{p.rank} {p.host}" if config.verbose else p.rank
-            copiers = (
-                local._LineCopier(popen.stdout, sys.stdout, local._STDOUT_LOCK, label),
-                local._LineCopier(popen.stderr, sys.stderr, local._STDERR_LOCK, label),
-            )
-            ranks.append(_SshRank(p.rank, popen, copiers, host=p.host))
+            ranks.append(_SshRank(p.rank, popen, copy_output(popen, label), host=p.host))
     except BaseException:
         for r in ranks:
             r.kill()

@@ -1,0 +1,58 @@
+"""The variables ``ringcomm run`` sets for every rank, and ``--env VAR[=VAL]`` (pure).
+
+Shared by the local (:mod:`.local`) and multi-host (:mod:`.ssh`) launchers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+from ringcomm.config import UsageError
+
+__all__ = ["RESERVED_VARS", "TOKEN_VAR", "is_var_name", "parse_env_options"]
+
+#: The job token's variable: never on a command line (``--dry-run`` does not show it).
+TOKEN_VAR = "RINGCOMM_TOKEN"
+#: Variables the launcher sets for every rank; ``--env`` may not override them.
+RESERVED_VARS = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RINGCOMM_RANK",
+        "RINGCOMM_WORLD_SIZE",
+        "RINGCOMM_MASTER_ADDR",
+        "RINGCOMM_MASTER_PORT",
+        "RINGCOMM_STORE_EXTERNAL",
+        TOKEN_VAR,
+    }
+)
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_var_name(name: str) -> bool:
+    """Whether ``name`` can be an environment variable's name (``[A-Za-z_][A-Za-z0-9_]*``)."""
+    return _VAR_NAME.fullmatch(name) is not None
+
+
+def parse_env_options(
+    options: Sequence[str], environ: Mapping[str, str]
+) -> tuple[tuple[str, str], ...]:
+    """``--env VAR=VAL`` sets VAR; ``--env VAR`` copies the launcher's VAR (must be set)."""
+    out: dict[str, str] = {}
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not is_var_name(name):
+            raise UsageError(f"--env {option!r}: {name!r} is not a valid variable name")
+        if name in RESERVED_VARS:
+            raise UsageError(f"--env {name}: set by the launcher for every rank; cannot override")
+        if not sep:
+            if name not in environ:
+                raise UsageError(f"--env {name}: not set in the launcher's environment")
+            value = environ[name]
+        out[name] = value
+    return tuple(out.items())
