@@ -16,7 +16,7 @@ from ringcomm.launch import supervise as sv
 
 
 @pytest.mark.parametrize(
-    "code, plain, raw",
+    ("code", "plain", "raw"),
     [
         (0, "exited with code 0", "exited with exit code 0"),
         (7, "exited with code 7", "exited with exit code 7"),

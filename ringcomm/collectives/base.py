@@ -17,7 +17,7 @@ npieces, ...)``: it is matched on ``(src, group, KIND_COLL, seq)``, so one colle
 stream from one peer is its own ordered channel. ``step`` says which step of the algorithm
 the message belongs to, ``piece``/``npieces`` which ``chunk_bytes`` piece of that step's
 message it is, ``offset`` its byte offset inside the message. Each peer's stream is
-consumed by one :class:`_Inbox`, posted once per collective; it knows how many messages
+consumed by one :class:`Inbox`, posted once per collective; it knows how many messages
 (not pieces) to expect and returns True from ``on_piece`` only after the last piece of the
 last message.
 
@@ -215,7 +215,7 @@ def byte_view(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
-class _Inbox:
+class Inbox:
     """The receiver for one peer's stream of one collective (posted once, see module doc).
 
     Pieces reach ``op.on_data`` only after their fingerprint matched. Once the op is
@@ -316,7 +316,7 @@ class CollectiveOp(Op):
             self.shape_cache = cached
         self.fp = self.shape_cache.fp
         self._me_global = comm.ranks[comm.rank]
-        self._inboxes: dict[int, _Inbox] = {}
+        self._inboxes: dict[int, Inbox] = {}
         self._open_inboxes = 0
         self._out_left: dict[int, int] = {}
         self._unsent = 0  # messages declared with will_send and not fully queued yet
@@ -391,7 +391,7 @@ class CollectiveOp(Op):
         return f"op #{self.seq} {what} {self.progress_note()}"
 
     # Hooks for the progress map (algorithms override what they can say better).
-    def waiting_on(self, inboxes: list[tuple[int, _Inbox]]) -> tuple[int, _Inbox]:
+    def waiting_on(self, inboxes: list[tuple[int, Inbox]]) -> tuple[int, Inbox]:
         """Which of the incomplete data streams ``(peer, inbox)`` the op waits on first."""
         return inboxes[0]
 
@@ -413,7 +413,7 @@ class CollectiveOp(Op):
         if messages <= 0:
             return
         key = (self.comm.ranks[peer], self.group_id, KIND_COLL, self.seq)
-        self._inboxes[peer] = _Inbox(self, peer, key, messages)
+        self._inboxes[peer] = Inbox(self, peer, key, messages)
         self._open_inboxes += 1
 
     def will_send(self, peer: int, messages: int) -> None:
@@ -625,7 +625,7 @@ class CollectiveOp(Op):
         except Exception as exc:  # noqa: BLE001 (a late error: fail the op, not the rank)
             self.fail_from(exc)
 
-    def accepts(self, inbox: _Inbox, fp: Any) -> bool:
+    def accepts(self, inbox: Inbox, fp: Any) -> bool:
         """Whether a fingerprint that differs from ours is acceptable (wildcards)."""
         return False
 

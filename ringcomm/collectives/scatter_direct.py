@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..transport.wire import SUPPORTED_DTYPES, Header
-from .base import CollectiveOp, _Inbox, byte_view
+from .base import CollectiveOp, Inbox, byte_view
 
 __all__ = ["ScatterDirect"]
 
@@ -81,7 +81,7 @@ class ScatterDirect(CollectiveOp):
         self.out_u8 = out.reshape(-1).view(np.uint8)
         self.spans = chunk_spans(out.nbytes, self.comm.chunk_bytes, out.itemsize)
 
-    def accepts(self, inbox: _Inbox, fp: Any) -> bool:
+    def accepts(self, inbox: Inbox, fp: Any) -> bool:
         """Same call but for dtype/shape, and those agree with all seen (docstring)."""
         mine = self.fp
         if not isinstance(fp, list) or len(fp) != len(mine):
