@@ -147,8 +147,10 @@ class ProcessState:
         culprit's exit first and reports its exit code, not this victim's."""
         failure = self.engine.failure
         peer = getattr(failure, "peer", None)
-        info = self.peers.get(peer) if isinstance(peer, int) else None
-        if info is None or info.pid == os.getpid() and info.host_id == self.host_id:
+        if not isinstance(peer, int):
+            return
+        info = self.peers.get(peer)
+        if info is None or (info.pid == os.getpid() and info.host_id == self.host_id):
             return
         if info.host_id == self.host_id:
             wait_for_exit(info.pid, CULPRIT_WAIT_S)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import CommTimeoutError, MessageMismatchError
+from .errors import MessageMismatchError, RingcommError
 from .progress import Engine, Op
 from .schedule.chunks import chunk_spans
 from .transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
@@ -157,7 +157,7 @@ class RecvOp(Op):
             return "no piece of the message has arrived"
         return f"{self.got}/{self.npieces} pieces received"
 
-    def on_timeout(self, error: CommTimeoutError) -> bool:
+    def on_timeout(self, error: RingcommError) -> bool:
         if self.got == 0:
             # Nothing consumed yet: withdraw cleanly, later messages match later receives.
             self.engine.unpost(self.key, self)

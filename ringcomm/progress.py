@@ -208,7 +208,7 @@ class Op:
         note = self.progress_note() if self.started else "queued"
         return self.desc + (f" [{note}]" if note else "")
 
-    def on_timeout(self, error: CommTimeoutError) -> bool:
+    def on_timeout(self, error: RingcommError) -> bool:
         """Clean up after a deadline. Return True if the group is still usable."""
         return False
 
@@ -939,7 +939,7 @@ class Engine:
                 elif not op.done:
                     still.append(op)
             self._tracking = still
-            op = None  # a finished op must not outlive the loop in this (polling) frame
+            del op  # a finished op must not outlive the loop in this (polling) frame
             if still:
                 # Trackers finish on pyzmq's gc thread, which cannot wake a poll: look again
                 # every millisecond (zmq poll's resolution) rather than spin and starve it.

@@ -357,6 +357,7 @@ class CollectiveOp(Op):
         data = [(p, ib) for p, ib in waiting if ib.expected > (p in fp_from)]
         peer, ib = self.waiting_on(data) if data else waiting[0]
         h = ib.last
+        npieces: int | None
         if h is not None and h.step != FP_STEP and h.piece + 1 < h.npieces:
             step, piece, npieces = h.step, h.piece + 1, h.npieces  # inside a message
         elif data:
@@ -726,7 +727,7 @@ class CollectiveOp(Op):
             inbox.op = None
         self._held = _NOTHING_HELD
 
-    def on_timeout(self, error: CommTimeoutError) -> bool:
+    def on_timeout(self, error: RingcommError) -> bool:
         # Detach: pieces still in flight are swallowed by the inboxes, never written.
         for inbox in self._inboxes.values():
             inbox.op = None

@@ -104,6 +104,14 @@ class Transport(Protocol):
     sent_messages: int
     auth_failures: int
 
+    # Counters of the same-host paths (0 where the transport has none).
+    @property
+    def lane_messages(self) -> int: ...
+    @property
+    def shm_pieces(self) -> int: ...
+    @property
+    def lane_fallbacks(self) -> int: ...
+
     def peers(self) -> list[int]:
         """Every peer with a known endpoint (global ranks, ascending)."""
 

@@ -83,7 +83,7 @@ def local_address_towards(addr: str, port: int = 9) -> str:
         infos = socket.getaddrinfo(addr, port, socket.AF_INET, socket.SOCK_DGRAM)
     except OSError:
         return "127.0.0.1"
-    target = infos[0][4][0]
+    target = str(infos[0][4][0])
     if target.startswith("127."):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

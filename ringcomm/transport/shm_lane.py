@@ -182,7 +182,7 @@ class ShmSegments:
         view.flags.writeable = False
         seg.map[slot] = _TAKEN  # a second reference to the same piece is refused
         weakref.finalize(view, _free, seg.map, slot, _TAKEN)
-        return memoryview(view)
+        return view.data  # the same read-only view: the finalizer fires when it is gone
 
     def close(self) -> None:
         for seg in (*self._out.values(), *self._in.values()):

@@ -48,7 +48,7 @@ import os
 import struct
 import time
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils import z85
@@ -61,6 +61,7 @@ from .base import (
     INLINE_MAX_BYTES,
     LANE_MAX_PAYLOAD_BYTES,
     ZERO_COPY_MIN_BYTES,
+    Completion,
     Stream,
 )
 from .endpoints import ipc_path
@@ -452,10 +453,10 @@ class ZmqTransport:
         tracker: Tracker = sock.send(frame, _NOBLOCK, copy=False, track=True)
         return tracker
 
-    def wait_sent(self, completion: Tracker, timeout_s: float) -> bool:
+    def wait_sent(self, completion: Completion, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for libzmq to release a zero-copy payload; True if
         done (no lock: only libzmq's I/O thread and pyzmq's gc thread finish it)."""
-        return tracker_wait(completion, timeout_s)
+        return tracker_wait(cast(Tracker, completion), timeout_s)
 
     # -- receiving ---------------------------------------------------------------------
     def poll(self, timeout_s: float, spin_s: float = 0.0) -> bool:
@@ -515,7 +516,7 @@ class ZmqTransport:
                 return self._from_lane(datagram)
             stash = self._stash
             if stash is None:
-                if not rx.getsockopt(_EVENTS) & _POLLIN:
+                if not cast(int, rx.getsockopt(_EVENTS)) & _POLLIN:
                     return None
                 try:
                     first = rx.recv(_NOBLOCK, copy=True)
@@ -527,7 +528,7 @@ class ZmqTransport:
                     return self._from_lane(datagram)
             self._stash = None
             return stash
-        if not ready and not rx.getsockopt(_EVENTS) & _POLLIN:  # cheaper than zmq.Again
+        if not ready and not cast(int, rx.getsockopt(_EVENTS)) & _POLLIN:  # cheaper than zmq.Again
             return None
         try:
             first = rx.recv(_NOBLOCK, copy=True)
