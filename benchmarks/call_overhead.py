@@ -26,8 +26,15 @@ import numpy as np
 
 import ringcomm as rc
 from ringcomm.config import resolve_init_config
-from ringcomm.group import ProcessGroup, _Shared
+from ringcomm.group import ProcessGroup
 from ringcomm.progress import Engine
+from ringcomm.transport.wire import INLINE_MAX_BYTES
+
+try:  # the tree measured may predate the group core / transport boundary (A/B runs)
+    from ringcomm.group_core import GroupCore, ProcessState
+    from ringcomm.transport.wire import inline_frame
+except ImportError:  # before issue 16
+    GroupCore = ProcessState = inline_frame = None  # type: ignore[assignment,misc]
 
 
 class MirrorTransport:
@@ -39,14 +46,22 @@ class MirrorTransport:
         self.sent_bytes = 0
         self.sent_messages = 0
 
-    def send_one(self, peer: int, frame: bytes, nbytes: int) -> None:
+    def send(self, peer: int, stream: Any, header: bytes, payload: Any, nbytes: int) -> None:
+        """The transport boundary's one send (issue 16 on)."""
+        if nbytes >= INLINE_MAX_BYTES:
+            raise NotImplementedError("the mirror carries one-frame (inline) messages only")
+        self._mirror(peer, inline_frame(header, payload))  # as ZmqTransport frames it
+
+    def send_one(self, peer: int, frame: bytes, nbytes: int, lane: bool = False) -> bool:
+        """The one-frame send of the trees before it."""
+        self._mirror(peer, frame)
+        return False
+
+    def _mirror(self, peer: int, frame: bytes) -> None:
         # The header starts [0x9f, version, kind, src, ...]: src of a small rank is one byte.
         self.queue.append(frame[:3] + bytes((peer,)) + frame[4:])
 
-    def send(self, peer: int, header: bytes, payload: Any, nbytes: int) -> None:
-        raise NotImplementedError("the mirror carries one-frame (inline) messages only")
-
-    def poll(self, timeout_s: float) -> bool:
+    def poll(self, timeout_s: float, spin_s: float = 0.0) -> bool:
         return bool(self.queue)
 
     def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
@@ -70,7 +85,12 @@ def mirror_group(world_size: int) -> ProcessGroup:
     assert world_size < 128, "the mirror rewrites a one-byte src"
     config = resolve_init_config(0, world_size, master_addr="127.0.0.1", master_port=1, env={})
     engine = Engine(MirrorTransport(world_size), 0)  # type: ignore[arg-type]
-    return ProcessGroup(_Shared(config, engine, None, None, 4 << 20), range(world_size), 0)
+    if GroupCore is None:
+        from ringcomm.group import _Shared  # type: ignore[attr-defined]
+
+        return ProcessGroup(_Shared(config, engine, None, None, 4 << 20), range(world_size), 0)  # type: ignore[call-arg,arg-type]
+    state = ProcessState(config, engine, None, None, 4 << 20)
+    return ProcessGroup(GroupCore(state, range(world_size), 0))
 
 
 def in_process(world_size: int, nbytes: int, calls: int) -> float:

@@ -154,16 +154,16 @@ def pack_header(h: Header, inline: bytes | None = None) -> bytes:
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 
 
-_NIL = _packb(None)
+_NIL_BYTE = _packb(None)[0]
 
 
 def inline_frame(header: bytes, payload: Any) -> bytes:
     """The one-frame message of ``header`` (packed without an inline payload: its last
     element is nil) carrying ``payload`` inline: the same bytes as packing the header
     with ``inline=bytes(payload)``."""
-    if header[-1:] != _NIL:
+    if header[-1] != _NIL_BYTE:
         raise WireError("inline_frame: the header already carries a payload")
-    return header[:-1] + _packb(bytes(payload))
+    return header[:-1] + _packb(payload if type(payload) is bytes else bytes(payload))
 
 
 class HeaderTemplate:
