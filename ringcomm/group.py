@@ -30,14 +30,21 @@ from . import lifecycle
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
-from .config import InitConfig, resolve_init_config
+from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
 from .errors import CommTimeoutError, GroupClosedError, RendezvousError, RingcommError
 from .p2p import RecvOp, SendOp
 from .p2p_device import recv_op_class, send_op_class
-from .progress import DEPART_CLOSE, DEPART_ERROR, Engine, Op, SerialQueue
+from .progress import (
+    DEPART_CLOSE,
+    DEPART_ERROR,
+    MAX_UNEXPECTED_BYTES,
+    MAX_UNEXPECTED_MESSAGES,
+    Engine,
+    Op,
+    SerialQueue,
+)
 from .rendezvous import Store, StoreServer
 from .transport.endpoints import (
-    TRANSPORT_MODES,
     EndpointInfo,
     choose_endpoint,
     host_identity,
@@ -47,9 +54,6 @@ from .transport.zmq_transport import ZmqTransport
 from .work import Work
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
-
-#: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
-DEFAULT_CHUNK_BYTES = 4 << 20
 
 _WORLD_GROUP_ID = 0
 
@@ -75,13 +79,11 @@ class _Shared:
         engine: Engine,
         store: Store | None,
         server: StoreServer | None,
-        chunk_bytes: int,
     ) -> None:
         self.config = config
         self.engine = engine
         self.store = store
         self.server = server
-        self.chunk_bytes = chunk_bytes
         self.closed = False
         self.lock = threading.Lock()
         #: Every rank's published endpoint info (pid, host), by global rank.
@@ -207,9 +209,20 @@ class ProcessGroup:
     """A set of ranks that communicate. Use as a context manager; ``close()`` is idempotent.
 
     Ranks given to and returned by methods are ranks *of this group* (0..world_size-1).
+    ``timeout_s`` (the default per-call deadline) and ``chunk_bytes`` (the piece size of
+    pipelined transfers) default to the process's config; both stay attributes a caller
+    may change.
     """
 
-    def __init__(self, shared: _Shared, ranks: Sequence[int], group_id: int) -> None:
+    def __init__(
+        self,
+        shared: _Shared,
+        ranks: Sequence[int],
+        group_id: int,
+        *,
+        timeout_s: float | None = None,
+        chunk_bytes: int | None = None,
+    ) -> None:
         self._shared = shared
         self._engine = shared.engine
         self._ranks = tuple(ranks)  # group rank -> global rank
@@ -218,8 +231,10 @@ class ProcessGroup:
         self._rank = self._ranks.index(me)
         self._world_size = len(self._ranks)
         self._global_rank = me
-        self.timeout_s: float = shared.config.timeout_s
-        self.chunk_bytes: int = shared.chunk_bytes
+        self.timeout_s: float = shared.config.timeout_s if timeout_s is None else timeout_s
+        self.chunk_bytes: int = (
+            shared.config.effective_chunk_bytes if chunk_bytes is None else chunk_bytes
+        )
         self._serial = SerialQueue()
         # Per-call-shape state of this group's collectives (collectives.base.ShapeCache).
         self._plans: dict[Any, Any] = {}
@@ -471,10 +486,13 @@ class ProcessGroup:
         gid = int.from_bytes(digest, "little") >> 1 or 1  # 63-bit, never the world's 0
         if self._rank not in members:
             return None
-        sub = ProcessGroup(self._shared, [self._ranks[r] for r in members], gid)
-        sub.timeout_s = self.timeout_s
-        sub.chunk_bytes = self.chunk_bytes
-        return sub
+        return ProcessGroup(
+            self._shared,
+            [self._ranks[r] for r in members],
+            gid,
+            timeout_s=self.timeout_s,
+            chunk_bytes=self.chunk_bytes,
+        )
 
     # -- introspection -----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -566,7 +584,8 @@ def _bind_to_core(local_rank: int) -> None:
     ``local_rank`` modulo the cores it may use. Threads started before (libzmq's I/O
     thread) keep their placement; threads started later by this one inherit it.
 
-    Why (``RINGCOMM_BIND``, by default when a host has more ranks than cores):
+    When: :func:`ringcomm.config.binds_to_core` (the one rule; ``ringcomm bench`` uses it
+    too). Why (``RINGCOMM_BIND``, by default when a host has more ranks than cores):
     with 4 ranks on 2 cores the OS left 3 ranks on one core in about half the jobs (it
     does not move tasks that ran within the last half millisecond, and ranks waiting for
     small messages always have), and the 8-byte all_reduce took ~115 instead of ~65 us;
@@ -622,10 +641,11 @@ def init_process_group(
 
     Extensions beyond the contract: ``host_store`` (False: a launcher serves the store,
     as ``RINGCOMM_STORE_EXTERNAL=1``), ``chunk_bytes`` (piece size of pipelined
-    transfers, default ``RINGCOMM_CHUNK_BYTES`` or 1 MiB), ``transport`` (``auto``,
-    ``ipc`` or ``tcp``; default ``RINGCOMM_TRANSPORT`` or auto).
+    transfers, an int > 0; default ``RINGCOMM_CHUNK_BYTES``, else 4 MiB), ``transport``
+    (``auto``, ``ipc`` or ``tcp``; default ``RINGCOMM_TRANSPORT``, else auto), ``env``
+    (where settings are read instead of ``os.environ``). Every setting is parsed by
+    :func:`ringcomm.config.resolve_init_config`; a bad value raises naming it.
     """
-    environ = os.environ if env is None else env
     cfg = resolve_init_config(
         rank,
         world_size,
@@ -634,14 +654,11 @@ def init_process_group(
         timeout_s=timeout_s,
         token=token,
         host_store=host_store,
-        env=environ,
+        chunk_bytes=chunk_bytes,
+        transport=transport,
+        env=env,
     )
-    mode = transport or environ.get("RINGCOMM_TRANSPORT", "auto") or "auto"
-    if mode not in TRANSPORT_MODES:
-        raise RendezvousError(f"RINGCOMM_TRANSPORT must be one of {TRANSPORT_MODES}, got {mode!r}")
-    chunk = chunk_bytes or cfg.chunk_bytes or DEFAULT_CHUNK_BYTES
-    if chunk <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, got {chunk}")
+    mode = cfg.transport
     label = f"rank {cfg.rank}"
 
     server: StoreServer | None = None
@@ -706,21 +723,24 @@ def init_process_group(
             net.setup_shm([r for r, info in infos.items() if info.shm], cfg.timeout_s)
         except RingcommError as exc:
             raise RendezvousError(f"{label}: {exc}") from exc
-        if cfg.bind == "core" or (
-            cfg.bind == "auto"
-            and cfg.local_world_size is not None
-            and cfg.local_world_size > len(os.sched_getaffinity(0))
-        ):
+        if binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0))):
             _bind_to_core(cfg.local_rank)
-        engine = Engine(net, cfg.rank)
-        if cfg.max_unexpected_messages is not None:
-            engine.max_unexpected_messages = cfg.max_unexpected_messages
-        if cfg.max_unexpected_bytes is not None:
-            engine.max_unexpected_bytes = cfg.max_unexpected_bytes
-        if (cfg.log or "").lower() == "debug":
+        if cfg.log_debug:
             _enable_debug_log()
-            engine.log_ops = True
-        shared = _Shared(cfg, engine, store, server, chunk)
+        engine = Engine(
+            net,
+            cfg.rank,
+            max_unexpected_messages=(
+                MAX_UNEXPECTED_MESSAGES
+                if cfg.max_unexpected_messages is None
+                else cfg.max_unexpected_messages
+            ),
+            max_unexpected_bytes=(
+                MAX_UNEXPECTED_BYTES if cfg.max_unexpected_bytes is None else cfg.max_unexpected_bytes
+            ),
+            log_ops=cfg.log_debug,
+        )
+        shared = _Shared(cfg, engine, store, server)
         shared.peers = infos
         lifecycle.register(shared)  # however the process ends, it leaves (lifecycle.py)
         return ProcessGroup(shared, range(cfg.world_size), _WORLD_GROUP_ID)
