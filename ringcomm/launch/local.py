@@ -264,11 +264,7 @@ def main(args: argparse.Namespace) -> int:
         from ringcomm.launch import ssh  # multi-host mode
 
         return ssh.main(args)
-    try:
-        config = config_from_args(args)
-    except UsageError as exc:
-        print(f"{_PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)  # a UsageError: ringcomm.cli prints it, exits 2
     if config.dry_run:
         sys.stdout.write(format_dry_run(config))
         sys.stdout.flush()

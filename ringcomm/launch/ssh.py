@@ -524,11 +524,7 @@ class _SshRank(local._RankProcess):
 
 def main(args: argparse.Namespace) -> int:
     """Multi-host ``ringcomm run``: the job's exit status; 2 for a usage error."""
-    try:
-        config = config_from_args(args)
-    except local.UsageError as exc:
-        print(f"{local._PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)  # a UsageError: ringcomm.cli prints it, exits 2
     if config.dry_run:
         master_addr = config.master_addr or resolve_hostname(config, config.placements[0].host)
         sys.stdout.write(format_dry_run(config, master_addr))
