@@ -16,37 +16,73 @@ Each setting is resolved on its own, the first source that has it wins (DESIGN.m
 With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at port 0
 ("pick a free one"). Tunables: ``RINGCOMM_TIMEOUT_S``, ``RINGCOMM_TOKEN``,
 ``RINGCOMM_CHUNK_BYTES`` (suffixes K/M/G), ``RINGCOMM_ALGO``, ``RINGCOMM_LOG``,
-``RINGCOMM_STORE_EXTERNAL``. Every invalid value raises :class:`RendezvousError` naming the
+``RINGCOMM_STORE_EXTERNAL``, ``RINGCOMM_TRANSPORT``, ``RINGCOMM_SECURITY``,
+``RINGCOMM_MAX_UNEXPECTED_MESSAGES``/``_BYTES``, ``RINGCOMM_LOCAL_LANE``, ``RINGCOMM_SHM``,
+``RINGCOMM_BIND``. Every invalid value raises :class:`RendezvousError` naming the
 variable, its value and the convention it came from.
+
+Settings that belong to no group are small pure functions of the same mapping, each
+raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
+with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
+(``RINGCOMM_STAGING_MAX_BYTES``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
+:func:`env_token` (``RINGCOMM_TOKEN``) and :func:`env_master_addr`
+(``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
+variable: they take these values as arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import numbers
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ringcomm.errors import RendezvousError
 
 __all__ = [
     "BIND_MODES",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_PS_LOG_LEVEL",
+    "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "PS_LOG_LEVELS",
+    "TRANSPORT_MODES",
     "InitConfig",
     "UsageError",
+    "bind_mode",
+    "binds_to_core",
+    "default_of",
+    "env_master_addr",
+    "env_token",
+    "format_size",
     "parse_size",
     "parse_slurm_nodelist",
+    "ps_log_level",
     "resolve_init_config",
     "size_arg",
     "slurm_master_port",
+    "staging_max_bytes",
 ]
 
 #: The group's default per-call deadline when neither ``timeout_s=`` nor RINGCOMM_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = 300.0
+#: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
+DEFAULT_CHUNK_BYTES = 4 << 20
 #: RINGCOMM_BIND values (see InitConfig.bind).
 BIND_MODES = ("auto", "none", "core")
+#: RINGCOMM_TRANSPORT / ``transport=`` values: ipc:// to peers on this host and tcp://
+#: to the others (``auto``), or one of them for every peer.
+TRANSPORT_MODES = ("auto", "ipc", "tcp")
+#: Most pinned bytes one staging pool keeps, without RINGCOMM_STAGING_MAX_BYTES.
+DEFAULT_STAGING_MAX_BYTES = 1 << 30
+#: RINGCOMM_PS_LOG values (logging's level names, any case) and the default.
+PS_LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
+DEFAULT_PS_LOG_LEVEL = "WARNING"
 #: Where a group of more than one process looks for the store when no address is given.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -138,6 +174,8 @@ class InitConfig:
     master_port: int
     timeout_s: float = DEFAULT_TIMEOUT_S
     token: str | None = None
+    #: Piece size of pipelined transfers (``chunk_bytes=`` / ``RINGCOMM_CHUNK_BYTES``, > 0);
+    #: None: :data:`DEFAULT_CHUNK_BYTES` (see :attr:`effective_chunk_bytes`).
     chunk_bytes: int | None = None
     algo: str | None = None
     log: str | None = None
@@ -163,6 +201,19 @@ class InitConfig:
     bind: str = "auto"
     #: Ranks on this host, from the launcher (``LOCAL_WORLD_SIZE`` and the like), or None.
     local_world_size: int | None = None
+    #: How peers are reached (``transport=`` / ``RINGCOMM_TRANSPORT``): one of
+    #: :data:`TRANSPORT_MODES`.
+    transport: str = "auto"
+
+    @property
+    def effective_chunk_bytes(self) -> int:
+        """The piece size the group uses: :attr:`chunk_bytes`, else the default (4 MiB)."""
+        return DEFAULT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
+
+    @property
+    def log_debug(self) -> bool:
+        """``RINGCOMM_LOG=debug``: log every op's start and end."""
+        return (self.log or "").lower() == "debug"
 
 
 @dataclass(frozen=True)
@@ -198,6 +249,14 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) << _SIZE_SHIFT[match.group(2).lower()]
 
 
+def format_size(nbytes: int) -> str:
+    """The shortest exact :func:`parse_size` spelling: 67108864 -> ``"64M"``, 8 -> ``"8"``."""
+    for shift, suffix in ((30, "G"), (20, "M"), (10, "K")):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{suffix}"
+    return str(nbytes)
+
+
 def size_arg(text: str) -> int:
     """:func:`parse_size` as an argparse ``type=`` (a bad size is a usage error)."""
     try:
@@ -207,7 +266,22 @@ def size_arg(text: str) -> int:
 
 
 class UsageError(Exception):
-    """A command line that cannot run; the subcommand's ``main`` prints it and exits 2."""
+    """A command line that cannot run: ``ringcomm``'s entry point (:mod:`ringcomm.cli`)
+    prints ``ringcomm <command>: error: <message>`` and exits 2."""
+
+
+def default_of(cls: Any, name: str) -> Any:
+    """The default of field ``name`` of dataclass ``cls`` (a ``default_factory`` is
+    called): what a command line's ``default=`` takes, so each default is written once."""
+    for f in dataclasses.fields(cls):
+        if f.name != name:
+            continue
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise ValueError(f"{cls.__name__} has no field {name!r}")
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -334,6 +408,73 @@ def _origin(*found: _Found | None) -> str:
     return "(" + ", ".join(f"{f.name} from {f.label}" for f in present) + ")"
 
 
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def bind_mode(env: Mapping[str, str] | None = None) -> str:
+    """``RINGCOMM_BIND``: one of :data:`BIND_MODES` (any case); ``"auto"`` when unset."""
+    found = _env_setting(_environ(env), "RINGCOMM_BIND")
+    if found is None:
+        return "auto"
+    mode = str(found.value).lower()
+    if mode not in BIND_MODES:
+        raise ValueError(f"RINGCOMM_BIND must be one of {BIND_MODES}, got {found.value!r}")
+    return mode
+
+
+def binds_to_core(bind: str, local_world_size: int | None, ncores: int) -> bool:
+    """The core-binding rule: whether a rank's driving thread is bound to one core.
+
+    ``bind`` (``RINGCOMM_BIND``): ``"core"`` always; ``"auto"`` when the host runs more
+    ranks (``local_world_size``, None: unknown) than the ``ncores`` cores a rank may use;
+    ``"none"`` never. Why: :func:`ringcomm.group._bind_to_core`.
+    """
+    if bind not in BIND_MODES:
+        raise ValueError(f"bind must be one of {BIND_MODES}, got {bind!r}")
+    if bind == "auto":
+        return local_world_size is not None and local_world_size > ncores
+    return bind == "core"
+
+
+def staging_max_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``RINGCOMM_STAGING_MAX_BYTES``: most pinned bytes one staging pool keeps (suffixes
+    K/M/G, powers of 1024); :data:`DEFAULT_STAGING_MAX_BYTES` (1 GiB) when unset."""
+    found = _env_setting(_environ(env), "RINGCOMM_STAGING_MAX_BYTES")
+    if found is None:
+        return DEFAULT_STAGING_MAX_BYTES
+    try:
+        return parse_size(str(found.value))
+    except ValueError as exc:
+        raise ValueError(f"{found.describe()}: {exc}") from None
+
+
+def ps_log_level(env: Mapping[str, str] | None = None) -> str:
+    """``RINGCOMM_PS_LOG``: the ``ringcomm ps-server`` log level, one of
+    :data:`PS_LOG_LEVELS` (any case, returned upper case); ``"WARNING"`` when unset."""
+    found = _env_setting(_environ(env), "RINGCOMM_PS_LOG")
+    if found is None:
+        return DEFAULT_PS_LOG_LEVEL
+    level = str(found.value).upper()
+    if level not in PS_LOG_LEVELS:
+        raise ValueError(
+            f"{found.describe()} is not a log level: use one of {', '.join(PS_LOG_LEVELS)}"
+        )
+    return level
+
+
+def env_token(env: Mapping[str, str] | None = None) -> str | None:
+    """``RINGCOMM_TOKEN`` as written (a secret: not stripped); None when unset or empty."""
+    return _environ(env).get("RINGCOMM_TOKEN") or None
+
+
+def env_master_addr(env: Mapping[str, str] | None = None) -> str:
+    """The store address of the environment: ``RINGCOMM_MASTER_ADDR``, else
+    ``MASTER_ADDR``, else 127.0.0.1 (no Slurm derivation: see :func:`resolve_init_config`)."""
+    found = _lookup(_environ(env), "master_addr")
+    return DEFAULT_MASTER_ADDR if found is None else str(found.value)
+
+
 def resolve_init_config(
     rank: int | None = None,
     world_size: int | None = None,
@@ -343,16 +484,20 @@ def resolve_init_config(
     timeout_s: float | None = None,
     token: str | None = None,
     host_store: bool | None = None,
+    chunk_bytes: int | None = None,
+    transport: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> InitConfig:
     """Resolve a process's group configuration; see the module docstring for the order.
 
     ``env`` defaults to ``os.environ``. ``host_store`` overrides RINGCOMM_STORE_EXTERNAL:
     True makes rank 0 host the store, False means an external one serves it.
-    Raises :class:`RendezvousError` for missing or invalid settings.
+    ``chunk_bytes`` overrides RINGCOMM_CHUNK_BYTES (a positive int; 0 is an error, not
+    "the default"), ``transport`` RINGCOMM_TRANSPORT (:data:`TRANSPORT_MODES`).
+    Raises :class:`RendezvousError` for missing or invalid settings (:class:`ValueError`
+    for an invalid ``chunk_bytes`` argument).
     """
-    if env is None:
-        env = os.environ
+    env = _environ(env)
 
     rank_f = _explicit("rank", rank) or _lookup(env, "rank")
     world_f = _explicit("world_size", world_size) or _lookup(env, "world_size")
@@ -440,18 +585,41 @@ def resolve_init_config(
                 f"{timeout_f.describe()} must be a finite number of seconds > 0 ({timeout_f.label})"
             )
 
-    chunk_f = _env_setting(env, "RINGCOMM_CHUNK_BYTES")
-    chunk_bytes = None
-    if chunk_f is not None:
-        try:
-            chunk_bytes = parse_size(str(chunk_f.value))
-        except ValueError as exc:
-            raise RendezvousError(f"{chunk_f.describe()}: {exc}") from None
-        if chunk_bytes <= 0:
-            raise RendezvousError(f"{chunk_f.describe()} must be > 0")
+    if chunk_bytes is not None:
+        if (
+            isinstance(chunk_bytes, bool)
+            or not isinstance(chunk_bytes, numbers.Integral)
+            or chunk_bytes <= 0
+        ):
+            raise ValueError(
+                f"chunk_bytes={chunk_bytes!r} must be an int > 0 (the piece size of pipelined "
+                f"transfers; None: RINGCOMM_CHUNK_BYTES, else {DEFAULT_CHUNK_BYTES >> 20} MiB)"
+            )
+        chunk_bytes = int(chunk_bytes)
+    else:
+        chunk_f = _env_setting(env, "RINGCOMM_CHUNK_BYTES")
+        if chunk_f is not None:
+            try:
+                chunk_bytes = parse_size(str(chunk_f.value))
+            except ValueError as exc:
+                raise RendezvousError(f"{chunk_f.describe()}: {exc}") from None
+            if chunk_bytes <= 0:
+                raise RendezvousError(f"{chunk_f.describe()} must be > 0")
+
+    # An empty transport= means "not given", as it always has.
+    transport_f = _explicit("transport", transport or None) or _env_setting(
+        env, "RINGCOMM_TRANSPORT"
+    )
+    mode = "auto" if transport_f is None else str(transport_f.value)
+    if mode not in TRANSPORT_MODES:
+        assert transport_f is not None
+        name = "RINGCOMM_TRANSPORT"
+        if transport_f.source == "explicit":
+            name = "transport= (as RINGCOMM_TRANSPORT)"
+        raise RendezvousError(f"{name} must be one of {TRANSPORT_MODES}, got {mode!r}")
 
     if token is None:
-        token = env.get("RINGCOMM_TOKEN") or None
+        token = env_token(env)
 
     security = (env.get("RINGCOMM_SECURITY") or "handshake").strip().lower()
     if security not in ("handshake", "curve"):
@@ -470,9 +638,10 @@ def resolve_init_config(
             raise RendezvousError(f"{name} must be > 0, got {text!r}")
         caps.append(value)
 
-    bind = (env.get("RINGCOMM_BIND") or "auto").strip().lower()
-    if bind not in BIND_MODES:
-        raise RendezvousError(f"RINGCOMM_BIND must be one of {BIND_MODES}, got {bind!r}")
+    try:
+        bind = bind_mode(env)
+    except ValueError as exc:
+        raise RendezvousError(str(exc)) from None
     lane_f = _env_setting(env, "RINGCOMM_LOCAL_LANE")
     local_lane = _parse_bool(lane_f) if lane_f is not None else True
     shm_f = _env_setting(env, "RINGCOMM_SHM")
@@ -504,6 +673,7 @@ def resolve_init_config(
         shm=shm,
         bind=bind,
         local_world_size=local_world_size,
+        transport=mode,
     )
 
 

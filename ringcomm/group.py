@@ -28,15 +28,20 @@ from . import lifecycle
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
-from .config import InitConfig, resolve_init_config
+from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
 from .errors import GroupClosedError, RendezvousError, RingcommError
 from .group_core import CHECKOUT_MAX_S, WORLD_GROUP_ID, GroupCore, ProcessState
 from .p2p import RecvOp, SendOp
 from .p2p_device import recv_op_class, send_op_class
-from .progress import DEPART_CLOSE, DEPART_ERROR, Engine
+from .progress import (
+    DEPART_CLOSE,
+    DEPART_ERROR,
+    MAX_UNEXPECTED_BYTES,
+    MAX_UNEXPECTED_MESSAGES,
+    Engine,
+)
 from .rendezvous import Store, StoreServer
 from .transport.endpoints import (
-    TRANSPORT_MODES,
     EndpointInfo,
     choose_endpoint,
     host_identity,
@@ -46,9 +51,6 @@ from .transport.zmq_transport import ZmqTransport
 from .work import Work
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
-
-#: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
-DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 
@@ -368,7 +370,8 @@ def _bind_to_core(local_rank: int) -> None:
     ``local_rank`` modulo the cores it may use. Threads started before (libzmq's I/O
     thread) keep their placement; threads started later by this one inherit it.
 
-    Why (``RINGCOMM_BIND``, by default when a host has more ranks than cores):
+    When: :func:`ringcomm.config.binds_to_core` (the one rule; ``ringcomm bench`` uses it
+    too). Why (``RINGCOMM_BIND``, by default when a host has more ranks than cores):
     with 4 ranks on 2 cores the OS left 3 ranks on one core in about half the jobs (it
     does not move tasks that ran within the last half millisecond, and ranks waiting for
     small messages always have), and the 8-byte all_reduce took ~115 instead of ~65 us;
@@ -424,10 +427,11 @@ def init_process_group(
 
     Extensions beyond the contract: ``host_store`` (False: a launcher serves the store,
     as ``RINGCOMM_STORE_EXTERNAL=1``), ``chunk_bytes`` (piece size of pipelined
-    transfers, default ``RINGCOMM_CHUNK_BYTES`` or 1 MiB), ``transport`` (``auto``,
-    ``ipc`` or ``tcp``; default ``RINGCOMM_TRANSPORT`` or auto).
+    transfers, an int > 0; default ``RINGCOMM_CHUNK_BYTES``, else 4 MiB), ``transport``
+    (``auto``, ``ipc`` or ``tcp``; default ``RINGCOMM_TRANSPORT``, else auto), ``env``
+    (where settings are read instead of ``os.environ``). Every setting is parsed by
+    :func:`ringcomm.config.resolve_init_config`; a bad value raises naming it.
     """
-    environ = os.environ if env is None else env
     cfg = resolve_init_config(
         rank,
         world_size,
@@ -436,14 +440,11 @@ def init_process_group(
         timeout_s=timeout_s,
         token=token,
         host_store=host_store,
-        env=environ,
+        chunk_bytes=chunk_bytes,
+        transport=transport,
+        env=env,
     )
-    mode = transport or environ.get("RINGCOMM_TRANSPORT", "auto") or "auto"
-    if mode not in TRANSPORT_MODES:
-        raise RendezvousError(f"RINGCOMM_TRANSPORT must be one of {TRANSPORT_MODES}, got {mode!r}")
-    chunk = chunk_bytes or cfg.chunk_bytes or DEFAULT_CHUNK_BYTES
-    if chunk <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, got {chunk}")
+    mode = cfg.transport
     label = f"rank {cfg.rank}"
 
     server: StoreServer | None = None
@@ -508,21 +509,24 @@ def init_process_group(
             net.setup_shm([r for r, info in infos.items() if info.shm], cfg.timeout_s)
         except RingcommError as exc:
             raise RendezvousError(f"{label}: {exc}") from exc
-        if cfg.bind == "core" or (
-            cfg.bind == "auto"
-            and cfg.local_world_size is not None
-            and cfg.local_world_size > len(os.sched_getaffinity(0))
-        ):
+        if binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0))):
             _bind_to_core(cfg.local_rank)
-        engine = Engine(net, cfg.rank)
-        if cfg.max_unexpected_messages is not None:
-            engine.max_unexpected_messages = cfg.max_unexpected_messages
-        if cfg.max_unexpected_bytes is not None:
-            engine.max_unexpected_bytes = cfg.max_unexpected_bytes
-        if (cfg.log or "").lower() == "debug":
+        if cfg.log_debug:
             _enable_debug_log()
-            engine.log_ops = True
-        state = ProcessState(cfg, engine, store, server, chunk)
+        engine = Engine(
+            net,
+            cfg.rank,
+            max_unexpected_messages=(
+                MAX_UNEXPECTED_MESSAGES
+                if cfg.max_unexpected_messages is None
+                else cfg.max_unexpected_messages
+            ),
+            max_unexpected_bytes=(
+                MAX_UNEXPECTED_BYTES if cfg.max_unexpected_bytes is None else cfg.max_unexpected_bytes
+            ),
+            log_ops=cfg.log_debug,
+        )
+        state = ProcessState(cfg, engine, store, server, cfg.effective_chunk_bytes)
         state.peers = infos
         lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
         return ProcessGroup(GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID))

@@ -276,7 +276,15 @@ class Op:
 class Engine:
     """Owns the transport; matches incoming pieces to posted receivers."""
 
-    def __init__(self, transport: Transport, rank: int) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        rank: int,
+        *,
+        max_unexpected_messages: int = MAX_UNEXPECTED_MESSAGES,
+        max_unexpected_bytes: int = MAX_UNEXPECTED_BYTES,
+        log_ops: bool = False,
+    ) -> None:
         self.transport = transport
         self.rank = rank
         self._lock = threading.Lock()
@@ -306,15 +314,15 @@ class Engine:
         self._suspects: dict[int, float] = {}  # peer -> when its connection dropped
         self._next_health = time.monotonic() + HEALTH_CHECK_S
         # Per-peer accounting of the unexpected queues: src -> [messages, bytes].
-        self.max_unexpected_messages = MAX_UNEXPECTED_MESSAGES
-        self.max_unexpected_bytes = MAX_UNEXPECTED_BYTES
+        self.max_unexpected_messages = max_unexpected_messages
+        self.max_unexpected_bytes = max_unexpected_bytes
         self._unexpected_by_src: dict[int, list[int]] = {}
         # Progress queries (a timed-out op asking its peers where they are).
         self._query_ids = itertools.count(1)
         self._query: tuple[int, dict[int, str]] | None = None
         self._known_src = set(transport.peers()) | {rank}
         #: Log every op's start and end (RINGCOMM_LOG=debug).
-        self.log_ops = False
+        self.log_ops = log_ops
         self._callback_lock = threading.Lock()
         #: Ops whose threads wait for the driver lock (:meth:`_wait_turn`).
         self._waiting: list[Op] = []

@@ -26,7 +26,8 @@ kernels, pinned allocation) with two implementations, :class:`CupyBackend` and
 copies and kernels lazily, only when an event after them is waited on or polled, so a
 missing wait shows up as wrong bytes in CPU tests); :class:`StagingPool` (pinned buffers
 by power-of-two size class, reused across calls, never reallocated per call; bounded:
-``RINGCOMM_STAGING_MAX_BYTES``, default :data:`DEFAULT_MAX_STAGING_BYTES`); and the
+``max_staging_bytes``, by default ``RINGCOMM_STAGING_MAX_BYTES`` (K/M/G suffixes; parsed
+by :func:`ringcomm.config.staging_max_bytes`) or :data:`DEFAULT_MAX_STAGING_BYTES`); and the
 *stagers*, the small buffer interface collective algorithms reach their data through:
 :data:`HOST_STAGER` (NumPy arrays: today's zero-copy path, nothing staged) and
 :class:`DeviceStager` (one per call on device arrays).
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import DEFAULT_STAGING_MAX_BYTES, staging_max_bytes
 from .errors import CommTimeoutError
 from .ops import ReduceOp, finalize, reduce_into, reduce_out
 from .standin import StandinArray
@@ -70,7 +71,7 @@ __all__ = [
 #: Smallest staging buffer (pieces below this share one size class).
 MIN_SLOT_BYTES = 64 * 1024
 #: Most pinned bytes one pool keeps (beyond: wait for a buffer to come back).
-DEFAULT_MAX_STAGING_BYTES = 1 << 30
+DEFAULT_MAX_STAGING_BYTES = DEFAULT_STAGING_MAX_BYTES
 #: How long a pool waits between looks at busy buffers.
 _POLL_S = 0.00005
 
@@ -98,14 +99,15 @@ class DeviceBackend:
     ``host`` arguments NumPy arrays (pinned staging memory). Every copy and kernel is
     enqueued on ``stream`` and returns at once; ``record`` returns an event whose ``done``
     (property) and ``synchronize()`` say when everything enqueued before it finished.
+    ``max_staging_bytes`` bounds its pool; None: the process's setting
+    (:func:`ringcomm.config.staging_max_bytes`: ``RINGCOMM_STAGING_MAX_BYTES``, else 1 GiB).
     """
 
     name = "device"
 
     def __init__(self, max_staging_bytes: int | None = None) -> None:
         if max_staging_bytes is None:
-            env = os.environ.get("RINGCOMM_STAGING_MAX_BYTES")
-            max_staging_bytes = int(env) if env else DEFAULT_MAX_STAGING_BYTES
+            max_staging_bytes = staging_max_bytes()
         self.pool = StagingPool(self.alloc_pinned, max_staging_bytes)
 
     # streams and events
@@ -215,9 +217,6 @@ class _LazyEvent:
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.run_until(self.mark)
-
-
-_DONE_EVENT = _LazyEvent(None, 0)
 
 
 class HostStandinBackend(DeviceBackend):

@@ -89,6 +89,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
+from .config import env_master_addr, env_token
 from .errors import RingcommError
 from .group import ProcessGroup as RcGroup
 from .group import init_process_group
@@ -1081,10 +1082,6 @@ def _splits(sizes: list[int], total: int, n: int, what: str, name: str) -> list[
 
 
 # -- rendezvous ---------------------------------------------------------------------------
-def _master_addr() -> str:
-    return os.environ.get("RINGCOMM_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-
-
 def _bind_host(addr: str) -> str:
     """Where to listen: ``addr`` itself if it is one of ours, else every interface."""
     try:
@@ -1106,10 +1103,11 @@ def _create(
         rc_group = init_process_group(0, 1, master_port=0, timeout_s=timeout_s, env={})
         return RingcommProcessGroup(rc_group, timeout_s)
     server: StoreServer | None = None
+    env = os.environ  # torch calls us without a config: the settings are the process's
     try:
         if rank == 0:
-            addr = _master_addr()
-            token = os.environ.get("RINGCOMM_TOKEN") or secrets.token_hex(16)
+            addr = env_master_addr(env)
+            token = env_token(env) or secrets.token_hex(16)
             server = StoreServer(_bind_host(addr), 0, token=token).start()
             info: dict[str, Any] = {"addr": addr, "port": server.port, "token": token}
             store.set(_STORE_KEY, json.dumps(info))
@@ -1123,7 +1121,7 @@ def _create(
             token=info["token"],
             timeout_s=timeout_s,
             host_store=False,
-            env=os.environ,
+            env=env,
         )
     except BaseException as exc:
         if server is not None:

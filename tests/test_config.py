@@ -1,4 +1,5 @@
-"""resolve_init_config, parse_size, parse_slurm_nodelist: pure, every case through env= dicts."""
+"""ringcomm.config: resolve_init_config, the settings that belong to no group, parse_size,
+parse_slurm_nodelist: pure, every case through env= dicts (a few CLI cases at the end)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringcomm.config import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_STAGING_MAX_BYTES,
     DEFAULT_TIMEOUT_S,
     InitConfig,
+    UsageError,
+    bind_mode,
+    binds_to_core,
+    default_of,
+    env_master_addr,
+    env_token,
+    format_size,
     parse_size,
     parse_slurm_nodelist,
+    ps_log_level,
     resolve_init_config,
     slurm_master_port,
+    staging_max_bytes,
 )
 from ringcomm.errors import RendezvousError
 
@@ -374,3 +386,360 @@ def test_parse_slurm_nodelist(text: str, expected: list[str]) -> None:
 def test_parse_slurm_nodelist_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="invalid Slurm host list"):
         parse_slurm_nodelist(text)
+
+
+# -- transport mode ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "expected"),
+    [
+        ({}, {}, "auto"),
+        ({}, {"RINGCOMM_TRANSPORT": "tcp"}, "tcp"),
+        ({}, {"RINGCOMM_TRANSPORT": " ipc "}, "ipc"),
+        ({}, {"RINGCOMM_TRANSPORT": ""}, "auto"),
+        ({"transport": "ipc"}, {"RINGCOMM_TRANSPORT": "tcp"}, "ipc"),
+        ({"transport": ""}, {"RINGCOMM_TRANSPORT": "tcp"}, "tcp"),  # "" means not given
+    ],
+)
+def test_transport_mode(kwargs: dict[str, str], env: dict[str, str], expected: str) -> None:
+    assert resolve_init_config(**kwargs, env=env).transport == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "pattern"),
+    [
+        ({}, {"RINGCOMM_TRANSPORT": "udp"}, r"RINGCOMM_TRANSPORT must be one of .*'udp'"),
+        ({"transport": "shm"}, {}, r"^transport= \(as RINGCOMM_TRANSPORT\) must be one of .*'shm'"),
+    ],
+)
+def test_transport_mode_rejects(kwargs: dict[str, str], env: dict[str, str], pattern: str) -> None:
+    with pytest.raises(RendezvousError, match=pattern):
+        resolve_init_config(**kwargs, env=env)  # type: ignore[arg-type]
+
+
+def test_endpoints_take_the_modes_from_config() -> None:
+    from ringcomm import config
+    from ringcomm.transport import endpoints
+
+    assert endpoints.TRANSPORT_MODES is config.TRANSPORT_MODES == ("auto", "ipc", "tcp")
+
+
+# -- chunk_bytes -----------------------------------------------------------------------------
+
+
+def test_chunk_bytes_default_is_4_mib() -> None:
+    from ringcomm import group
+
+    cfg = resolve_init_config(env={})
+    assert cfg.chunk_bytes is None and cfg.effective_chunk_bytes == 4 << 20
+    assert DEFAULT_CHUNK_BYTES == group.DEFAULT_CHUNK_BYTES == 4 << 20
+    assert "4 MiB" in (group.init_process_group.__doc__ or "")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "expected"),
+    [
+        ({}, {"RINGCOMM_CHUNK_BYTES": "64K"}, 64 << 10),
+        ({}, {"RINGCOMM_CHUNK_BYTES": "1m"}, 1 << 20),
+        ({}, {"RINGCOMM_CHUNK_BYTES": "1G"}, 1 << 30),
+        ({}, {"RINGCOMM_CHUNK_BYTES": "4096"}, 4096),
+        ({"chunk_bytes": 512}, {}, 512),
+        ({"chunk_bytes": 512}, {"RINGCOMM_CHUNK_BYTES": "1M"}, 512),  # the argument wins
+    ],
+)
+def test_chunk_bytes(kwargs: dict[str, int], env: dict[str, str], expected: int) -> None:
+    cfg = resolve_init_config(**kwargs, env=env)  # type: ignore[arg-type]
+    assert cfg.chunk_bytes == cfg.effective_chunk_bytes == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "1M"])
+def test_chunk_bytes_argument_must_be_a_positive_int(value: object) -> None:
+    # 0 used to mean "the default" silently; now it is an error naming the argument,
+    # even when RINGCOMM_CHUNK_BYTES is set.
+    with pytest.raises(ValueError, match=r"chunk_bytes=.* must be an int > 0"):
+        resolve_init_config(chunk_bytes=value, env={"RINGCOMM_CHUNK_BYTES": "1M"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["0", "0K", "-1", "1.5M", "big"])
+def test_chunk_bytes_variable_rejects(text: str) -> None:
+    with pytest.raises(RendezvousError, match=rf"RINGCOMM_CHUNK_BYTES={text}"):
+        resolve_init_config(env={"RINGCOMM_CHUNK_BYTES": text})
+
+
+def test_init_process_group_refuses_chunk_bytes_0() -> None:
+    import ringcomm as rc
+
+    with pytest.raises(ValueError, match="chunk_bytes=0 must be an int > 0"):
+        rc.init_process_group(0, 1, master_port=0, chunk_bytes=0, env={})
+
+
+def test_init_process_group_hands_settings_to_the_engine() -> None:
+    import ringcomm as rc
+
+    env = {
+        "RINGCOMM_MAX_UNEXPECTED_MESSAGES": "7",
+        "RINGCOMM_MAX_UNEXPECTED_BYTES": "2K",
+        "RINGCOMM_CHUNK_BYTES": "64K",
+    }
+    with rc.init_process_group(0, 1, master_port=0, env=env) as pg:
+        assert (pg._engine.max_unexpected_messages, pg._engine.max_unexpected_bytes) == (7, 2048)
+        assert pg._engine.log_ops is False
+        assert pg.chunk_bytes == 64 << 10
+        sub = pg.new_group([0])
+        assert sub is not None and sub.chunk_bytes == 64 << 10
+    with rc.init_process_group(0, 1, master_port=0, chunk_bytes=1000, timeout_s=7, env={}) as pg:
+        from ringcomm.progress import MAX_UNEXPECTED_BYTES, MAX_UNEXPECTED_MESSAGES
+
+        assert pg._engine.max_unexpected_messages == MAX_UNEXPECTED_MESSAGES
+        assert pg._engine.max_unexpected_bytes == MAX_UNEXPECTED_BYTES
+        pg.chunk_bytes = 2000  # still a tunable attribute; sub-groups inherit it
+        sub = pg.new_group([0])
+        assert sub is not None and (sub.chunk_bytes, sub.timeout_s) == (2000, 7.0)
+
+
+def test_log_debug() -> None:
+    assert resolve_init_config(env={}).log_debug is False
+    assert resolve_init_config(env={"RINGCOMM_LOG": "DEBUG"}).log_debug is True
+    assert resolve_init_config(env={"RINGCOMM_LOG": "info"}).log_debug is False
+
+
+# -- staging pool bound ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, DEFAULT_STAGING_MAX_BYTES),
+        ({"RINGCOMM_STAGING_MAX_BYTES": ""}, DEFAULT_STAGING_MAX_BYTES),
+        ({"RINGCOMM_STAGING_MAX_BYTES": "1048576"}, 1 << 20),
+        ({"RINGCOMM_STAGING_MAX_BYTES": "64K"}, 64 << 10),
+        ({"RINGCOMM_STAGING_MAX_BYTES": "16m"}, 16 << 20),
+        ({"RINGCOMM_STAGING_MAX_BYTES": "2G"}, 2 << 30),
+        ({"RINGCOMM_STAGING_MAX_BYTES": "0"}, 0),  # as before: one buffer at a time
+    ],
+)
+def test_staging_max_bytes(env: dict[str, str], expected: int) -> None:
+    assert DEFAULT_STAGING_MAX_BYTES == 1 << 30
+    assert staging_max_bytes(env) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5G", "-1", "lots", "4T"])
+def test_staging_max_bytes_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match=rf"RINGCOMM_STAGING_MAX_BYTES={text}: invalid size"):
+        staging_max_bytes({"RINGCOMM_STAGING_MAX_BYTES": text})
+
+
+def test_staging_backend_takes_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringcomm.staging import HostStandinBackend
+
+    monkeypatch.setenv("RINGCOMM_STAGING_MAX_BYTES", "8M")
+    assert HostStandinBackend().pool.max_bytes == 8 << 20
+    assert HostStandinBackend(max_staging_bytes=4096).pool.max_bytes == 4096
+    monkeypatch.setenv("RINGCOMM_STAGING_MAX_BYTES", "8 units")
+    with pytest.raises(ValueError, match="RINGCOMM_STAGING_MAX_BYTES"):
+        HostStandinBackend()
+
+
+# -- core binding ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "auto"),
+        ({"RINGCOMM_BIND": ""}, "auto"),
+        ({"RINGCOMM_BIND": "Core"}, "core"),
+        ({"RINGCOMM_BIND": " none "}, "none"),
+    ],
+)
+def test_bind_mode(env: dict[str, str], expected: str) -> None:
+    assert bind_mode(env) == expected
+    assert resolve_init_config(env=env).bind == expected
+
+
+def test_bind_mode_rejects() -> None:
+    with pytest.raises(ValueError, match=r"RINGCOMM_BIND must be one of .*'socket'"):
+        bind_mode({"RINGCOMM_BIND": "socket"})
+    with pytest.raises(RendezvousError, match="RINGCOMM_BIND"):
+        resolve_init_config(env={"RINGCOMM_BIND": "socket"})
+
+
+@pytest.mark.parametrize(
+    ("bind", "local_world_size", "ncores", "expected"),
+    [
+        ("core", None, 4, True),
+        ("core", 1, 4, True),
+        ("none", 8, 2, False),
+        ("auto", 8, 2, True),
+        ("auto", 2, 2, False),
+        ("auto", 1, 2, False),
+        ("auto", None, 1, False),  # ranks on the host unknown: leave it to the OS
+    ],
+)
+def test_binds_to_core(
+    bind: str, local_world_size: int | None, ncores: int, expected: bool
+) -> None:
+    assert binds_to_core(bind, local_world_size, ncores) is expected
+
+
+def test_binds_to_core_rejects_unknown_modes() -> None:
+    with pytest.raises(ValueError, match="bind must be one of"):
+        binds_to_core("socket", 2, 1)
+
+
+# -- ps-server log level, token, master address ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "WARNING"),
+        ({"RINGCOMM_PS_LOG": ""}, "WARNING"),
+        ({"RINGCOMM_PS_LOG": "debug"}, "DEBUG"),
+        ({"RINGCOMM_PS_LOG": "Info"}, "INFO"),
+        ({"RINGCOMM_PS_LOG": "ERROR"}, "ERROR"),
+    ],
+)
+def test_ps_log_level(env: dict[str, str], expected: str) -> None:
+    assert ps_log_level(env) == expected
+
+
+@pytest.mark.parametrize("text", ["loud", "10", "warnings"])
+def test_ps_log_level_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match=rf"RINGCOMM_PS_LOG={text} is not a log level"):
+        ps_log_level({"RINGCOMM_PS_LOG": text})
+
+
+def test_env_token() -> None:
+    assert env_token({}) is None
+    assert env_token({"RINGCOMM_TOKEN": ""}) is None
+    assert env_token({"RINGCOMM_TOKEN": " s3cret "}) == " s3cret "  # a secret: kept as written
+    assert resolve_init_config(env={"RINGCOMM_TOKEN": "t"}).token == "t"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "127.0.0.1"),
+        ({"MASTER_ADDR": "10.0.0.1"}, "10.0.0.1"),
+        ({"MASTER_ADDR": "10.0.0.1", "RINGCOMM_MASTER_ADDR": "10.0.0.9"}, "10.0.0.9"),
+        ({"MASTER_ADDR": "10.0.0.1", "RINGCOMM_MASTER_ADDR": ""}, "10.0.0.1"),
+    ],
+)
+def test_env_master_addr(env: dict[str, str], expected: str) -> None:
+    assert env_master_addr(env) == expected
+
+
+# -- command-line helpers ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(8, "8"), (0, "0"), (4096, "4K"), (64 << 20, "64M"), (3 << 30, "3G"), (1536, "1536")],
+)
+def test_format_size(n: int, text: str) -> None:
+    assert format_size(n) == text
+    assert parse_size(text) == n
+
+
+def test_default_of() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Example:
+        required: int
+        plain: int = 3
+        made: dict[str, float] = dataclasses.field(default_factory=lambda: {"lr": 0.5})
+
+    assert default_of(Example, "plain") == 3
+    assert default_of(Example, "made") == {"lr": 0.5}
+    with pytest.raises(ValueError, match="no default"):
+        default_of(Example, "required")
+    with pytest.raises(ValueError, match="no field"):
+        default_of(Example, "other")
+
+
+def test_cli_defaults_are_the_config_defaults() -> None:
+    from ringcomm.bench.cli import config_from_args as bench_config
+    from ringcomm.bench.spec import BenchConfig
+    from ringcomm.cli import build_parser
+    from ringcomm.engine.cli import config_from_args as train_config
+    from ringcomm.engine.strategy import TrainConfig
+    from ringcomm.ps.cli import config_from_args as ps_config
+    from ringcomm.ps.config import PSConfig
+
+    parser = build_parser()
+    bench = bench_config(parser.parse_args(["bench", "all_reduce", "-n", "2"]), environ={})
+    assert bench == BenchConfig("all_reduce", 2, bind="auto")
+    train = train_config(parser.parse_args(["train", "--strategy", "single"]))
+    assert train == TrainConfig(strategy="single", verbose=True)
+    ps = ps_config(
+        parser.parse_args(
+            ["ps-server", "--coordinator", "h:1", "--index", "0", "--num-workers", "2"]
+        )
+    )
+    assert ps == PSConfig(num_workers=2, optimizer_args={"lr": 0.01, "momentum": 0.0})
+
+
+# -- bad settings through the command line: one error path, exit 2 -------------------------------
+
+
+def test_bench_bad_bind_variable_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringcomm.cli import main
+
+    monkeypatch.setenv("RINGCOMM_BIND", "socket")
+    assert main(["bench", "all_reduce", "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ringcomm bench: error: RINGCOMM_BIND must be one of"), err
+
+
+def test_ps_server_bad_log_level_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringcomm.cli import main
+
+    monkeypatch.setenv("RINGCOMM_PS_LOG", "loud")
+    argv = ["ps-server", "--coordinator", "127.0.0.1:1", "--index", "0", "--num-workers", "1"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "ringcomm ps-server: error: RINGCOMM_PS_LOG=loud is not a log level: use one of "
+        "CRITICAL, FATAL, ERROR, WARN, WARNING, INFO, DEBUG, NOTSET\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ps-server", "--coordinator", "h:1", "--index", "3", "--num-workers", "1"], "--index"),
+        (
+            ["ps-server", "--coordinator", "h:1", "--index", "0", "--num-workers", "0"],
+            "num_workers",
+        ),
+        (["train", "--strategy", "dp", "-n", "0"], "-n must be >= 1"),
+        (["bench", "all_reduce", "-n", "0"], "-n must be >= 1"),
+    ],
+)
+def test_usage_errors_print_once(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringcomm.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ringcomm {argv[0]}: error: ") and message in err, err
+    assert err.count("error:") == 1 and err.endswith("\n") and err.count("\n") == 1
+
+
+def test_a_usage_error_raised_by_any_subcommand_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringcomm import cli
+    from ringcomm.launch import local
+
+    def refuse(args: object) -> int:
+        raise UsageError("no such thing")
+
+    monkeypatch.setattr(local, "config_from_args", refuse)
+    assert cli.main(["run", "x.py"]) == 2
+    assert capsys.readouterr().err == "ringcomm run: error: no such thing\n"

@@ -4,7 +4,9 @@ Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :class:`~ringcomm.bench.spec.BenchConfig`; :class:`UsageError` for what cannot run) ->
 :func:`~ringcomm.bench.runner.run` -> the table and footer on stdout, ``--json`` rows,
 ``--plot`` figure. Exit status: 0; 1 if ``--check`` found wrong values or a rank failed;
-2 for a usage error or a missing optional dependency (torch, mpirun/mpi4py, matplotlib).
+2 for a usage error or a missing optional dependency (torch, mpirun/mpi4py, matplotlib):
+:class:`UsageError`, printed by :mod:`ringcomm.cli`. Option defaults are
+:class:`BenchConfig`'s.
 """
 
 from __future__ import annotations
@@ -14,10 +16,17 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ringcomm.config import UsageError, size_arg
+from ringcomm.config import (
+    BIND_MODES,
+    UsageError,
+    bind_mode,
+    binds_to_core,
+    format_size,
+    size_arg,
+)
 
 from .report import Result, format_footer, format_table, json_row
 from .spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
@@ -46,45 +55,55 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "-b",
         "--minbytes",
         type=size_arg,
-        default=8,
+        default=BenchConfig.begin,
         metavar="SIZE",
-        help="smallest size (default 8; K/M/G suffixes)",
+        help=f"smallest size (default {format_size(BenchConfig.begin)}; K/M/G suffixes)",
     )
     p.add_argument(
         "-e",
         "--maxbytes",
         type=size_arg,
-        default=64 << 20,
+        default=BenchConfig.end,
         metavar="SIZE",
-        help="largest size (default 64M)",
+        help=f"largest size (default {format_size(BenchConfig.end)})",
     )
     p.add_argument(
         "-f",
         "--stepfactor",
         type=int,
-        default=2,
+        default=BenchConfig.factor,
         metavar="F",
-        help="size multiplier between steps (default 2)",
+        help="size multiplier between steps (default %(default)s)",
     )
     p.add_argument(
-        "--iters", type=int, default=20, help="timed iterations per size and round (default 20)"
+        "--iters",
+        type=int,
+        default=BenchConfig.iters,
+        help="timed iterations per size and round (default %(default)s)",
     )
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=BenchConfig.warmup,
+        help="untimed iterations first (default %(default)s)",
+    )
     p.add_argument(
         "--dtype",
-        default="float32",
+        default=BenchConfig.dtype,
         choices=SUPPORTED_DTYPE_NAMES,
         metavar="DTYPE",
-        help="element type (default float32)",
+        help="element type (default %(default)s)",
     )
     p.add_argument(
         "--op",
         dest="redop",
-        default="sum",
+        default=BenchConfig.redop,
         choices=_REDOPS,
-        help="reduce op of all_reduce/reduce_scatter (default sum)",
+        help="reduce op of all_reduce/reduce_scatter (default %(default)s)",
     )
-    p.add_argument("--root", type=int, default=0, help="broadcast root (default 0)")
+    p.add_argument(
+        "--root", type=int, default=BenchConfig.root, help="broadcast root (default %(default)s)"
+    )
     p.add_argument(
         "--check",
         action="store_true",
@@ -114,7 +133,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device",
-        default="host",
+        default=",".join(BenchConfig.devices),
         metavar="D[,D...]",
         help="where ringcomm's buffers live: host (NumPy), cuda (CuPy on the current GPU), "
         "host-staged (NumPy through the staging path CuPy takes); several, comma-separated, "
@@ -122,7 +141,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bind",
-        choices=("auto", "none", "core"),
+        choices=BIND_MODES,
         default=None,
         help="core: each rank's driving thread on one core, rank modulo the cores (Gloo's "
         "threads, started later, inherit it); auto: so when ranks > cores; default: "
@@ -133,7 +152,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout-s",
         type=float,
-        default=1800.0,
+        default=BenchConfig.timeout_s,
         metavar="S",
         help="bound on the whole job (default %(default)s)",
     )
@@ -142,8 +161,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Validate parsed arguments into a :class:`BenchConfig`; raise :class:`UsageError`."""
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> BenchConfig:
+    """Validate parsed arguments into a :class:`BenchConfig`; raise :class:`UsageError`.
+
+    Without ``--bind`` the ranks inherit ``RINGCOMM_BIND`` from ``environ`` (default
+    ``os.environ``): that setting, checked here, is the config's ``bind``.
+    """
     if args.hostfile is not None:
         raise UsageError(
             "--hostfile: multi-host benchmarks are not implemented yet (the multi-host "
@@ -182,6 +207,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise UsageError(f"--device lists a device twice: {','.join(devices)}")
     if args.compare == "mpi" and devices != ("host",):
         raise UsageError("--compare mpi runs host buffers only (drop --device)")
+    bind = args.bind
+    if bind is None:
+        try:
+            bind = bind_mode(environ)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     config = BenchConfig(
         op=args.op,
         world_size=args.nproc,
@@ -197,11 +228,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         compare=args.compare,
         rounds=rounds,
         timeout_s=args.timeout_s,
-        op_timeout_s=min(120.0, args.timeout_s),
+        op_timeout_s=min(BenchConfig.op_timeout_s, args.timeout_s),
         quiet=args.quiet,
         mpi_tcp=args.mpi_tcp,
         devices=devices,
-        bind=args.bind,
+        bind=bind,
     )
     _check_available(config, args.plot)
     return config
@@ -253,8 +284,9 @@ def preamble(config: BenchConfig) -> str:
     versus = f"; compared with {config.compare}" if config.compare else ""
     if config.devices != ("host",):
         versus += f"; buffers on {', '.join(config.devices)}"
-    bind = config.bind or os.environ.get("RINGCOMM_BIND") or "auto"
-    if bind == "core" or (bind == "auto" and config.world_size > len(os.sched_getaffinity(0))):
+    bind = config.bind if config.bind is not None else bind_mode()  # None: as inherited
+    # The ranks' own rule (ringcomm.config.binds_to_core); the job's ranks are this host's.
+    if binds_to_core(bind, config.world_size, len(os.sched_getaffinity(0))):
         versus += "; each rank bound to a core"
     lines = [
         (
@@ -295,11 +327,7 @@ def write_outputs(
 
 def main(args: argparse.Namespace) -> int:
     """``ringcomm bench``: see the module docstring for the exit status."""
-    try:
-        config = config_from_args(args)
-    except UsageError as exc:
-        print(f"{_PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)
     from ringcomm.errors import RankFailedError
 
     from .runner import run

@@ -5,7 +5,8 @@ Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :func:`run_training` (``rc.spawn`` for N ranks; ``single`` in this
 process) -> a summary on stdout and the ``--json`` object (DESIGN.md §2). Exit status: 0;
 1 if a rank failed; 2 for a usage error or
-``--device cuda`` without CuPy or a GPU.
+``--device cuda`` without CuPy or a GPU (:class:`UsageError`, printed by :mod:`ringcomm.cli`).
+Option defaults are :class:`~ringcomm.engine.strategy.TrainConfig`'s.
 
 Devices: ``cpu`` (NumPy), ``cuda`` (CuPy: model state and activations on the GPU, staged
 through pinned host buffers by ringcomm), ``host-staged`` (NumPy compute, every
@@ -21,7 +22,7 @@ import os
 import sys
 from typing import Any
 
-from ringcomm.config import UsageError, size_arg
+from ringcomm.config import UsageError, format_size, size_arg
 from ringcomm.errors import RingcommError
 from ringcomm.launch.spawn import spawn
 from ringcomm.schedule.pipeline import SCHEDULES
@@ -73,45 +74,64 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "strategy over N local ranks. Every strategy computes the same losses as "
         "--strategy single for the same seed and global batch.",
     )
+    d = TrainConfig  # the defaults, written once
     p.add_argument("--strategy", choices=STRATEGY_NAMES, required=True)
-    p.add_argument("-n", "--nproc", type=int, default=1, metavar="N", help="number of ranks")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument(
+        "-n", "--nproc", type=int, default=d.world_size, metavar="N", help="number of ranks"
+    )
+    p.add_argument(
+        "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
+    )
     p.add_argument(
         "--device",
         choices=DEVICES,
-        default="cpu",
+        default=d.device,
         help="cpu (NumPy), cuda (CuPy on the GPU), or host-staged (NumPy compute, every "
         "collective/p2p through the staged device path with stand-in device arrays)",
     )
-    p.add_argument("--micro-batches", type=int, default=4, metavar="M", help="pipeline only")
-    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe", help="pipeline only")
+    p.add_argument(
+        "--micro-batches", type=int, default=d.micro_batches, metavar="M", help="pipeline only"
+    )
+    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline only")
     p.add_argument("--json", metavar="FILE", help="write the result object to FILE")
     g = p.add_argument_group("model and optimizer")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--batch-size", type=int, default=64, help="global batch (default 64)")
-    g.add_argument("--in-features", type=int, default=64)
-    g.add_argument("--hidden", type=int, default=256)
-    g.add_argument("--layers", type=int, default=4, dest="depth", metavar="L", help="hidden blocks")
-    g.add_argument("--classes", type=int, default=10)
-    g.add_argument("--act", choices=("gelu", "relu"), default="gelu")
+    g.add_argument("--dtype", choices=("float32", "float64"), default=d.dtype)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer)
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="global batch (default %(default)s)"
+    )
+    g.add_argument("--in-features", type=int, default=d.in_features)
+    g.add_argument("--hidden", type=int, default=d.hidden)
+    g.add_argument(
+        "--layers", type=int, default=d.depth, dest="depth", metavar="L", help="hidden blocks"
+    )
+    g.add_argument("--classes", type=int, default=d.classes)
+    g.add_argument("--act", choices=("gelu", "relu"), default=d.act)
     b = p.add_argument_group("gradient buckets (dp, zero1, zero2)")
     bx = b.add_mutually_exclusive_group()
-    bx.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (25)")
+    bx.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help=f"bucket size in MiB ({d.bucket_bytes / 2**20:g})",
+    )
     bx.add_argument("--bucket-bytes", type=size_arg, default=None, help="bucket size, e.g. 1M")
     s = p.add_argument_group("parameter server (--strategy ps)")
-    s.add_argument("--ps-servers", type=int, default=1, metavar="S")
-    s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default="bsp")
-    s.add_argument("--staleness", type=int, default=0, metavar="K")
-    s.add_argument("--ps-update", choices=("server", "worker"), default="server")
+    s.add_argument("--ps-servers", type=int, default=d.ps_servers, metavar="S")
+    s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default=d.consistency)
+    s.add_argument("--staleness", type=int, default=d.staleness, metavar="K")
+    s.add_argument("--ps-update", choices=("server", "worker"), default=d.ps_update)
     s.add_argument("--checkpoint-dir", metavar="DIR", help="servers checkpoint here (and resume)")
-    s.add_argument("--checkpoint-interval", type=int, default=0, metavar="STEPS",
+    s.add_argument("--checkpoint-interval", type=int, default=d.ps_checkpoint_interval,
+                   metavar="STEPS",
                    help="steps between server checkpoints (0: only at the end)")  # fmt: skip
-    s.add_argument("--ps-split-min-bytes", type=size_arg, default=1 << 20, metavar="SIZE",
-                   help="layers this big are split over every server (1M)")  # fmt: skip
-    p.add_argument("--timeout-s", type=float, default=300.0, help="bound on the whole job")
+    s.add_argument("--ps-split-min-bytes", type=size_arg, default=d.ps_split_min_bytes,
+                   metavar="SIZE",
+                   help="layers this big are split over every server "
+                   f"({format_size(d.ps_split_min_bytes)})")  # fmt: skip
+    p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="bound on the whole job")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
     p.set_defaults(main=main)
     return p
@@ -139,8 +159,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--batch-size {args.batch_size} leaves ranks without rows at -n {n}")
     if args.bucket_bytes is not None:
         bucket = args.bucket_bytes
+    elif args.bucket_mb is not None:
+        bucket = int(args.bucket_mb * 2**20)
     else:
-        bucket = int((25.0 if args.bucket_mb is None else args.bucket_mb) * 2**20)
+        bucket = TrainConfig.bucket_bytes
     if bucket < 1:
         raise UsageError("bucket size must be > 0")
     if args.strategy == "ps":
@@ -154,7 +176,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             )
         if args.checkpoint_interval and not args.checkpoint_dir:
             raise UsageError("--checkpoint-interval needs --checkpoint-dir")
-    array_module(args.device)  # StrategyUnavailable without CuPy / a GPU
+    try:
+        array_module(args.device)  # StrategyUnavailable without CuPy / a GPU
+    except StrategyUnavailable as exc:
+        raise UsageError(str(exc)) from None
     return TrainConfig(
         strategy=args.strategy,
         world_size=n,
@@ -228,11 +253,8 @@ def format_summary(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args)
-    except (UsageError, StrategyUnavailable) as exc:
-        print(f"{_PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    """``ringcomm train``: see the module docstring for the exit status."""
+    cfg = config_from_args(args)
     try:
         per_rank = run_training(cfg)
     except RingcommError as exc:

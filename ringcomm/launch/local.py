@@ -139,11 +139,7 @@ def config_from_args(
 
 def main(args: argparse.Namespace) -> int:
     """Local ``ringcomm run``: exit status of the job (see :func:`run`); 2 for a usage error."""
-    try:
-        config = config_from_args(args)
-    except UsageError as exc:
-        note(f"error: {exc}")
-        return 2
+    config = config_from_args(args)  # a UsageError: ringcomm.cli prints it, exits 2
     if config.dry_run:
         sys.stdout.write(format_dry_run(config))
         sys.stdout.flush()

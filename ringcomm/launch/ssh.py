@@ -537,11 +537,7 @@ class _SshRank(RankProcess):
 
 def main(args: argparse.Namespace) -> int:
     """Multi-host ``ringcomm run``: the job's exit status; 2 for a usage error."""
-    try:
-        config = config_from_args(args)
-    except UsageError as exc:
-        note(f"error: {exc}")
-        return 2
+    config = config_from_args(args)  # a UsageError: ringcomm.cli prints it, exits 2
     if config.dry_run:
         master_addr = config.master_addr or resolve_hostname(config, config.placements[0].host)
         sys.stdout.write(format_dry_run(config, master_addr))

@@ -4,7 +4,10 @@ The server meets the job's workers through a coordinator store (``--coordinator
 HOST:PORT``, e.g. the job's ``MASTER_ADDR:MASTER_PORT``), serves until every worker closed its
 client, writes a final checkpoint and exits 0. Started again with the same ``--index`` and
 ``--checkpoint-dir`` after a crash, it restores its latest checkpoint and the job re-forms
-around it (:mod:`ringcomm.ps.membership`). Exit status: 0 done, 1 failed, 2 usage error.
+around it (:mod:`ringcomm.ps.membership`). Exit status: 0 done, 1 failed, 2 usage error
+(:class:`~ringcomm.config.UsageError`, printed by :mod:`ringcomm.cli`). Settings from the
+environment (parsed in :mod:`ringcomm.config`): ``RINGCOMM_PS_LOG`` (log level, default
+WARNING), ``RINGCOMM_TOKEN``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import logging
 import os
 import sys
 from typing import Any
+
+from ringcomm.config import UsageError, default_of, env_token, ps_log_level
 
 __all__ = ["add_parser", "config_from_args", "main"]
 
@@ -30,7 +35,7 @@ def _address(text: str) -> tuple[str, int]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ps-server`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
-    from .config import CONSISTENCY_MODES, UPDATE_MODES
+    from .config import CONSISTENCY_MODES, UPDATE_MODES, PSConfig
     from .updaters import UPDATERS
 
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -51,33 +56,43 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--ps-servers", type=int, default=1, metavar="S", help="number of servers (default 1)"
     )
     p.add_argument("--num-workers", type=int, required=True, metavar="W", help="number of workers")
-    p.add_argument("--consistency", choices=CONSISTENCY_MODES, default="bsp")
-    p.add_argument("--staleness", type=int, default=0, metavar="K", help="ssp bound (default 0)")
+    p.add_argument("--consistency", choices=CONSISTENCY_MODES, default=PSConfig.consistency)
+    p.add_argument(
+        "--staleness",
+        type=int,
+        default=PSConfig.staleness,
+        metavar="K",
+        help="ssp bound (default %(default)s)",
+    )
     p.add_argument(
         "--ps-update",
         choices=UPDATE_MODES,
-        default="server",
+        default=PSConfig.update,
         help="server: apply the optimizer here; worker: only average",
     )
     p.add_argument(
         "--reduce",
         choices=("avg", "sum"),
-        default="avg",
+        default=PSConfig.reduce,
         help="combine a step's gradients by mean (default) or sum",
     )
-    p.add_argument("--optimizer", choices=sorted(UPDATERS), default="sgd")
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--optimizer", choices=sorted(UPDATERS), default=PSConfig.optimizer)
+    p.add_argument("--lr", type=float, default=default_of(PSConfig, "optimizer_args")["lr"])
     p.add_argument("--momentum", type=float, default=0.0, help="sgd momentum (default 0)")
-    p.add_argument("--checkpoint-dir", default=None, metavar="DIR")
+    p.add_argument("--checkpoint-dir", default=PSConfig.checkpoint_dir, metavar="DIR")
     p.add_argument(
         "--checkpoint-every",
         type=int,
-        default=0,
+        default=PSConfig.checkpoint_every_steps,
         metavar="STEPS",
         help="checkpoint each time the slowest worker passes another STEPS steps",
     )
     p.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="deadline of every wait"
+        "--timeout",
+        type=float,
+        default=PSConfig.timeout_s,
+        metavar="S",
+        help="deadline of every wait",
     )
     p.add_argument(
         "--join-timeout",
@@ -98,37 +113,41 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    """Validate parsed arguments into a :class:`~ringcomm.ps.config.PSConfig`; raise
+    :class:`UsageError` (for a bad ``--index`` too)."""
     from .config import PSConfig
 
     opt: dict[str, Any] = {"lr": args.lr}
     if args.optimizer == "sgd":
         opt["momentum"] = args.momentum
-    return PSConfig(
-        num_workers=args.num_workers,
-        consistency=args.consistency,
-        staleness=args.staleness,
-        update=args.ps_update,
-        optimizer=args.optimizer,
-        optimizer_args=opt,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every_steps=args.checkpoint_every,
-        timeout_s=args.timeout,
-        reduce=args.reduce,
-    )
+    try:
+        config = PSConfig(
+            num_workers=args.num_workers,
+            consistency=args.consistency,
+            staleness=args.staleness,
+            update=args.ps_update,
+            optimizer=args.optimizer,
+            optimizer_args=opt,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every_steps=args.checkpoint_every,
+            timeout_s=args.timeout,
+            reduce=args.reduce,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not 0 <= args.index < args.ps_servers:
+        raise UsageError(f"--index must be in [0, {args.ps_servers}), got {args.index}")
+    return config
 
 
 def main(args: argparse.Namespace) -> int:
+    """``ringcomm ps-server``: 0 done, 1 failed; :class:`UsageError` for what cannot run."""
+    config = config_from_args(args)
     try:
-        config = config_from_args(args)
-        if not 0 <= args.index < args.ps_servers:
-            raise ValueError(f"--index must be in [0, {args.ps_servers}), got {args.index}")
+        level = ps_log_level(os.environ)
     except ValueError as exc:
-        print(f"{_PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(
-        level=os.environ.get("RINGCOMM_PS_LOG", "WARNING").upper(),
-        format=f"[ps-server {args.index}] %(message)s",
-    )
+        raise UsageError(str(exc)) from None
+    logging.basicConfig(level=level, format=f"[ps-server {args.index}] %(message)s")
     from ..errors import RingcommError
     from .membership import run_server
 
@@ -138,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
             args.index,
             args.ps_servers,
             config,
-            token=os.environ.get("RINGCOMM_TOKEN") or None,
+            token=env_token(os.environ),
             join_timeout_s=args.join_timeout,
             host=args.host,
         )

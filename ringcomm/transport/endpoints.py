@@ -2,7 +2,8 @@
 
 Each rank binds one receive socket on an ``ipc://`` path (peers on the same host) and a
 ``tcp://`` address (peers elsewhere). A peer is reached over ipc:// when it reports the
-same host identity, else over tcp://; ``RINGCOMM_TRANSPORT=tcp|ipc|auto`` overrides.
+same host identity, else over tcp://; ``RINGCOMM_TRANSPORT=tcp|ipc|auto`` overrides
+(parsed in :mod:`ringcomm.config`, handed to :func:`choose_endpoint` as ``mode``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import TRANSPORT_MODES  # re-exported: the modes are parsed in ringcomm.config
+
 __all__ = [
     "TRANSPORT_MODES",
     "EndpointInfo",
@@ -22,8 +25,6 @@ __all__ = [
     "ipc_path",
     "local_address_towards",
 ]
-
-TRANSPORT_MODES = ("auto", "ipc", "tcp")
 
 
 @dataclass(frozen=True)
