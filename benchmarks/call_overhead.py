@@ -27,7 +27,11 @@ import numpy as np
 import ringcomm as rc
 from ringcomm.config import resolve_init_config
 from ringcomm.group import ProcessGroup
-from ringcomm.progress import Engine
+
+try:  # the progress engine's class was called Engine before issue 16
+    from ringcomm.progress import Progress
+except ImportError:
+    from ringcomm.progress import Engine as Progress  # type: ignore[attr-defined,no-redef]
 from ringcomm.transport.wire import INLINE_MAX_BYTES
 
 try:  # the tree measured may predate the group core / transport boundary (A/B runs)
@@ -84,12 +88,12 @@ def mirror_group(world_size: int) -> ProcessGroup:
     """Rank 0 of a group of ``world_size`` over a MirrorTransport."""
     assert world_size < 128, "the mirror rewrites a one-byte src"
     config = resolve_init_config(0, world_size, master_addr="127.0.0.1", master_port=1, env={})
-    engine = Engine(MirrorTransport(world_size), 0)  # type: ignore[arg-type]
+    progress = Progress(MirrorTransport(world_size), 0)  # type: ignore[arg-type]
     if GroupCore is None:
         from ringcomm.group import _Shared  # type: ignore[attr-defined]
 
-        return ProcessGroup(_Shared(config, engine, None, None, 4 << 20), range(world_size), 0)  # type: ignore[call-arg,arg-type]
-    state = ProcessState(config, engine, None, None, 4 << 20)
+        return ProcessGroup(_Shared(config, progress, None, None, 4 << 20), range(world_size), 0)  # type: ignore[call-arg,arg-type]
+    state = ProcessState(config, progress, None, None, 4 << 20)
     return ProcessGroup(GroupCore(state, range(world_size), 0))
 
 

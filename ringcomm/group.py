@@ -38,7 +38,7 @@ from .progress import (
     DEPART_ERROR,
     MAX_UNEXPECTED_BYTES,
     MAX_UNEXPECTED_MESSAGES,
-    Engine,
+    Progress,
 )
 from .rendezvous import Store, StoreServer
 from .transport.endpoints import (
@@ -129,7 +129,7 @@ class ProcessGroup:
         tag = check_tag(tag, what)
         core.check_usable("send")
         return send_op_class(x)(
-            core.engine,
+            core.progress,
             x,
             src_global=core.global_rank,
             dst_global=core.ranks[dst],
@@ -149,7 +149,7 @@ class ProcessGroup:
         tag = check_tag(tag, what)
         core.check_usable("recv")
         return recv_op_class(x)(
-            core.engine,
+            core.progress,
             x,
             src_global=core.ranks[src],
             src=src,
@@ -296,7 +296,7 @@ class ProcessGroup:
     # -- introspection -----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Counters of this process's transport (shared by all its groups)."""
-        e = self.core.engine
+        e = self.core.progress
         t = e.transport
         e.check_health()  # reads pending connection events (auth failures, drops)
         return {
@@ -313,7 +313,7 @@ class ProcessGroup:
 
     def failed_peers(self) -> list[int]:
         """Global ranks this process saw fail (empty while the group is healthy)."""
-        return sorted(self.core.engine.failed_peers)
+        return sorted(self.core.progress.failed_peers)
 
     # -- closing -----------------------------------------------------------------------
     def close(self) -> None:
@@ -326,7 +326,7 @@ class ProcessGroup:
         core.closed = True
         if not core.is_world:  # its unfinished operations fail
             rank = core.rank
-            core.engine.abort(
+            core.progress.abort(
                 lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first"),
                 group=core.group_id,
             )
@@ -513,7 +513,7 @@ def init_process_group(
             _bind_to_core(cfg.local_rank)
         if cfg.log_debug:
             _enable_debug_log()
-        engine = Engine(
+        progress = Progress(
             net,
             cfg.rank,
             max_unexpected_messages=(
@@ -526,7 +526,7 @@ def init_process_group(
             ),
             log_ops=cfg.log_debug,
         )
-        state = ProcessState(cfg, engine, store, server, cfg.effective_chunk_bytes)
+        state = ProcessState(cfg, progress, store, server, cfg.effective_chunk_bytes)
         state.peers = infos
         lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
         return ProcessGroup(GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID))

@@ -25,7 +25,7 @@ from typing import Any
 from . import lifecycle
 from .config import InitConfig
 from .errors import CommTimeoutError, GroupClosedError, RingcommError
-from .progress import DEPART_ERROR, Engine, Op, SerialQueue
+from .progress import DEPART_ERROR, Op, Progress, SerialQueue
 from .rendezvous import Store, StoreServer
 from .transport.endpoints import EndpointInfo, host_identity
 from .work import Work
@@ -59,13 +59,13 @@ class ProcessState:
     def __init__(
         self,
         config: InitConfig,
-        engine: Engine,
+        progress: Progress,
         store: Store | None,
         server: StoreServer | None,
         chunk_bytes: int,
     ) -> None:
         self.config = config
-        self.engine = engine
+        self.progress = progress
         self.store = store
         self.server = server
         self.chunk_bytes = chunk_bytes
@@ -85,8 +85,8 @@ class ProcessState:
         if self.closed:
             return
         self.closed = True
-        self.engine.farewell(why, skip=self._gone)
-        self.engine.transport.remove_files()
+        self.progress.farewell(why, skip=self._gone)
+        self.progress.transport.remove_files()
 
     def _gone(self, peer: int) -> bool:
         """Whether global rank ``peer`` is known to have exited (a same-host process)."""
@@ -118,24 +118,24 @@ class ProcessState:
                 return
             self.closed = True
         lifecycle.unregister(self)
-        engine, store, server = self.engine, self.store, self.server
+        progress, store, server = self.progress, self.store, self.server
         rank = self.config.rank
         try:
             if kind == DEPART_ERROR:
-                engine.farewell(why, skip=self._gone)
+                progress.farewell(why, skip=self._gone)
                 self._let_culprit_go_first()
-            engine.abort(
+            progress.abort(
                 lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first")
             )
             if kind != DEPART_ERROR:
-                engine.read_control()  # who left or failed meanwhile
-                if engine.failure is None:
-                    engine.say_goodbye(linger_s, kind)  # peers waiting on us fail now
-                if store is not None and engine.failure is None and checkout_s > 0:
+                progress.read_control()  # who left or failed meanwhile
+                if progress.failure is None:
+                    progress.say_goodbye(linger_s, kind)  # peers waiting on us fail now
+                if store is not None and progress.failure is None and checkout_s > 0:
                     self._check_out(store, server, checkout_s)
         finally:
-            failed = kind == DEPART_ERROR or engine.failure is not None
-            engine.close(0.0 if failed else linger_s, kind)
+            failed = kind == DEPART_ERROR or progress.failure is not None
+            progress.close(0.0 if failed else linger_s, kind)
             if store is not None:
                 store.close()
             if server is not None:
@@ -145,7 +145,7 @@ class ProcessState:
         """This rank fails because a peer did: wait (briefly) until that peer's process
         is gone (its pid on this host, its connection elsewhere), so a launcher sees the
         culprit's exit first and reports its exit code, not this victim's."""
-        failure = self.engine.failure
+        failure = self.progress.failure
         peer = getattr(failure, "peer", None)
         if not isinstance(peer, int):
             return
@@ -154,7 +154,7 @@ class ProcessState:
             return
         if info.host_id == self.host_id:
             wait_for_exit(info.pid, CULPRIT_WAIT_S)
-        elif self.engine.wait_disconnected(peer, CULPRIT_WAIT_S):
+        elif self.progress.wait_disconnected(peer, CULPRIT_WAIT_S):
             # Its exit status still travels to the launcher (ssh): give it a head start.
             time.sleep(CULPRIT_REMOTE_LEAD_S)
 
@@ -162,9 +162,9 @@ class ProcessState:
         """Count this rank out of the store. Its host keeps serving until every rank has
         checked out (a rank may still be reading its last rendezvous reply), at most
         ``limit_s``, and no longer once a rank is gone (it will never check out)."""
-        engine = self.engine
+        progress = self.progress
         world = self.config.world_size
-        if not self.config.store_external and engine.departed(0) and server is None:
+        if not self.config.store_external and progress.departed(0) and server is None:
             return  # rank 0 served the store and has left
         try:
             n = store.add("__closed__", 1, timeout_s=max(limit_s, 0.1))
@@ -183,9 +183,9 @@ class ProcessState:
                     return
                 except CommTimeoutError:
                     pass
-                engine.read_control()
-                if engine.failure is not None or all(
-                    engine.departed(r) for r in range(world) if r != self.config.rank
+                progress.read_control()
+                if progress.failure is not None or all(
+                    progress.departed(r) for r in range(world) if r != self.config.rank
                 ):
                     return  # a rank failed (it never checks out), or everyone left
         except RingcommError:
@@ -200,7 +200,7 @@ class GroupCore:
 
     def __init__(self, state: ProcessState, ranks: Sequence[int], group_id: int) -> None:
         self.state = state
-        self.engine: Engine = state.engine
+        self.progress: Progress = state.progress
         self.ranks: tuple[int, ...] = tuple(ranks)  # group rank -> global rank
         self.group_id = group_id
         me = state.config.rank
@@ -230,9 +230,9 @@ class GroupCore:
         """Raise if a call named ``what`` may not run: the group is closed, or failed."""
         if self.closed or self.state.closed:
             raise GroupClosedError(f"rank {self.rank}: {what}: the process group is closed")
-        engine = self.engine
-        if engine.failure is not None:  # a peer failed: this and every later call raise
-            raise engine.failed_error(what)
+        progress = self.progress
+        if progress.failure is not None:  # a peer failed: this and every later call raise
+            raise progress.failed_error(what)
         if self.failed is not None:
             raise GroupClosedError(
                 f"rank {self.rank}: {what}: the process group failed earlier and stays "
@@ -254,11 +254,11 @@ class GroupCore:
         A failed op whose class says so (``Op.fails_group``: collectives) fails the group."""
         t = self.timeout(timeout_s)
         if not op.started:
-            self.engine.submit(op)
+            self.progress.submit(op)
         if async_op:
-            return Work(self.engine, op, t)
+            return Work(self.progress, op, t)
         try:
-            return self.engine.wait(op, t, deadline)
+            return self.progress.wait(op, t, deadline)
         except RingcommError as exc:
             if op.fails_group and self.failed is None:
                 self.failed = exc

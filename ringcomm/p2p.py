@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import MessageMismatchError, RingcommError
-from .progress import Engine, Op
+from .progress import Op, Progress
 from .schedule.chunks import chunk_spans
 from .transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 
@@ -27,7 +27,7 @@ class SendOp(Op):
 
     def __init__(
         self,
-        engine: Engine,
+        progress: Progress,
         x: np.ndarray,
         *,
         src_global: int,
@@ -39,7 +39,7 @@ class SendOp(Op):
         rank: int,
         async_op: bool = False,
     ) -> None:
-        super().__init__(engine, async_op=async_op)
+        super().__init__(progress, async_op=async_op)
         self.x = x
         self.dst = dst
         self.src_global = src_global
@@ -75,7 +75,7 @@ class SendOp(Op):
                 tuple(x.shape) if i == 0 else None,
             )
             self.add_tracker(
-                self.engine.send(self.dst_global, None, pack_header(header), mv[off : off + length], length)
+                self.progress.send(self.dst_global, None, pack_header(header), mv[off : off + length], length)
             )
             self.sent_pieces = i + 1
         self.settle()
@@ -89,7 +89,7 @@ class RecvOp(Op):
 
     def __init__(
         self,
-        engine: Engine,
+        progress: Progress,
         x: np.ndarray,
         *,
         src_global: int,
@@ -99,7 +99,7 @@ class RecvOp(Op):
         rank: int,
         async_op: bool = False,
     ) -> None:
-        super().__init__(engine, async_op=async_op)
+        super().__init__(progress, async_op=async_op)
         self.x = x
         self.data = x.reshape(-1).view(np.uint8)
         self.key = (src_global, group_id, KIND_P2P, tag)
@@ -116,7 +116,7 @@ class RecvOp(Op):
         return f"recv from peer {self.src} (op recv, tag {self.tag}, {self.x.dtype}[{self.x.size}])"
 
     def start(self) -> None:
-        self.engine.post(self.key, self)
+        self.progress.post(self.key, self)
 
     def on_piece(self, header: Header, payload: memoryview) -> bool:
         if self.done:  # finished by a timeout while pieces were in flight: discard them
@@ -160,7 +160,7 @@ class RecvOp(Op):
     def on_timeout(self, error: RingcommError) -> bool:
         if self.got == 0:
             # Nothing consumed yet: withdraw cleanly, later messages match later receives.
-            self.engine.unpost(self.key, self)
+            self.progress.unpost(self.key, self)
             return True
         # Part of the message was consumed: keep discarding the rest (on_piece checks
         # ``done``), but the caller's buffer holds a partial message.

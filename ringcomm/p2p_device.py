@@ -39,8 +39,8 @@ def recv_op_class(x: Any) -> type[RecvOp]:
 
 
 class StagedSendOp(SendOp):
-    def __init__(self, engine: Any, x: Any, **kwargs: Any) -> None:
-        super().__init__(engine, x, **kwargs)
+    def __init__(self, progress: Any, x: Any, **kwargs: Any) -> None:
+        super().__init__(progress, x, **kwargs)
         self.backend = backend_for(x)
         self.ready_event = self.backend.caller_event()  # at the call, on the caller's stream
 
@@ -70,15 +70,15 @@ class StagedSendOp(SendOp):
         self.settle()
 
     def _send_piece(self, header: Header, length: int, payload: Any) -> Any:
-        tracker = self.engine.send(self.dst_global, None, pack_header(header), payload, length)
+        tracker = self.progress.send(self.dst_global, None, pack_header(header), payload, length)
         self.add_tracker(tracker)
         self.sent_pieces += 1
         return tracker
 
 
 class StagedRecvOp(RecvOp):
-    def __init__(self, engine: Any, x: Any, **kwargs: Any) -> None:
-        super().__init__(engine, x, **kwargs)
+    def __init__(self, progress: Any, x: Any, **kwargs: Any) -> None:
+        super().__init__(progress, x, **kwargs)
         self.backend = backend_for(x)
         self.ready_event = self.backend.caller_event()
         self.dev_u8 = x.reshape(-1).view(np.uint8)

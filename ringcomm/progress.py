@@ -8,21 +8,21 @@ runs only while asynchronous work (``isend``/``irecv``/``async_op=True``) is pen
 that such work moves while the caller computes; a caller that finds the lock taken waits
 on its operation's event and the thread completes it. A driver that leaves (its operation
 done) hands the engine over at once: it wakes one waiting thread, which drives next
-(:meth:`Engine._hand_over`); the waiters' 5 ms sleep slice is only a backstop.
+(:meth:`Progress._hand_over`); the waiters' 5 ms sleep slice is only a backstop.
 
 Operations are small state machines (:class:`Op`): ``start()`` queues the first sends and
-posts receivers; receivers are fed pieces in arrival order by :meth:`Engine.dispatch`, so a
+posts receivers; receivers are fed pieces in arrival order by :meth:`Progress.dispatch`, so a
 piece is copied or reduced as soon as it arrives while later pieces are still on the wire.
-Everything below runs under the driver lock except :meth:`Engine.submit`,
-:meth:`Engine.wait` and :meth:`Engine.exchange`, which take it themselves.
+Everything below runs under the driver lock except :meth:`Progress.submit`,
+:meth:`Progress.wait` and :meth:`Progress.exchange`, which take it themselves.
 
-Fast lane (:meth:`Engine.exchange`): a blocking one-step exchange of one-piece messages
+Fast lane (:meth:`Progress.exchange`): a blocking one-step exchange of one-piece messages
 (the small all_reduce) skips ops' bookkeeping while nothing else needs the engine: it sends,
 takes its peers' messages off the socket (dispatching everyone else's) and hands the call
 over to its regular op on anything unusual. Per call, the Python around two zmq calls is
 what a small message costs; measured: 8 B all_reduce W=4 ~360 -> ~210 us, W=2 ~85 -> ~55 us.
 
-Liveness and failure (:meth:`Engine._check_health`, at most every ``HEALTH_CHECK_S``, from
+Liveness and failure (:meth:`Progress._check_health`, at most every ``HEALTH_CHECK_S``, from
 the driving thread's rounds, never per message): the transport reports connections that
 dropped (a peer killed, crashed, or silent past the heartbeat timeout). A peer that said
 goodbye (``close()`` sends one to everyone) is not a failure; one whose connection dropped
@@ -89,8 +89,8 @@ __all__ = [
     "SUSPECT_GRACE_S",
     "WAIT_SLICE_S",
     "ZERO_COPY_MIN_BYTES",
-    "Engine",
     "Op",
+    "Progress",
     "Receiver",
     "SerialQueue",
     "Stream",
@@ -124,7 +124,7 @@ CTRL_PEER_FAILED = 2
 CTRL_QUERY = 3
 CTRL_STATE = 4
 
-#: How a rank leaves (:meth:`Engine.close`, :meth:`Engine.farewell`); the other two
+#: How a rank leaves (:meth:`Progress.close`, :meth:`Progress.farewell`); the other two
 #: kinds are the process's exit paths (lifecycle.py).
 DEPART_CLOSE = "close"
 _DEPARTURE_NOTES = {
@@ -173,8 +173,8 @@ class Op:
     #: Completion callbacks (``Work.add_done_callback``); None until one is added.
     _callbacks: list[Callable[[Op], None]] | None = None
 
-    def __init__(self, engine: Engine, desc: str = "", *, async_op: bool = False) -> None:
-        self.engine = engine
+    def __init__(self, progress: Progress, desc: str = "", *, async_op: bool = False) -> None:
+        self.progress = progress
         self._desc = desc
         self.async_op = async_op
         self.done = False
@@ -231,7 +231,7 @@ class Op:
         if not self._trackers or self.pending_tracker() is None:
             self.finish()
         else:
-            self.engine.track(self)
+            self.progress.track(self)
 
     # -- completion --------------------------------------------------------------------
     def finish(self, error: BaseException | None = None) -> None:
@@ -242,11 +242,11 @@ class Op:
         event = self._event
         if event is not None:
             event.set()
-        engine = self.engine
-        engine._on_finished(self)
+        progress = self.progress
+        progress._on_finished(self)
         self.release()
         if self._callbacks is not None:
-            engine._run_callbacks(self)
+            progress._run_callbacks(self)
 
     def release(self) -> None:
         """Drop what a finished op no longer needs (called once, by :meth:`finish`).
@@ -264,7 +264,7 @@ class Op:
         Safe from any thread: the check and the append happen under the engine's callback
         lock, and :meth:`finish` sets ``done`` before it takes the list under that lock.
         """
-        with self.engine._callback_lock:
+        with self.progress._callback_lock:
             if self.done:
                 return False
             if self._callbacks is None:
@@ -273,7 +273,7 @@ class Op:
             return True
 
 
-class Engine:
+class Progress:
     """Owns the transport; matches incoming pieces to posted receivers."""
 
     def __init__(

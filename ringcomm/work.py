@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .progress import Engine, Op
+from .progress import Op, Progress
 
 __all__ = ["Work"]
 
@@ -22,8 +22,8 @@ class Work:
 
     __slots__ = ("_default_timeout_s", "_engine", "_error", "_label", "_op", "_result")
 
-    def __init__(self, engine: Engine, op: Op, default_timeout_s: float | None) -> None:
-        self._engine = engine
+    def __init__(self, progress: Progress, op: Op, default_timeout_s: float | None) -> None:
+        self._engine = progress
         self._op: Op | None = op
         self._default_timeout_s = default_timeout_s
         self._result: Any = None

@@ -1,7 +1,7 @@
 """Groups of one process over the in-memory transport, for deterministic protocol tests.
 
 :func:`memory_groups` builds, per rank, what ``init_process_group`` builds over zmq -- an
-``InitConfig``, an ``Engine`` over a :class:`~ringcomm.transport.memory.MemoryTransport`,
+``InitConfig``, an ``Progress`` over a :class:`~ringcomm.transport.memory.MemoryTransport`,
 a ``ProcessState`` (no store, no store server) and the world ``ProcessGroup`` -- all on
 one :class:`~ringcomm.transport.memory.MemoryHub` (:func:`hub_of` finds it). :func:`run_ranks` runs one function per rank on threads, as every rank of
 a job runs the same test body (mpi4py's habit).
@@ -21,7 +21,7 @@ from typing import Any
 from ringcomm.config import InitConfig
 from ringcomm.group import DEFAULT_CHUNK_BYTES, ProcessGroup
 from ringcomm.group_core import WORLD_GROUP_ID, GroupCore, ProcessState
-from ringcomm.progress import Engine
+from ringcomm.progress import Progress
 from ringcomm.transport.memory import MemoryHub, MemoryTransport
 
 __all__ = ["close_all", "hub_of", "memory_groups", "memory_world", "run_ranks"]
@@ -54,15 +54,15 @@ def memory_groups(
             shm=False,
             bind="none",
         )
-        engine = Engine(MemoryTransport(rank, hub), rank)
-        state = ProcessState(config, engine, None, None, chunk_bytes)
+        progress = Progress(MemoryTransport(rank, hub), rank)
+        state = ProcessState(config, progress, None, None, chunk_bytes)
         groups.append(ProcessGroup(GroupCore(state, range(world_size), WORLD_GROUP_ID)))
     return groups
 
 
 def hub_of(pg: ProcessGroup) -> MemoryHub:
     """The hub a group of :func:`memory_groups` runs on."""
-    transport = pg.core.engine.transport
+    transport = pg.core.progress.transport
     assert isinstance(transport, MemoryTransport)
     return transport.hub
 

@@ -18,14 +18,14 @@ import ringcomm as rc
 
 def job_same_bits_as_direct(pg: rc.ProcessGroup) -> dict[str, Any]:
     taken = {"list": 0, "other": 0}
-    original = pg.core.engine.exchange
+    original = pg.core.progress.exchange
 
     def exchange(*args: Any, **kwargs: Any) -> Any:
         got = original(*args, **kwargs)
         taken["list" if type(got) is list else "other"] += 1
         return got
 
-    pg.core.engine.exchange = exchange  # type: ignore[method-assign]
+    pg.core.progress.exchange = exchange  # type: ignore[method-assign]
     digests: dict[str, list[str]] = {"star": [], "direct": []}
     for algo in ("star", "direct"):
         for i, (dt, count, op) in enumerate(

@@ -75,7 +75,7 @@ def job_outsider_cannot_deliver(pg: rc.ProcessGroup) -> dict[str, object]:
     pg.all_reduce(x)  # the job itself works under this mechanism
     assert x.tolist() == [3.0, 3.0, 3.0]
     if pg.rank == 1:
-        endpoint = pg.core.engine.transport.ipc_endpoint or ""
+        endpoint = pg.core.progress.transport.ipc_endpoint or ""
         before = pg.stats()
         buf = np.full(2, -1, np.int64)
         work = pg.irecv(buf, src=0, tag=9)
@@ -95,7 +95,7 @@ def job_outsider_cannot_deliver(pg: rc.ProcessGroup) -> dict[str, object]:
             "auth_failures": after["auth_failures"] - before["auth_failures"],
             "buf": buf.tolist(),
             "unexpected": after["unexpected_messages"],
-            "security": pg.core.engine.transport.security,
+            "security": pg.core.progress.transport.security,
         }
     raw = np.zeros(256, np.uint8)
     pg.recv(raw, src=1, tag=1)
@@ -138,7 +138,7 @@ def test_data_socket_binds_the_interface_peers_use() -> None:
             timeout_s=10, host_store=False,
         )  # fmt: skip
         try:
-            tcp = pg.core.engine.transport.tcp_endpoint
+            tcp = pg.core.progress.transport.tcp_endpoint
             assert tcp is not None and tcp.startswith("tcp://127.0.0.1:"), tcp
         finally:
             pg.close()

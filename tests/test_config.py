@@ -483,16 +483,16 @@ def test_init_process_group_hands_settings_to_the_engine() -> None:
         "RINGCOMM_CHUNK_BYTES": "64K",
     }
     with rc.init_process_group(0, 1, master_port=0, env=env) as pg:
-        assert (pg.core.engine.max_unexpected_messages, pg.core.engine.max_unexpected_bytes) == (7, 2048)
-        assert pg.core.engine.log_ops is False
+        assert (pg.core.progress.max_unexpected_messages, pg.core.progress.max_unexpected_bytes) == (7, 2048)
+        assert pg.core.progress.log_ops is False
         assert pg.chunk_bytes == 64 << 10
         sub = pg.new_group([0])
         assert sub is not None and sub.chunk_bytes == 64 << 10
     with rc.init_process_group(0, 1, master_port=0, chunk_bytes=1000, timeout_s=7, env={}) as pg:
         from ringcomm.progress import MAX_UNEXPECTED_BYTES, MAX_UNEXPECTED_MESSAGES
 
-        assert pg.core.engine.max_unexpected_messages == MAX_UNEXPECTED_MESSAGES
-        assert pg.core.engine.max_unexpected_bytes == MAX_UNEXPECTED_BYTES
+        assert pg.core.progress.max_unexpected_messages == MAX_UNEXPECTED_MESSAGES
+        assert pg.core.progress.max_unexpected_bytes == MAX_UNEXPECTED_BYTES
         pg.chunk_bytes = 2000  # still a tunable attribute; sub-groups inherit it
         sub = pg.new_group([0])
         assert sub is not None and (sub.chunk_bytes, sub.timeout_s) == (2000, 7.0)

@@ -1,4 +1,4 @@
-"""The fast lane of small blocking all_reduce (``Engine.exchange``, ``AllReduceDirect.run_now``).
+"""The fast lane of small blocking all_reduce (``Progress.exchange``, ``AllReduceDirect.run_now``).
 
 A blocking all_reduce below the inline size (direct algorithm) runs on the calling thread
 without inboxes or rounds while the engine is otherwise idle; on anything unusual it hands
@@ -6,7 +6,7 @@ the call over to the regular op. These jobs check that the two paths interoperat
 different paths in the same call give the same bits), that every way of leaving the lane
 ends as the regular path would (mismatches, aborts, messages that arrived early, another
 thread submitting meanwhile, asynchronous work in flight), and count which way the lane went
-(``Engine.exchange`` returns the payloads, False: not taken, True: handed over).
+(``Progress.exchange`` returns the payloads, False: not taken, True: handed over).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ringcomm.ops import reference_reduce
 
 def _count_lane(pg: rc.ProcessGroup) -> collections.Counter[str]:
     """Wrap the engine's exchange: counts 'done', 'not taken' and 'handed over'."""
-    engine = pg.core.engine
+    engine = pg.core.progress
     counts: collections.Counter[str] = collections.Counter()
     original = engine.exchange
 
@@ -120,7 +120,7 @@ def job_early_message(pg: rc.ProcessGroup, bad: bool) -> tuple[str, bool, dict[s
             work.wait(timeout_s=30)
         else:
             sub.recv(token, 1)  # drains rank 1's all_reduce message into the queue
-            assert pg.core.engine.unexpected_count == 1
+            assert pg.core.progress.unexpected_count == 1
             sub.all_reduce(x, timeout_s=30)
     except rc.CollectiveMismatchError:
         outcome = "mismatch"
@@ -188,7 +188,7 @@ def job_submission_meanwhile(
     got = np.zeros(3, np.int64)
     if pg.rank == 0:
         progress.POLL_SLICE_S = 5.0
-        engine = pg.core.engine
+        engine = pg.core.progress
         in_lane = threading.Event()
         submitted_then: list[bool] = []
         exchange, give_back = engine.exchange, engine._give_back

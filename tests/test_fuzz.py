@@ -50,7 +50,7 @@ def _rank_main(rank: int, port: int, token: str, ctl: Connection) -> None:
     )  # fmt: skip
     sub = pg.new_group([0, 1])
     assert sub is not None
-    ctl.send(("ready", pg.core.engine.transport.ipc_endpoint))
+    ctl.send(("ready", pg.core.progress.transport.ipc_endpoint))
     before = pg.stats()
     good = bad = 0
     go = np.ones(1, np.int64)

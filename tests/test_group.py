@@ -103,7 +103,7 @@ def test_subgroup_close_and_world_close() -> None:
 @pytest.mark.timeout(30)
 def test_singleton_tcp_only() -> None:
     with singleton(transport="tcp") as pg:
-        t = pg.core.engine.transport
+        t = pg.core.progress.transport
         assert t.ipc_endpoint is None and t.tcp_endpoint.startswith("tcp://")
         x, y = np.arange(3), np.zeros(3, np.int64)
         pg.send(x, 0)
@@ -205,7 +205,7 @@ def init_child(rank: int, env: Mapping[str, str], out: Connection) -> None:
     try:
         t0 = time.monotonic()
         with rc.init_process_group(env=env) as pg:
-            transport = pg.core.engine.transport
+            transport = pg.core.progress.transport
             peer = 1 - pg.rank
             got = np.zeros(3, np.int64)
             w = pg.irecv(got, src=peer, tag=4)

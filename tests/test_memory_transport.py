@@ -360,7 +360,7 @@ def test_goodbye_fails_a_pending_receive() -> None:
 
     with memory_world(3) as groups:
         errors = run_ranks(groups, body)
-        assert groups[2].core.engine.failure is None  # nothing of its own waited on 0
+        assert groups[2].core.progress.failure is None  # nothing of its own waited on 0
     err = errors[1]
     assert isinstance(err, PeerFailedError) and err.peer == 0, err
     assert "peer rank 0 left the group (it closed its process group)" in str(err), str(err)

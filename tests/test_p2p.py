@@ -354,7 +354,7 @@ def case_junk_frames_are_dropped_and_counted(pg: rc.ProcessGroup) -> None:
     and counts each one, and p2p keeps working (nothing reaches a user buffer)."""
     junk = _junk_frames()
     if pg.rank == 1:
-        endpoint = pg.core.engine.transport.ipc_endpoint
+        endpoint = pg.core.progress.transport.ipc_endpoint
         assert endpoint is not None and endpoint.startswith("ipc://")
         raw = np.frombuffer(endpoint.encode().ljust(256, b"\0"), np.uint8)
         dropped_before = pg.stats()["dropped_frames"]

@@ -1,7 +1,7 @@
 """Several threads in blocking calls: the driver hands over promptly when it leaves.
 
 One thread drives the engine at a time; the others sleep until their own operation is
-done or the driver leaves (``Engine._hand_over``), with a 5 ms slice only as a backstop.
+done or the driver leaves (``Progress._hand_over``), with a 5 ms slice only as a backstop.
 Without the hand-over, a thread whose blocking ``recv`` waited while another thread drove
 slept on after that driver left (to compute, say), until its slice ended: the parameter
 server measured 5.9 ms per 1 KiB push_pull with blocking receives, 0.8 ms with

@@ -166,7 +166,7 @@ def job_large_transfers(pg: rc.ProcessGroup) -> dict[str, Any]:
         out["p2p"] = got
         pg.send(np.zeros(1, np.uint8), dst=0, tag=6)
     after = pg.stats()
-    shm = pg.core.engine.transport._shm
+    shm = pg.core.progress.transport._shm
     out["no_free_slot"] = 0 if shm is None else shm.full
     out["shm_pieces"] = after["shm_pieces"] - before["shm_pieces"]
     out["sent"] = after["sent_messages"] - before["sent_messages"]

@@ -194,7 +194,7 @@ def test_local_lane_setting() -> None:
 
 def job_small_collectives(pg: rc.ProcessGroup, junk: bool) -> dict[str, Any]:
     r, n = pg.rank, pg.world_size
-    transport = pg.core.engine.transport
+    transport = pg.core.progress.transport
     before = pg.stats()
     if junk and r == 0 and transport.lane_endpoint:
         # A stranger with access to the path (same user): datagrams that are not

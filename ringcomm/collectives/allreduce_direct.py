@@ -21,7 +21,7 @@ copy, since the first step overwrites ``x``).
 Per-call cost: everything that depends only on the call's shape (spans, element bounds, the
 ufunc, the header templates) is built by the first call of a shape and kept in the group's
 cache (``self.shape_cache.plan``). A blocking call whose messages are one piece takes the
-engine's fast lane (:meth:`run_now`, ``Engine.exchange``): the same messages and checks
+engine's fast lane (:meth:`run_now`, ``Progress.exchange``): the same messages and checks
 without inboxes or rounds, handed over to the regular path (``start``, minus the sends) on
 anything unusual, so ranks on either path interoperate. There the fast lane sends from
 ``x`` itself above 4 KiB (the transport copies those as it queues them).
@@ -86,7 +86,7 @@ class AllReduceDirect(CollectiveOp):
 
     def run_now(self, deadline: float) -> bool:
         """A blocking call whose messages are one piece: the engine's fast lane
-        (``Engine.exchange``: the same messages, checks and hand-over on anything unusual;
+        (``Progress.exchange``: the same messages, checks and hand-over on anything unusual;
         see the docstring there), then the same reduction as ``all_received``."""
         x = self.call.x
         assert x is not None
@@ -104,7 +104,7 @@ class AllReduceDirect(CollectiveOp):
         peers = [ranks[p] for p in plan.peers]
         keys = [(g, group, KIND_COLL, seq) for g in peers]
         self._sent_early = True  # before: a hand-over starts us inside exchange
-        got = self.engine.exchange(self, header, payload, nbytes, peers, keys, self.fp, deadline)
+        got = self.progress.exchange(self, header, payload, nbytes, peers, keys, self.fp, deadline)
         if got is False:
             self._sent_early = False  # nothing was sent: the regular way, from the start
             return False

@@ -19,7 +19,7 @@ reduction; :class:`AllReduceDirect`). Copies per byte: the senders' private copy
 (the inline payload below 4 KiB), one transport copy per message, rank 0's reduction into
 ``x`` and one private copy of the result for its replies, one copy from rank 0's message
 into ``x`` elsewhere. A blocking call below the inline size takes the engine's fast lane
-(``Engine.exchange``, rank 0 replying from inside it), handed over to the regular path
+(``Progress.exchange``, rank 0 replying from inside it), handed over to the regular path
 (``start``) on anything unusual.
 """
 
@@ -42,7 +42,7 @@ class AllReduceStar(AllReduceDirect):
 
     # -- the fast lane -----------------------------------------------------------------
     def run_now(self, deadline: float) -> bool:
-        """A blocking call below the inline size: ``Engine.exchange`` (rank 0 collects
+        """A blocking call below the inline size: ``Progress.exchange`` (rank 0 collects
         and replies inside it; the others send and collect the reply)."""
         x = self.call.x
         assert x is not None
@@ -65,13 +65,13 @@ class AllReduceStar(AllReduceDirect):
                 self.reduce_all()
                 return template.pack(seq), x.tobytes()
 
-            result = self.engine.exchange(
+            result = self.progress.exchange(
                 self, b"", b"", nbytes, [], keys, self.fp, deadline, reply=(reply, others)
             )
         else:
             root = ranks[ROOT]
             key = (root, group, KIND_COLL, seq)
-            result = self.engine.exchange(
+            result = self.progress.exchange(
                 self, template.pack(seq), x.tobytes(), nbytes, [root], [key], self.fp, deadline
             )
             if type(result) is list:

@@ -179,7 +179,7 @@ def _run(
             cls = staged_class(cls)
     start_s = time.monotonic()
     comm = Comm(
-        group.engine,
+        group.progress,
         group.rank,
         group.world_size,
         group.group_id,
@@ -198,7 +198,7 @@ def _run(
     deadline = start_s + timeout
     # The algorithm's fast lane, if it has one (not with RINGCOMM_LOG=debug: every op then
     # goes through the engine, which logs its start and end).
-    if not group.engine.log_ops and op.run_now(deadline):
+    if not group.progress.log_ops and op.run_now(deadline):
         return op.result
     return group.run(op, timeout, False, deadline)
 

@@ -73,7 +73,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, CommTimeoutError, RingcommError
 from ..ops import ReduceOp
-from ..progress import Engine, Op, SerialQueue, Stream
+from ..progress import Op, Progress, SerialQueue, Stream
 from ..transport.wire import KIND_COLL, Header, HeaderTemplate, pack_header
 
 __all__ = [
@@ -107,7 +107,7 @@ class Comm(NamedTuple):
     ``plans``: the group's cache of per-call-shape state (:class:`ShapeCache`); None: no cache.
     """
 
-    engine: Engine
+    progress: Progress
     rank: int
     world_size: int
     group_id: int
@@ -293,11 +293,11 @@ class CollectiveOp(Op):
     maps_steps: ClassVar[bool] = False
 
     def __init__(self, comm: Comm, call: Call, *, async_op: bool = False) -> None:
-        super().__init__(comm.engine, async_op=async_op)
+        super().__init__(comm.progress, async_op=async_op)
         self.comm = comm
         self.call = call
         self.serial = comm.serial
-        self.group_id = comm.group_id  # Engine.fail_pending matches on it
+        self.group_id = comm.group_id  # Progress.fail_pending matches on it
         self.rank = comm.rank
         self.n = comm.world_size
         self.seq = comm.seq
@@ -446,7 +446,7 @@ class CollectiveOp(Op):
             self._fp_missing = len(self._inboxes)
             self._fp_heard = set()
             self._held = []
-        post = self.engine.post
+        post = self.progress.post
         for inbox in list(self._inboxes.values()):
             post(inbox.key, inbox)
         self._posted = True
@@ -490,7 +490,7 @@ class CollectiveOp(Op):
         """
         template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
         nbytes = len(payload)
-        tracker = self.engine.send(
+        tracker = self.progress.send(
             self.comm.ranks[peer], self.stream, template.pack(self.seq), payload, nbytes
         )
         if track and tracker is not None:
@@ -511,7 +511,7 @@ class CollectiveOp(Op):
         """
         nbytes = len(payload)
         header = self._template(step, 0, 1, dtype, nbytes, 0).pack(self.seq)
-        send, ranks, stream = self.engine.send, self.comm.ranks, self.stream
+        send, ranks, stream = self.progress.send, self.comm.ranks, self.stream
         for peer in peers:
             tracker = send(ranks[peer], stream, header, payload, nbytes)
             if track and tracker is not None:
@@ -559,16 +559,16 @@ class CollectiveOp(Op):
         """
         if tracker is None or tracker.done:
             return
-        engine = self.engine
+        progress = self.progress
         deadline = time.monotonic() + self.comm.timeout_s
         while not tracker.done:
             # libzmq keeps a message for a dead peer (waiting for a reconnection), so
             # liveness is watched here too: a failure ends the wait.
-            if engine.failure is not None:
-                raise engine.failed_error(self.desc)
+            if progress.failure is not None:
+                raise progress.failed_error(self.desc)
             now = time.monotonic()
-            if now >= engine._next_health:
-                engine._check_health(drain=False)
+            if now >= progress._next_health:
+                progress._check_health(drain=False)
             if now > deadline:
                 raise CommTimeoutError(
                     f"rank {self.rank}: {self.desc}: the transport did not release a sent "
@@ -712,7 +712,7 @@ class CollectiveOp(Op):
                 KIND_COLL, self._me_global, self.group_id, self.seq, 0, 0, 1, "|u1", 0, 0, None, fp
             )
             try:
-                self.engine.send(self.comm.ranks[peer], self.stream, pack_header(header), b"", 0)
+                self.progress.send(self.comm.ranks[peer], self.stream, pack_header(header), b"", 0)
             except RingcommError:
                 pass  # best effort: the peer's deadline still bounds its wait
         self.finish(err)
