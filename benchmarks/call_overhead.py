@@ -54,7 +54,8 @@ class MirrorTransport:
         """The transport boundary's one send (issue 16 on)."""
         if nbytes >= INLINE_MAX_BYTES:
             raise NotImplementedError("the mirror carries one-frame (inline) messages only")
-        self._mirror(peer, inline_frame(header, payload))  # as ZmqTransport frames it
+        frame = header if payload is None else inline_frame(header, payload)  # as ZmqTransport
+        self._mirror(peer, frame)
 
     def send_one(self, peer: int, frame: bytes, nbytes: int, lane: bool = False) -> bool:
         """The one-frame send of the trees before it."""

@@ -310,6 +310,7 @@ class Progress:
         # engine at the start of the next round (found where failing at once is unsafe).
         self._orphaned: set[int] = set()
         self._said_goodbye = False
+        self._fast_stream = Stream()  # the fast lane's one-message streams (reset per use)
         self._disconnected: set[int] = set()  # peers whose connection dropped (not back)
         self._suspects: dict[int, float] = {}  # peer -> when its connection dropped
         self._next_health = time.monotonic() + HEALTH_CHECK_S
@@ -439,12 +440,13 @@ class Progress:
         keys: Sequence[Key],
         fp: Any,
         deadline: float,
-        reply: tuple[Callable[[list[memoryview]], tuple[bytes, bytes]], Sequence[int]] | None = None,
+        reply: tuple[Callable[[list[memoryview]], tuple[bytes, Any]], Sequence[int]] | None = None,
     ) -> list[memoryview] | bool:
         """The fast lane of a blocking one-step exchange (the small all_reduce, ``op``).
 
         Sends the message ``header`` (packed, without an inline payload) and ``payload``
-        (``nbytes``) to each of ``peers`` (global ranks, not this one) and collects one
+        (``nbytes``; None: ``header`` is the one-frame message, payload inline) to each of
+        ``peers`` (global ranks, not this one) and collects one
         message per ``keys`` entry, on this thread, holding the driver lock throughout.
         Payloads are copied as they are queued (sizes the transport would send zero-copy
         are not taken), so the caller may write its buffer once this returns. Returns
@@ -494,9 +496,10 @@ class Progress:
                 if reply is not None and type(got_all) is list:
                     make, to = reply
                     answer, data = make(got_all)
-                    send = self.transport.send
-                    for peer in to:  # the op's only message to peer: a stream of its own
-                        send(peer, Stream(), answer, data, nbytes)
+                    send, stream = self.transport.send, self._fast_stream
+                    stream.ordered = None
+                    for peer in to:  # the op's only message to each peer: nothing to overtake
+                        send(peer, stream, answer, data, nbytes)
                 return got_all
             except Exception as exc:  # noqa: BLE001 (as in _start: fail the op, not the rank)
                 err = (
@@ -529,7 +532,8 @@ class Progress:
     ) -> list[memoryview] | bool:
         """The body of exchange (driver lock held, the engine idle)."""
         transport = self.transport
-        stream = Stream()  # the op's only message to each peer: nothing to overtake
+        stream = self._fast_stream  # the op's only message to each peer: nothing to overtake
+        stream.ordered = None
         for peer in peers:
             transport.send(peer, stream, header, payload, nbytes)  # copied: below zero-copy
         for key in keys:  # what arrived before we asked, as post would feed it
@@ -623,8 +627,9 @@ class Progress:
         if peer in self._departed:
             self._orphaned.add(peer)
         if peer == self.rank:
-            h, _ = unpack_header(header)
-            self._loopback.append((h, memoryview(bytes(payload))))
+            h, inline = unpack_header(header)
+            data = bytes(payload) if payload is not None else inline or b""
+            self._loopback.append((h, memoryview(data)))
             return None
         return self.transport.send(peer, stream, header, payload, nbytes)
 

@@ -99,8 +99,10 @@ class AllReduceDirect(CollectiveOp):
         ranks, group, seq = self.comm.ranks, self.group_id, self.seq
         nbytes = x.nbytes
         template = self._template(0, 0, 1, plan.dtype, nbytes, 0)
-        # exchange copies the payload as it sends (it takes no zero-copy sizes)
-        header, payload = template.pack(seq), (x.tobytes() if nbytes < INLINE_MAX_BYTES else byte_view(x))
+        if nbytes < INLINE_MAX_BYTES:  # one frame for every peer, framed once
+            header, payload = template.pack(seq, x.tobytes()), None
+        else:  # exchange copies it as it sends (it takes no zero-copy sizes)
+            header, payload = template.pack(seq), byte_view(x)
         peers = [ranks[p] for p in plan.peers]
         keys = [(g, group, KIND_COLL, seq) for g in peers]
         self._sent_early = True  # before: a hand-over starts us inside exchange

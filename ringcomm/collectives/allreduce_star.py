@@ -60,19 +60,20 @@ class AllReduceStar(AllReduceDirect):
             others = [ranks[p] for p in range(1, n)]
             keys = [(g, group, KIND_COLL, seq) for g in others]
 
-            def reply(got: list[memoryview]) -> tuple[bytes, bytes]:
+            def reply(got: list[memoryview]) -> tuple[bytes, None]:
                 self.pieces = [None, *got]
                 self.reduce_all()
-                return template.pack(seq), x.tobytes()
+                return template.pack(seq, x.tobytes()), None  # one frame for every peer
 
             result = self.progress.exchange(
-                self, b"", b"", nbytes, [], keys, self.fp, deadline, reply=(reply, others)
+                self, b"", None, nbytes, [], keys, self.fp, deadline, reply=(reply, others)
             )
         else:
             root = ranks[ROOT]
             key = (root, group, KIND_COLL, seq)
+            frame = template.pack(seq, x.tobytes())  # one frame: the payload inline
             result = self.progress.exchange(
-                self, template.pack(seq), x.tobytes(), nbytes, [root], [key], self.fp, deadline
+                self, frame, None, nbytes, [root], [key], self.fp, deadline
             )
             if type(result) is list:
                 self.touched = True

@@ -67,22 +67,24 @@ class Stream:
     datagram lane; unix_lane.py, "Order").
     """
 
-    __slots__ = ("_ordered",)
+    __slots__ = ("ordered",)
 
     def __init__(self) -> None:
-        self._ordered: set[int] | None = None
+        #: Peers this stream's messages must reach over zmq from now on (None: none yet;
+        #: read on every send, so a plain attribute).
+        self.ordered: set[int] | None = None
 
     def may_overtake(self, peer: int) -> bool:
         """Whether a message to ``peer`` may take a path that overtakes zmq."""
-        ordered = self._ordered
+        ordered = self.ordered
         return ordered is None or peer not in ordered
 
     def keep_ordered(self, peer: int) -> None:
         """A message to ``peer`` went over zmq: the rest of the stream to it will too."""
-        if self._ordered is None:
-            self._ordered = {peer}
+        if self.ordered is None:
+            self.ordered = {peer}
         else:
-            self._ordered.add(peer)
+            self.ordered.add(peer)
 
 
 class Completion(Protocol):
@@ -120,7 +122,11 @@ class Transport(Protocol):
     ) -> Completion | None:
         """Queue one message: ``header`` (packed without an inline payload) and ``payload``
         (``nbytes`` bytes, anything with the buffer protocol). Returns a completion when
-        the payload went zero-copy: do not modify it until that is done."""
+        the payload went zero-copy: do not modify it until that is done.
+
+        ``payload=None``: ``header`` is the whole one-frame message, its payload packed
+        inline by the caller (``nbytes < INLINE_MAX_BYTES``; the latency-bound fast lane
+        frames once for every peer). The path is still the transport's choice."""
 
     def send_tracked(self, peer: int, frame: bytes) -> Completion:
         """Queue a one-frame message over the ordered path; done once written out (and

@@ -348,8 +348,10 @@ class MemoryTransport:
         self._check_peer(peer)
         self.sent_bytes += nbytes
         self.sent_messages += 1
-        if nbytes < INLINE_MAX_BYTES:
-            message: _Message = (inline_frame(header, payload), None)
+        if payload is None:  # a one-frame message framed by the caller
+            message: _Message = (bytes(header), None)
+        elif nbytes < INLINE_MAX_BYTES:
+            message = (inline_frame(header, payload), None)
         else:
             message = (bytes(header), memoryview(payload).tobytes())
         self.hub._send(self.rank, peer, message)

@@ -239,6 +239,7 @@ class ZmqTransport:
         )
         self.sent_bytes = 0
         self.sent_messages = 0
+        self._framed: tuple[Any, Any, bytes] = (None, None, b"")  # see send
 
     def _start_authenticator(self) -> None:
         """Make ``_rx`` a ZMTP server whose connections a ZAP handler checks."""
@@ -410,14 +411,27 @@ class ZmqTransport:
         """Queue one message to ``peer`` (transport/base.py: the path is chosen here).
 
         ``header``: packed without an inline payload; ``payload``: ``nbytes`` bytes
-        (anything with the buffer protocol). Returns a tracker when the payload went
-        zero-copy: while it is not done, libzmq may still read the payload's memory.
+        (anything with the buffer protocol), or None when ``header`` is a whole one-frame
+        message (payload inline, below ``INLINE_MAX_BYTES``). Returns a tracker when the
+        payload went zero-copy: while it is not done, libzmq may still read its memory.
         """
         self.sent_bytes += nbytes
         self.sent_messages += 1
-        lane = self._lane if stream is not None and stream.may_overtake(peer) else None
+        lane = self._lane
+        if lane is not None and (stream is None or (
+            stream.ordered is not None and peer in stream.ordered
+        )):  # fmt: skip
+            lane = None  # this message must not overtake one sent over zmq (may_overtake)
         if nbytes < INLINE_MAX_BYTES:
-            frame = inline_frame(header, payload)
+            # The same small message to several peers in a row is framed once.
+            if payload is None:
+                frame = header  # framed by the caller (transport/base.py)
+            elif header is self._framed[0] and payload is self._framed[1]:
+                frame = self._framed[2]
+            else:
+                frame = inline_frame(header, payload)
+                if type(payload) is bytes:  # immutable: safe to reuse
+                    self._framed = (header, payload, frame)
             if lane is not None and lane.send(peer, frame):
                 return None
             if stream is not None:
