@@ -47,8 +47,8 @@ CHECKOUT_MAX_S = 60.0
 _CHECKOUT_SLICE_S = 0.02
 #: Longest a rank failing because of a same-host peer waits for that peer's exit.
 CULPRIT_WAIT_S = 0.5
-#: How much longer a rank waits once a culprit on another host is gone.
-CULPRIT_REMOTE_LEAD_S = 0.1
+#: How much longer a rank waits once its culprit is gone (its status may go through ssh).
+CULPRIT_LEAD_S = 0.2
 
 
 class ProcessState:
@@ -153,10 +153,13 @@ class ProcessState:
         if info is None or (info.pid == os.getpid() and info.host_id == self.host_id):
             return
         if info.host_id == self.host_id:
-            wait_for_exit(info.pid, CULPRIT_WAIT_S)
-        elif self.progress.wait_disconnected(peer, CULPRIT_WAIT_S):
-            # Its exit status still travels to the launcher (ssh): give it a head start.
-            time.sleep(CULPRIT_REMOTE_LEAD_S)
+            gone = wait_for_exit(info.pid, CULPRIT_WAIT_S)
+        else:
+            gone = self.progress.wait_disconnected(peer, CULPRIT_WAIT_S)
+        if gone:
+            # Its exit status may still travel to the launcher (a watchdog polling every
+            # 50 ms, an ssh session ending): give it a head start.
+            time.sleep(CULPRIT_LEAD_S)
 
     def _check_out(self, store: Store, server: StoreServer | None, limit_s: float) -> None:
         """Count this rank out of the store. Its host keeps serving until every rank has
