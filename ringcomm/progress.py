@@ -76,8 +76,6 @@ from .transport.wire import (
     unpack_header,
 )
 
-Tracker = Completion
-
 __all__ = [
     "DEPART_CLOSE",
     "DEPART_ERROR",
@@ -182,7 +180,7 @@ class Op:
         self.result: Any = None
         self.started = False
         self._event: threading.Event | None = None  # made only if another thread waits
-        self._trackers: collections.deque[Tracker] = collections.deque()
+        self._trackers: collections.deque[Completion] = collections.deque()
         self._settled = False  # all receives/sends issued; only trackers left
 
     @property
@@ -213,11 +211,11 @@ class Op:
         return False
 
     # -- tracking of zero-copy sends ---------------------------------------------------
-    def add_tracker(self, tracker: Tracker | None) -> None:
+    def add_tracker(self, tracker: Completion | None) -> None:
         if tracker is not None and not tracker.done:
             self._trackers.append(tracker)
 
-    def pending_tracker(self) -> Tracker | None:
+    def pending_tracker(self) -> Completion | None:
         """The first zero-copy send still in libzmq's hands, once nothing else is left."""
         if not self._settled:
             return None
@@ -470,7 +468,8 @@ class Progress:
 
         ``reply``: ``(make, to)``: once every message is in, ``make(payloads)`` returns
         a message (header, payload of ``nbytes``) sent to each global rank in ``to``
-        before this returns the payloads (the star all_reduce's rank 0). Messages for anyone else are dispatched as they arrive, as in a regular round.
+        before this returns the payloads (the star all_reduce's rank 0). Messages for
+        anyone else are dispatched as they arrive, as in a regular round.
         So the fast lane keeps every guarantee of the regular path; it only skips its
         bookkeeping (inboxes, queues, rounds) while nothing else needs the engine.
         """
@@ -726,10 +725,6 @@ class Progress:
         if counts is not None:
             counts[0] -= 1
             counts[1] -= len(payload)
-
-    def unexpected_by_peer(self) -> dict[int, tuple[int, int]]:
-        """``{peer: (messages, bytes)}`` waiting in the unexpected queues (non-empty only)."""
-        return {p: (c[0], c[1]) for p, c in self._unexpected_by_src.items() if c[0]}
 
     # -- control messages --------------------------------------------------------------
     def _send_ctrl(self, peer: int, tag: int, fp: Any) -> None:

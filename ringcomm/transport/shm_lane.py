@@ -139,9 +139,6 @@ class ShmSegments:
     def segment_bytes(self) -> int:
         return _HEADER_BYTES + self.slots * self.slot_bytes
 
-    def has_incoming(self, peer: int) -> bool:
-        return peer in self._in
-
     # -- data --------------------------------------------------------------------------
     def put(self, peer: int, payload: Any, nbytes: int) -> bytes | None:
         """Copy ``payload`` into a free slot of our segment towards ``peer`` and return
