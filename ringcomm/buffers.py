@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from .device.xp import is_device_array
 from .transport.wire import SUPPORTED_DTYPES
-from .xp import is_device_array
 
 __all__ = ["SUPPORTED_DTYPE_NAMES", "byte_view", "check_array", "check_peer", "check_tag"]
 
@@ -20,8 +20,8 @@ def check_array(x: Any, what: str, *, writeable: bool = False, device: bool = Fa
 
     TypeError for a non-array or unsupported dtype, ValueError for non-contiguous,
     non-native byte order or (with ``writeable``) a read-only buffer. ``device``: device
-    arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.standin.StandinArray``) are
-    accepted too (callers that stage them, ``ringcomm.staging``); else TypeError.
+    arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.device.standin.StandinArray``) are
+    accepted too (callers that stage them, ``ringcomm.device.staging``); else TypeError.
     """
     if type(x) is np.ndarray and x.dtype in _SUPPORTED:  # the common case, in one look
         flags = x.flags

@@ -29,10 +29,10 @@ from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
+from .device.p2p import recv_op_class, send_op_class
 from .errors import GroupClosedError, RendezvousError, RingcommError
 from .group_core import CHECKOUT_MAX_S, WORLD_GROUP_ID, GroupCore, ProcessState
 from .p2p import RecvOp, SendOp
-from .p2p_device import recv_op_class, send_op_class
 from .progress import (
     DEPART_CLOSE,
     DEPART_ERROR,
@@ -51,7 +51,6 @@ from .transport.zmq_transport import ZmqTransport
 from .work import Work
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
-
 
 
 class ProcessGroup:
@@ -159,7 +158,9 @@ class ProcessGroup:
             async_op=async_op,
         )
 
-    def send(self, x: np.ndarray, dst: int, tag: int = 0, *, timeout_s: float | None = None) -> None:
+    def send(
+        self, x: np.ndarray, dst: int, tag: int = 0, *, timeout_s: float | None = None
+    ) -> None:
         """Send ``x`` to ``dst``; returns once ``x`` may be modified again."""
         self.core.run(self._send_op(x, dst, tag, False), timeout_s, False)
 
@@ -459,8 +460,7 @@ def init_process_group(
                 raise
             except Exception as exc:
                 raise RendezvousError(
-                    f"{label}: cannot serve the rendezvous store on "
-                    f"{cfg.master_addr}:{port}: {exc}"
+                    f"{label}: cannot serve the rendezvous store on {cfg.master_addr}:{port}: {exc}"
                 ) from exc
             port = server.port
         tcp_host = local_address_towards(cfg.master_addr, port or 9)
@@ -485,7 +485,9 @@ def init_process_group(
         )
         infos = {cfg.rank: me}
         if cfg.world_size > 1 or cfg.store_external:
-            store = Store(cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label)
+            store = Store(
+                cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label
+            )
             store.set(f"rank/{cfg.rank}", json.dumps(me.to_dict()).encode())
             keys = [f"rank/{r}" for r in range(cfg.world_size)]
             store.wait(keys, timeout_s=cfg.timeout_s)
@@ -522,7 +524,9 @@ def init_process_group(
                 else cfg.max_unexpected_messages
             ),
             max_unexpected_bytes=(
-                MAX_UNEXPECTED_BYTES if cfg.max_unexpected_bytes is None else cfg.max_unexpected_bytes
+                MAX_UNEXPECTED_BYTES
+                if cfg.max_unexpected_bytes is None
+                else cfg.max_unexpected_bytes
             ),
             log_ops=cfg.log_debug,
         )

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.xp import get_xp
+from ringcomm.device.xp import get_xp
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -483,7 +483,10 @@ def test_init_process_group_hands_settings_to_the_engine() -> None:
         "RINGCOMM_CHUNK_BYTES": "64K",
     }
     with rc.init_process_group(0, 1, master_port=0, env=env) as pg:
-        assert (pg.core.progress.max_unexpected_messages, pg.core.progress.max_unexpected_bytes) == (7, 2048)
+        assert (
+            pg.core.progress.max_unexpected_messages,
+            pg.core.progress.max_unexpected_bytes,
+        ) == (7, 2048)
         assert pg.core.progress.log_ops is False
         assert pg.chunk_bytes == 64 << 10
         sub = pg.new_group([0])
@@ -531,7 +534,7 @@ def test_staging_max_bytes_rejects(text: str) -> None:
 
 
 def test_staging_backend_takes_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ringcomm.staging import HostStandinBackend
+    from ringcomm.device.staging import HostStandinBackend
 
     monkeypatch.setenv("RINGCOMM_STAGING_MAX_BYTES", "8M")
     assert HostStandinBackend().pool.max_bytes == 8 << 20

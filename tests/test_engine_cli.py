@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ringcomm.cli import build_parser, main
+from ringcomm.device.xp import cupy_or_none
 from ringcomm.engine.cli import config_from_args
-from ringcomm.xp import cupy_or_none
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--hidden", "16", "--layers", "2", "--in-features", "8", "--classes", "3",

@@ -1,7 +1,7 @@
 """The engine on device arrays, checked without a GPU: ``--device host-staged``.
 
 ``host-staged`` computes in NumPy but hands the group every model buffer as a stand-in
-device array (``ringcomm.standin``) viewing the same memory, so every collective and p2p
+device array (``ringcomm.device.standin``) viewing the same memory, so every collective and p2p
 call of every strategy takes the staged path CuPy arrays take: pinned staging buffers, a
 stream whose copies and reductions run lazily (only when an event after them is waited
 for), events, the pool. A strategy that reads a buffer before its collective finished, or
@@ -32,6 +32,7 @@ import pytest
 from conftest import compare_to_single
 
 import ringcomm as rc
+from ringcomm.device.standin import StandinArray
 from ringcomm.engine.cli import run_training
 from ringcomm.engine.memory import CupyPoolMeter, device_used_bytes, make_meter, staging_stats
 from ringcomm.engine.strategy import (
@@ -43,7 +44,6 @@ from ringcomm.engine.strategy import (
     strategy_class,
 )
 from ringcomm.engine.train import train_rank
-from ringcomm.standin import StandinArray
 
 BASE = {
     "steps": 5,

@@ -26,7 +26,7 @@ from test_collectives import _compare, _digest, matrix_cases, run_case
 from test_staging import DeviceProxy
 
 import ringcomm as rc
-from ringcomm.xp import cupy_or_none
+from ringcomm.device.xp import cupy_or_none
 
 
 def _why_no_gpu() -> str | None:

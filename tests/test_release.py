@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ringcomm as rc
-from ringcomm.standin import standin_array
+from ringcomm.device.standin import standin_array
 
 W = 3
 SMALL = 16  # elements: inline, fast lane for a blocking direct all_reduce
@@ -43,7 +43,9 @@ def _alive(refs: dict[str, weakref.ref[Any]], grace_s: float = 2.0) -> list[str]
         time.sleep(0.001)
 
 
-def _collective_cases(pg: rc.ProcessGroup, kind: str, n: int) -> list[tuple[str, Callable[..., Any]]]:
+def _collective_cases(
+    pg: rc.ProcessGroup, kind: str, n: int
+) -> list[tuple[str, Callable[..., Any]]]:
     """(name, fn(async_op) -> (arrays passed, Work or None)) for every collective."""
     w = pg.world_size
     rank = pg.rank
@@ -84,7 +86,9 @@ def _collective_cases(pg: rc.ProcessGroup, kind: str, n: int) -> list[tuple[str,
     def sca(async_op: bool) -> Any:
         x = arr(w, n) if rank == 1 else None
         out = arr(n)
-        return [a for a in (x, out) if a is not None], pg.scatter(x, src=1, out=out, async_op=async_op)
+        return [a for a in (x, out) if a is not None], pg.scatter(
+            x, src=1, out=out, async_op=async_op
+        )
 
     def a2a(async_op: bool) -> Any:
         x, out = arr(w, n), arr(w, n)

@@ -1,7 +1,7 @@
 """The staged (device-array) path, exercised on the CPU through the host stand-in.
 
-``ringcomm.standin.StandinArray`` poses as a CuPy array: every collective and p2p call on
-it goes through ``ringcomm.staging`` (pinned-buffer pool, stream, events, stagers) exactly
+``ringcomm.device.standin.StandinArray`` poses as a CuPy array: every collective and p2p call on
+it goes through ``ringcomm.device.staging`` (pinned-buffer pool, stream, events, stagers) exactly
 as a CuPy array does, with NumPy copies for CUDA copies. The stand-in's stream runs queued
 copies and kernels only when an event after them is waited for, so a send that does not
 wait for its copy, or a result read before the stream finished, gives wrong bytes here.
@@ -26,8 +26,7 @@ from conftest import assert_same_results
 from test_collectives import _compare, _digest, matrix_cases, run_case
 
 import ringcomm as rc
-from ringcomm.ops import ReduceOp, reference_reduce
-from ringcomm.staging import (
+from ringcomm.device.staging import (
     MIN_SLOT_BYTES,
     DeviceStager,
     HostStandinBackend,
@@ -35,8 +34,9 @@ from ringcomm.staging import (
     backend_for,
     size_class,
 )
-from ringcomm.standin import StandinArray, standin_array
-from ringcomm.xp import get_xp, is_device_array
+from ringcomm.device.standin import StandinArray, standin_array
+from ringcomm.device.xp import get_xp, is_device_array
+from ringcomm.ops import ReduceOp, reference_reduce
 
 
 # --------------------------------------------------------------------------- unit tests

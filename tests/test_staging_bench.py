@@ -14,7 +14,7 @@ import pytest
 
 from ringcomm.bench.spec import OPS
 from ringcomm.cli import main
-from ringcomm.xp import cupy_or_none
+from ringcomm.device.xp import cupy_or_none
 
 TINY = ["-b", "8", "-e", "256K", "-f", "8", "--iters", "3", "--warmup", "1", "--check", "-q"]
 

@@ -55,11 +55,11 @@ def device_array_maker(device: str) -> Any:
     if device == "host":
         return lambda a: a
     if device == "host-staged":
-        from ringcomm.standin import standin_array
+        from ringcomm.device.standin import standin_array
 
         return standin_array
     if device == "cuda":
-        from ringcomm.xp import cupy_or_none
+        from ringcomm.device.xp import cupy_or_none
 
         cp = cupy_or_none()
         if cp is None:
@@ -72,7 +72,7 @@ def device_missing(device: str) -> str | None:
     """Why ``--device device`` cannot run here (None: it can)."""
     if device != "cuda":
         return None
-    from ringcomm.xp import cupy_or_none
+    from ringcomm.device.xp import cupy_or_none
 
     cp = cupy_or_none()
     if cp is None:

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device.staging import DeviceStager
 from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import all_gather_steps, ring_neighbors
-from ..staging import DeviceStager
 from ..transport.wire import Header
 from .staged import PipelinedOp, emit, make_stager
 

@@ -7,7 +7,7 @@ algorithm's op and run it through the group (blocking, or a ``Work`` with
 ``async_op=True``). Collectives of one group run one after another in the order called
 (the group's serial queue), so several outstanding async ones complete in order.
 
-Device arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.standin.StandinArray``)
+Device arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.device.standin.StandinArray``)
 are accepted wherever NumPy arrays are; outputs the call allocates are allocated on the
 same device. The ring all_reduce/reduce_scatter/all_gather and the broadcast chain stage
 them piece by piece; every other algorithm stages the whole buffer (``collectives.staged``).
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers import check_array, check_peer
+from ..device.staging import backend_for
+from ..device.xp import get_xp, is_device_array
 from ..ops import ReduceOp, check_op_dtype, parse_op
-from ..staging import backend_for
-from ..xp import get_xp, is_device_array
 from . import choose_algorithm, get_algorithm
 from .base import Call, Comm
 from .staged import PIPELINED, DeviceCall, staged_class

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from ..device.staging import DeviceStager
 from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.ring import reduce_scatter_steps, ring_neighbors
-from ..staging import DeviceStager
 from ..transport.wire import Header
 from .staged import PipelinedOp, emit, make_stager
 

@@ -1,4 +1,4 @@
-"""Collectives on device arrays: how algorithms reach their data (``ringcomm.staging``).
+"""Collectives on device arrays: how algorithms reach their data (``ringcomm.device.staging``).
 
 Two ways, chosen per algorithm:
 
@@ -6,7 +6,7 @@ Two ways, chosen per algorithm:
   the algorithm itself goes through a *stager* (``self.stager``, from :func:`make_stager`
   in ``start``): ``send`` a slice of ``bytes_of(array)``, ``forward`` a received piece, ``reduce_into``/
   ``reduce_out``/``copy_in`` a received payload, ``finalize``, ``pump`` queued sends,
-  ``sync`` at the end. For NumPy arrays the stager is :data:`~ringcomm.staging.HOST_STAGER`
+  ``sync`` at the end. For NumPy arrays the stager is :data:`~ringcomm.device.staging.HOST_STAGER`
   and every call is today's zero-copy operation; for device arrays every piece is staged,
   with the device->host copy of piece k+1 running while piece k is sent and the
   host->device copy and kernel of a received piece running while the next is received.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
-from ..staging import HOST_STAGER, DeviceBackend, DeviceStager, HostStager, Slot
+from ..device.staging import HOST_STAGER, DeviceBackend, DeviceStager, HostStager, Slot
 from .base import CollectiveOp
 
 __all__ = ["PIPELINED", "DeviceCall", "PipelinedOp", "emit", "make_stager", "staged_class"]

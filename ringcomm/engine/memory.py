@@ -136,7 +136,7 @@ def staging_stats(device_array: Any | None) -> dict[str, int]:
     staging pool serving ``device_array``'s device in this process (zeros for None)."""
     if device_array is None:
         return {"bytes": 0, "acquires": 0}
-    from ringcomm.staging import backend_for
+    from ringcomm.device.staging import backend_for
 
     pool = backend_for(device_array).pool
     return {"bytes": int(pool.allocated_bytes), "acquires": int(pool.acquires)}

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.xp import get_xp
+from ringcomm.device.xp import get_xp
 
 __all__ = [
     "GELU",

@@ -27,7 +27,7 @@ Devices (``cfg.device``, :data:`DEVICES`): ``cpu`` keeps everything in NumPy arr
 GPU ``rank % device_count`` (the batch is drawn on the host from the seed, as on the CPU,
 then copied over), and ringcomm stages them through pinned host buffers itself;
 ``host-staged`` computes in NumPy but hands the group every model buffer as a
-:class:`~ringcomm.standin.StandinArray` view of the same memory, so every collective and
+:class:`~ringcomm.device.standin.StandinArray` view of the same memory, so every collective and
 p2p call on them takes the staged device path (the one CuPy arrays take) on a machine
 without a GPU. Strategies pass each buffer through :attr:`Strategy.as_comm` before giving
 it to the group, and call :meth:`Strategy.sync` before reading a clock.
@@ -43,9 +43,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ringcomm.device.standin import StandinArray
+from ringcomm.device.xp import cupy_or_none
 from ringcomm.schedule.partition import split_rows
-from ringcomm.standin import StandinArray
-from ringcomm.xp import cupy_or_none
 
 from .data import SyntheticClassification
 from .nn import Layer, SoftmaxCrossEntropy, backward_layers, forward_layers, mlp

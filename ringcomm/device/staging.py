@@ -1,7 +1,7 @@
 """Staging device memory through pinned host buffers: backends, a buffer pool, stagers.
 
 Sockets read and write host memory only, so a collective on device arrays (CuPy, or the
-host stand-in ``ringcomm.standin``) moves every byte through host *staging* buffers:
+host stand-in ``ringcomm.device.standin``) moves every byte through host *staging* buffers:
 
 * **send**: a device->host copy of a piece into a staging buffer, enqueued on a stream;
   the piece is handed to the transport once an event recorded after the copy is done.
@@ -47,9 +47,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import DEFAULT_STAGING_MAX_BYTES, staging_max_bytes
-from .errors import CommTimeoutError
-from .ops import ReduceOp, finalize, reduce_into, reduce_out
+from ..config import DEFAULT_STAGING_MAX_BYTES, staging_max_bytes
+from ..errors import CommTimeoutError
+from ..ops import ReduceOp, finalize, reduce_into, reduce_out
 from .standin import StandinArray
 from .xp import cupy_or_none, is_cupy_array
 
@@ -220,7 +220,7 @@ class _LazyEvent:
 
 
 class HostStandinBackend(DeviceBackend):
-    """NumPy arrays (inside :class:`~ringcomm.standin.StandinArray`) as device memory.
+    """NumPy arrays (inside :class:`~ringcomm.device.standin.StandinArray`) as device memory.
 
     Copies are real ``numpy.copyto`` copies through the same staging buffers, and kernels
     the same ``ringcomm.ops`` calls, but run by a lazy stream (see the module docstring).

@@ -1,9 +1,9 @@
 """Array-module dispatch: the only module that imports cupy (lazily).
 
 ``get_xp(array)`` returns ``numpy`` for NumPy arrays and ``cupy`` for CuPy arrays, so the
-same code runs on both (and ``ringcomm.standin.STANDIN`` for the host stand-in of a CuPy
+same code runs on both (and ``ringcomm.device.standin.STANDIN`` for the host stand-in of a CuPy
 array, used to test the staged path without a GPU). ringcomm imports and works without CuPy
-installed. ``ringcomm.staging`` reaches CuPy only through :func:`cupy_or_none`.
+installed. ``ringcomm.device.staging`` reaches CuPy only through :func:`cupy_or_none`.
 """
 
 from __future__ import annotations
@@ -51,5 +51,5 @@ def get_xp(x: Any) -> ModuleType:
 
 def is_device_array(x: Any) -> bool:
     """Whether ``x`` lives in device memory: a CuPy array, or the host stand-in for one
-    (``ringcomm.standin``). Device arrays take the staged path (``ringcomm.staging``)."""
+    (``ringcomm.device.standin``). Device arrays take the staged path (``ringcomm.device.staging``)."""
     return isinstance(x, StandinArray) or is_cupy_array(x)

@@ -1,0 +1,131 @@
+"""A NumPy array posing as device memory: the host stand-in for ``cupy.ndarray``.
+
+:class:`StandinArray` wraps a contiguous NumPy array and exposes the small part of CuPy's
+ndarray surface ringcomm uses (shape, dtype, sizes, views by ``reshape``/``view``/basic
+slicing, ``get()``/``set()``). ringcomm treats it exactly like a CuPy array: every
+collective and p2p call on it takes the *staged* path (``ringcomm.device.staging``: pinned staging
+buffers, a stream, events), with NumPy copies and ufuncs standing in for CUDA copies and
+kernels. So a machine without a GPU exercises the staging bookkeeping; what it cannot
+exercise is CUDA itself (``scripts/gpu_check.sh`` does, on a GPU machine).
+
+Honesty: the stand-in's stream (``staging.HostStandinBackend``) runs queued copies and
+reductions *lazily*, only when an event after them is waited on or polled, so code that
+sends a staging buffer before waiting for its copy, or reads device memory before the
+stream finished, sees stale bytes and fails its test, as it would race on a GPU.
+
+Users and tests make one with :func:`standin_array` (a copy) and read it back with
+``a.get()``, as with CuPy's ``cupy.asarray``/``ndarray.get``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STANDIN", "StandinArray", "StandinModule", "standin_array"]
+
+
+class StandinArray:
+    """Stand-in device array: a view of a NumPy array that only staging code reads."""
+
+    __slots__ = ("__weakref__", "_host")
+
+    def __init__(self, host: np.ndarray) -> None:
+        if not isinstance(host, np.ndarray):
+            raise TypeError(f"StandinArray wraps a numpy.ndarray, got {type(host).__name__}")
+        self._host = host
+
+    # -- the ndarray surface ringcomm uses ------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._host.shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._host.dtype
+
+    @property
+    def size(self) -> int:
+        return self._host.size
+
+    @property
+    def nbytes(self) -> int:
+        return self._host.nbytes
+
+    @property
+    def itemsize(self) -> int:
+        return self._host.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return self._host.ndim
+
+    @property
+    def flags(self) -> Any:
+        return self._host.flags
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def reshape(self, *shape: Any) -> StandinArray:
+        return StandinArray(self._host.reshape(*shape))
+
+    def view(self, dtype: Any) -> StandinArray:
+        return StandinArray(self._host.view(dtype))
+
+    def __getitem__(self, index: Any) -> StandinArray:
+        view = self._host[index]
+        if not isinstance(view, np.ndarray) or (
+            view.size and not np.may_share_memory(view, self._host)
+        ):
+            raise TypeError("StandinArray supports basic indexing (views) only")
+        return StandinArray(view)
+
+    def copy(self) -> StandinArray:
+        return StandinArray(self._host.copy())
+
+    def get(self) -> np.ndarray:
+        """A NumPy copy (like ``cupy.ndarray.get``)."""
+        return self._host.copy()
+
+    def set(self, arr: Any) -> None:
+        """Overwrite with ``arr`` (like ``cupy.ndarray.set``)."""
+        self._host[...] = arr
+
+    def __repr__(self) -> str:
+        return f"StandinArray({self._host!r})"
+
+
+class StandinModule:
+    """What ``get_xp`` returns for stand-in arrays: allocation and overlap helpers."""
+
+    __name__ = "ringcomm.device.standin"
+
+    @staticmethod
+    def empty(shape: Any, dtype: Any = float) -> StandinArray:
+        return StandinArray(np.empty(shape, dtype))
+
+    @staticmethod
+    def zeros(shape: Any, dtype: Any = float) -> StandinArray:
+        return StandinArray(np.zeros(shape, dtype))
+
+    @staticmethod
+    def empty_like(a: StandinArray) -> StandinArray:
+        return StandinArray(np.empty_like(a._host))
+
+    @staticmethod
+    def asarray(a: Any) -> StandinArray:
+        return a if isinstance(a, StandinArray) else StandinArray(np.array(a, copy=True))
+
+    @staticmethod
+    def may_share_memory(a: StandinArray, b: StandinArray) -> bool:
+        return bool(np.may_share_memory(a._host, b._host))
+
+
+STANDIN = StandinModule()
+
+
+def standin_array(a: Any) -> StandinArray:
+    """A stand-in device array holding a copy of ``a`` (like ``cupy.asarray``)."""
+    return StandinArray(np.ascontiguousarray(np.array(a, copy=True)))
