@@ -107,8 +107,11 @@ def test_a_closed_peer_sends_it_off_the_lane() -> None:
 # -- the order rule in the transport -------------------------------------------------------
 
 
-def _receive(t: ZmqTransport, count: int, out: list[int], deadline: float) -> None:
-    """Read ``count`` messages; record their tags (each message's name) in arrival order."""
+def _receive(
+    t: ZmqTransport, count: int, out: list[int], seen: threading.Condition, deadline: float
+) -> None:
+    """Read ``count`` messages; record their tags (each message's name) in arrival order,
+    notifying ``seen`` after each."""
     while len(out) < count and time.monotonic() < deadline:
         if not t.poll(0.05):
             continue
@@ -123,7 +126,9 @@ def _receive(t: ZmqTransport, count: int, out: list[int], deadline: float) -> No
                 assert isinstance(payload, memoryview) and len(payload) == header.nbytes
             else:
                 assert inline is not None and len(inline) == header.nbytes
-            out.append(header.tag)
+            with seen:
+                out.append(header.tag)
+                seen.notify_all()
 
 
 @pytest.mark.timeout(60)
@@ -131,7 +136,9 @@ def _receive(t: ZmqTransport, count: int, out: list[int], deadline: float) -> No
 def test_a_datagram_sent_before_a_zmq_message_is_received_before_it(seed: int) -> None:
     """Random mixes of lane and zmq messages (two-frame ones too), received while they are
     sent (the queue fills now and then: those go over zmq): every datagram comes before
-    every zmq message sent after it, and each channel keeps its own order."""
+    every zmq message sent after it, and each channel keeps its own order. Sent in batches:
+    the next batch starts once the reader has every message so far (its empty queue lets
+    datagrams through again)."""
     rx, tx = ZmqTransport(1, lane=True), ZmqTransport(0, lane=True)
     try:
         assert rx.lane_endpoint is not None
@@ -143,7 +150,10 @@ def test_a_datagram_sent_before_a_zmq_message_is_received_before_it(seed: int) -
         kinds = [rng.choice(("lane1", "lane2", "zmq1", "zmq2")) for _ in range(600)]
         plan: list[bool] = []
         got: list[int] = []
-        reader = threading.Thread(target=_receive, args=(rx, len(kinds), got, time.monotonic() + 40))
+        seen = threading.Condition()
+        reader = threading.Thread(
+            target=_receive, args=(rx, len(kinds), got, seen, time.monotonic() + 40)
+        )
         reader.start()
         for i, kind in enumerate(kinds):
             nbytes = 100 if kind.endswith("1") else 5000 if i % 2 else 3000
@@ -151,11 +161,18 @@ def test_a_datagram_sent_before_a_zmq_message_is_received_before_it(seed: int) -
             # full queue sends it over zmq (then it is ordered as one).
             stream = Stream() if kind.startswith("lane") else None
             before = tx.lane_messages
-            tx.send(1, stream, pack_header(Header(KIND_COLL, 0, 0, i, nbytes=nbytes)), b"p" * nbytes, nbytes)
+            tx.send(
+                1,
+                stream,
+                pack_header(Header(KIND_COLL, 0, 0, i, nbytes=nbytes)),
+                b"p" * nbytes,
+                nbytes,
+            )
             plan.append(tx.lane_messages > before)  # True: it went through the lane
-            if i % 50 == 0:
-                time.sleep(0.002)  # let the reader catch up now and then
-        reader.join()
+            if i % 50 == 49:  # the batch is out: wait for the reader to have all of it
+                with seen:
+                    assert seen.wait_for(lambda: len(got) == len(plan), 10), (i, len(got))
+        reader.join(40)
         assert len(got) == len(plan), len(got)
         where = {tag: pos for pos, tag in enumerate(got)}
         lanes = [i for i, lane in enumerate(plan) if lane is True]
