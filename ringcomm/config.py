@@ -194,6 +194,9 @@ class InitConfig:
     #: Large payloads to peers on this host go through shared memory (``RINGCOMM_SHM``,
     #: default on where the lane is; see ringcomm.transport.shm_lane).
     shm: bool = True
+    #: Collectives of a group whose ranks share one host go through one shared workspace
+    #: (``RINGCOMM_WORKSPACE``, default on; see ringcomm.transport.workspace).
+    workspace: bool = True
     #: ``"core"``: the thread that joins the group runs on one core, local rank modulo
     #: the cores it may use; ``"auto"`` (the default): so when the host has more ranks
     #: than those cores (``local_world_size`` known), else as ``"none"``: the OS places
@@ -646,6 +649,8 @@ def resolve_init_config(
     local_lane = _parse_bool(lane_f) if lane_f is not None else True
     shm_f = _env_setting(env, "RINGCOMM_SHM")
     shm = _parse_bool(shm_f) if shm_f is not None else True
+    workspace_f = _env_setting(env, "RINGCOMM_WORKSPACE")
+    workspace = _parse_bool(workspace_f) if workspace_f is not None else True
 
     if host_store is not None:
         store_external = not host_store
@@ -671,6 +676,7 @@ def resolve_init_config(
         max_unexpected_bytes=caps[1],
         local_lane=local_lane,
         shm=shm,
+        workspace=workspace,
         bind=bind,
         local_world_size=local_world_size,
         transport=mode,

@@ -31,7 +31,14 @@ from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
 from .device.p2p import recv_op_class, send_op_class
 from .errors import GroupClosedError, RendezvousError, RingcommError
-from .group_core import CHECKOUT_MAX_S, WORLD_GROUP_ID, GroupCore, ProcessState
+from .group_core import (
+    CHECKOUT_MAX_S,
+    WORLD_GROUP_ID,
+    GroupCore,
+    ProcessState,
+    setup_workspace,
+    workspace_possible,
+)
 from .p2p import RecvOp, SendOp
 from .progress import (
     DEPART_CLOSE,
@@ -47,6 +54,7 @@ from .transport.endpoints import (
     host_identity,
     local_address_towards,
 )
+from .transport.workspace import AVAILABLE as WORKSPACE_AVAILABLE
 from .transport.zmq_transport import ZmqTransport
 from .work import Work
 
@@ -269,6 +277,15 @@ class ProcessGroup:
         """Return once every rank of the group has entered the barrier."""
         return _collectives.barrier(self.core, async_op, timeout_s=timeout_s)
 
+    def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        """A zeroed array that collectives use in place (a *symmetric buffer*, as NCCL's
+        ``ncclMemAlloc`` + window registration or torch's symmetric memory): on a group
+        whose ranks share one host it lives in memory every rank maps, so an all_reduce
+        of it (or of a slice of it) copies nothing in or out. Every rank calls it, in the
+        same order, with the same shape and dtype (it is collective). Across hosts, a
+        plain ``np.zeros``. Valid until the group is closed."""
+        return _collectives.alloc(self.core, shape, dtype)
+
     # -- end of collectives --------------------------------------------------------------
 
     # -- sub-groups --------------------------------------------------------------------
@@ -292,7 +309,9 @@ class ProcessGroup:
         gid = int.from_bytes(digest, "little") >> 1 or 1  # 63-bit, never the world's 0
         if core.rank not in members:
             return None
-        return ProcessGroup(core.sub([core.ranks[r] for r in members], gid))
+        sub = core.sub([core.ranks[r] for r in members], gid)
+        sub.workspace_pending = workspace_possible(sub)  # set up at its first collective
+        return ProcessGroup(sub)
 
     # -- introspection -----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -331,12 +350,14 @@ class ProcessGroup:
                 lambda op: GroupClosedError(f"rank {rank}: {op.desc}: the group was closed first"),
                 group=core.group_id,
             )
+            core.close_workspace()
             return
         core.state.shutdown(
             DEPART_CLOSE,
             checkout_s=min(core.timeout_s, CHECKOUT_MAX_S),
             linger_s=min(3.0, core.timeout_s),
         )
+        core.close_workspace()
 
     def abort(self, reason: BaseException | str | None = None) -> None:
         """Leave every group of this process at once because this rank is failing.
@@ -482,6 +503,7 @@ def init_process_group(
             version=__version__,
             lane=net.lane_endpoint,
             shm=net.shm_enabled,
+            workspace=cfg.workspace and WORKSPACE_AVAILABLE,
         )
         infos = {cfg.rank: me}
         if cfg.world_size > 1 or cfg.store_external:
@@ -533,7 +555,9 @@ def init_process_group(
         state = ProcessState(cfg, progress, store, server, cfg.effective_chunk_bytes)
         state.peers = infos
         lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
-        return ProcessGroup(GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID))
+        core = GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID)
+        core.workspace = setup_workspace(core)
+        return ProcessGroup(core)
     except BaseException:
         if net is not None:
             net.close(0.0)

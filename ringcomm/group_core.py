@@ -27,6 +27,7 @@ from .config import InitConfig
 from .errors import CommTimeoutError, GroupClosedError, RingcommError
 from .progress import DEPART_ERROR, Op, Progress, SerialQueue
 from .rendezvous import Store, StoreServer
+from .transport import workspace as ws_mod
 from .transport.endpoints import EndpointInfo, host_identity
 from .work import Work
 
@@ -35,7 +36,9 @@ __all__ = [
     "CULPRIT_WAIT_S",
     "GroupCore",
     "ProcessState",
+    "setup_workspace",
     "wait_for_exit",
+    "workspace_possible",
 ]
 
 WORLD_GROUP_ID = 0
@@ -220,6 +223,22 @@ class GroupCore:
         self.failed: BaseException | None = None
         self._coll_seq = 0
         self._subgroup_count = 0
+        #: The shared workspace of a group on one host (:func:`setup_workspace`), and the
+        #: collectives' state on it (ringcomm.collectives.workspace, made on first use).
+        self.workspace: ws_mod.Workspace | None = None
+        self.workspace_calls: Any = None
+        #: A sub-group that may have a workspace sets it up at its first collective
+        #: (every member is in that call; ``new_group`` itself stays local).
+        self.workspace_pending = False
+
+    def close_workspace(self) -> None:
+        """Unmap the workspace (the group is closed: no call uses it any more)."""
+        calls, ws = self.workspace_calls, self.workspace
+        self.workspace_calls = self.workspace = None
+        if calls is not None:
+            calls.close()
+        elif ws is not None:
+            ws.close()
 
     @property
     def config(self) -> InitConfig:
@@ -288,6 +307,62 @@ class GroupCore:
         sub.timeout_s = self.timeout_s
         sub.chunk_bytes = self.chunk_bytes
         return sub
+
+
+def workspace_possible(core: GroupCore) -> bool:
+    """Whether ``core``'s group can have a workspace: all its ranks on this host, each
+    taking part (``RINGCOMM_WORKSPACE``), a store to agree through. Pure: every member
+    computes the same answer from the endpoints published at rendezvous."""
+    state = core.state
+    if core.world_size < 2 or state.store is None or not ws_mod.AVAILABLE:
+        return False
+    if not state.config.workspace:
+        return False
+    infos = [state.peers.get(g) for g in core.ranks]
+    return all(i is not None and i.host_id == state.host_id and i.workspace for i in infos)
+
+
+def setup_workspace(core: GroupCore) -> ws_mod.Workspace | None:
+    """The shared workspace of ``core``'s group (:func:`workspace_possible`), else None.
+    Every member calls it at the same point (group formation, or a sub-group's first
+    collective); they agree through the store, so all get one or none.
+
+    Rank 0 of the group makes the segment (a memfd) and publishes its pid and descriptor;
+    the others open it through ``/proc/<pid>/fd``; each says whether that worked.
+    """
+    state, n = core.state, core.world_size
+    store = state.store
+    if not workspace_possible(core) or store is None:
+        return None
+    pids = [state.peers[g].pid for g in core.ranks]
+    key = f"workspace/{core.group_id}"
+    size = ws_mod.segment_bytes(n)
+    timeout_s = core.timeout_s
+    fd: int | None = None
+    if core.rank == 0:
+        try:
+            fd = ws_mod.create_segment(n)
+            store.set(key, f"{os.getpid()}:{fd}".encode())
+        except OSError:
+            store.set(key, b"none")
+    else:
+        store.wait([key], timeout_s=timeout_s)
+        text = store.get(key).decode()
+        if text != "none":
+            pid, theirs = (int(v) for v in text.split(":"))
+            try:
+                fd = ws_mod.open_segment(pid, theirs, size)
+            except OSError:
+                fd = None
+    store.set(f"{key}/{core.rank}", b"1" if fd is not None else b"0")
+    keys = [f"{key}/{r}" for r in range(n)]
+    store.wait(keys, timeout_s=timeout_s)
+    if any(store.get(k) != b"1" for k in keys):
+        if fd is not None:
+            os.close(fd)
+        return None
+    assert fd is not None
+    return ws_mod.Workspace(fd, core.rank, n, pids)
 
 
 def wait_for_exit(pid: int, timeout_s: float) -> bool:

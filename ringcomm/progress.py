@@ -1187,6 +1187,31 @@ class Progress:
         """Whether global rank ``peer`` said goodbye or failed."""
         return peer in self._departed or peer in self.failed_peers
 
+    def departure_note(self, peer: int) -> str:
+        """How global rank ``peer`` left ("it closed its process group", ...), once it did."""
+        return self._departure.get(peer, _DEPARTURE_NOTES[DEPART_CLOSE])
+
+    def peer_failed(self, error: PeerFailedError) -> None:
+        """A caller outside the engine (the shared workspace) found ``error.peer`` dead:
+        fail as the engine does when a connection drops (every op, peers told)."""
+        peer = error.peer
+        assert peer is not None
+        with self._lock:
+            if not self._closed:
+                self._fail_engine(error, peer=peer)
+
+    def poll_now(self) -> None:
+        """One round without blocking, if no other thread drives: for a caller that waits
+        outside the engine (the shared workspace) and must still hear goodbyes, failure
+        reports and dropped connections."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._round(0.0)
+                    self._check_health()
+            finally:
+                self._lock.release()
+
     def farewell(
         self, why: str, timeout_s: float = FAREWELL_S, skip: Callable[[int], bool] | None = None
     ) -> None:

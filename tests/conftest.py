@@ -215,3 +215,10 @@ def assert_same_results(results: Sequence[tuple[list[str], dict[Any, Any]]]) -> 
     for rank, (_, digests) in enumerate(results):
         differ = [cid for cid in first if digests.get(cid) != first[cid]]
         assert not differ, f"rank {rank} differs from rank 0 in cases {differ[:10]}"
+
+
+@pytest.fixture
+def no_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks spawned by the test form no shared workspace (RINGCOMM_WORKSPACE=0): their
+    collectives take the message path even on one host, for tests of that path."""
+    monkeypatch.setenv("RINGCOMM_WORKSPACE", "0")

@@ -15,6 +15,10 @@ import pytest
 
 import ringcomm as rc
 
+# The message path on one host (collectives would take the shared workspace).
+pytestmark = pytest.mark.usefixtures("no_workspace")
+
+
 
 def job_same_bits_as_direct(pg: rc.ProcessGroup) -> dict[str, Any]:
     taken = {"list": 0, "other": 0}

@@ -80,13 +80,13 @@ def matrix_cases(world_size: int, full: bool = False) -> list[Case]:
     counts = sorted({0, 1, max(n - 1, 0), n + 1, 1000})
     cases: list[Case] = []
     i = 0
-    for algo in ("ring", "rd", "direct", "star"):
+    for algo in ("ring", "rd", "direct", "star", "shm"):
         for count in counts:
             for dt in DTYPES:  # every dtype, ops rotating
                 cases.append(("all_reduce", algo, dt.name, _op_for(dt, i), count, None, i))
                 i += 1
     if full:  # every dtype x every op, every algorithm
-        for dt, op, algo in itertools.product(DTYPES, OPS, ("ring", "rd", "direct", "star")):
+        for dt, op, algo in itertools.product(DTYPES, OPS, ("ring", "rd", "direct", "star", "shm")):
             if op == "avg" and dt.kind == "b":
                 continue
             for count in (n + 1, 1000):
@@ -271,7 +271,7 @@ def job_random_floats(pg: rc.ProcessGroup) -> tuple[list[str], list[str]]:
     failures, digests = [], []
     for i, (dt, algo, count) in enumerate(
         itertools.product(
-            ("float16", "float32", "float64"), ("ring", "rd", "direct", "star"), (7, 1000)
+            ("float16", "float32", "float64"), ("ring", "rd", "direct", "star", "shm"), (7, 1000)
         )
     ):
 
@@ -508,9 +508,9 @@ def test_async_overlap(world_size: int) -> None:
 
 # --------------------------------------------------------------------------- algorithm choice
 def job_algo_env(pg: rc.ProcessGroup) -> tuple[str | None, list[int]]:
-    """Messages sent per 8-byte all_reduce tell the algorithm: W=2 direct 1, rd 1, ring 2
-    (no fingerprint message: at W=2 each rank's first message goes to the other anyway;
-    collectives.base: agreement before any write)."""
+    """Messages sent per 8-byte all_reduce tell the algorithm: W=2 shm 0 (the shared
+    workspace), direct 1, rd 1, ring 2 (no fingerprint message: at W=2 each rank's first
+    message goes to the other anyway; collectives.base: agreement before any write)."""
     sent = []
     for algo in (None, "rd", "ring"):
         before = pg.stats()["sent_messages"]
@@ -521,6 +521,11 @@ def job_algo_env(pg: rc.ProcessGroup) -> tuple[str | None, list[int]]:
 
 @pytest.mark.timeout(60)
 def test_algo_keyword_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [(None, [1, 1, 2])] * 2
+    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [(None, [0, 1, 2])] * 2
     monkeypatch.setenv("RINGCOMM_ALGO", "ring")
     assert rc.spawn(job_algo_env, 2, timeout_s=50) == [("ring", [2, 1, 2])] * 2
+    monkeypatch.setenv("RINGCOMM_ALGO", "shm")
+    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [("shm", [0, 1, 2])] * 2
+    monkeypatch.delenv("RINGCOMM_ALGO")
+    monkeypatch.setenv("RINGCOMM_WORKSPACE", "0")  # no workspace: by size, direct
+    assert rc.spawn(job_algo_env, 2, timeout_s=50) == [(None, [1, 1, 2])] * 2

@@ -304,7 +304,13 @@ def job_timeout_then_usable(pg: rc.ProcessGroup) -> tuple[str, list[float]]:
 
 
 @pytest.mark.timeout(60)
-def test_timeout_is_bounded() -> None:
+@pytest.mark.parametrize("workspace", [True, False])
+def test_timeout_is_bounded(workspace: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error says whom the rank waited for, and where: on the shared workspace at
+    which sync, over messages how many it got."""
+    if not workspace:
+        monkeypatch.setenv("RINGCOMM_WORKSPACE", "0")
     results = rc.spawn(job_timeout_then_usable, 2, timeout_s=50)
-    assert "timed out after 0.5 s" in results[0][0] and "0/1 messages from rank 1" in results[0][0]
+    where = "waiting for rank 1 at sync 1 of round 1/1" if workspace else "0/1 messages from rank 1"
+    assert "timed out after 0.5 s" in results[0][0] and where in results[0][0], results[0][0]
     assert results[0][1] == results[1][1] == [2.0, 2.0]

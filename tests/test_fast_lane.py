@@ -18,6 +18,9 @@ from fast_lane_calls import CASES, interop_calls, is_blocking
 
 import ringcomm as rc
 
+# The lane is the message path's: on one host collectives would take the shared workspace.
+pytestmark = pytest.mark.usefixtures("no_workspace")
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3, 4])

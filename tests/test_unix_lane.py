@@ -26,6 +26,9 @@ from ringcomm.transport.unix_lane import PARTS_TAG, UnixLane
 from ringcomm.transport.wire import KIND_COLL, Header, pack_header, unpack_header
 from ringcomm.transport.zmq_transport import ZmqTransport
 
+# The message path on one host (collectives would take the shared workspace).
+pytestmark = pytest.mark.usefixtures("no_workspace")
+
 # -- the lane alone ------------------------------------------------------------------------
 
 

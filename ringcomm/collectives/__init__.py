@@ -24,6 +24,12 @@ all_to_all         ``direct``
 barrier            ``dissemination``
 =================  =========================================================
 
+A group whose ranks share one host and a workspace (``ringcomm.transport.workspace``)
+runs every collective on host arrays as ``shm`` (:mod:`ringcomm.collectives.workspace`)
+unless ``algo=`` or ``RINGCOMM_ALGO`` names another of the collective's algorithms;
+``algo="shm"`` on a group without a workspace is an error (a group of one runs its
+default), ``RINGCOMM_ALGO=shm`` there picks by size as usual.
+
 :mod:`ringcomm.collectives.reference` keeps naive implementations over point-to-point
 (gather to rank 0, ``reference_reduce``, send back) as a test oracle.
 
@@ -54,6 +60,7 @@ __all__ = [
     "ALL_REDUCE_DIRECT_MAX_WORLD",
     "ALL_REDUCE_RD_MAX_BYTES",
     "BROADCAST_TREE_MAX_BYTES",
+    "WORKSPACE_ALGO",
     "Call",
     "CollectiveOp",
     "Comm",
@@ -105,6 +112,10 @@ ALL_REDUCE_STAR_MAX_WORLD = 8
 BROADCAST_TREE_MAX_BYTES = 1024 * 1024
 
 
+#: The name of the shared-workspace algorithm (every collective has it on one host).
+WORKSPACE_ALGO = "shm"
+
+
 def get_algorithm(collective: str, algo: str) -> type[CollectiveOp]:
     """The class implementing ``collective`` with ``algo``; ValueError if there is none."""
     table = ALGORITHMS.get(collective)
@@ -124,23 +135,38 @@ def choose_algorithm(
     env_algo: str | None,
     nbytes: int,
     world_size: int = 2,
+    *,
+    local: bool = False,
 ) -> str:
     """The algorithm to run: ``requested`` (the ``algo=`` keyword), else ``env_algo``
-    (``RINGCOMM_ALGO``) when it names one of this collective's algorithms, else by size.
+    (``RINGCOMM_ALGO``) when it names one of this collective's algorithms, else
+    :data:`WORKSPACE_ALGO` when the group has a workspace (``local``), else by size.
 
-    An ``algo=`` naming no algorithm of the collective raises ValueError; so does a
-    ``RINGCOMM_ALGO`` that names no algorithm of any collective.
+    An ``algo=`` naming no algorithm of the collective raises ValueError (``"shm"``
+    without a workspace too); so does a ``RINGCOMM_ALGO`` that names no algorithm of any
+    collective.
     """
     table = ALGORITHMS[collective]
     if requested is not None:
+        if requested == WORKSPACE_ALGO:
+            if world_size == 1 and not local:
+                return next(iter(table))  # a group of one needs no workspace
+            if not local:
+                raise ValueError(
+                    f"algo {WORKSPACE_ALGO!r} needs a group whose ranks share one host and a "
+                    "workspace, and host (NumPy) arrays"
+                )
+            return requested
         get_algorithm(collective, requested)
         return requested
     if env_algo:
         if env_algo in table:
             return env_algo
-        if not any(env_algo in t for t in ALGORITHMS.values()):
-            names = sorted({a for t in ALGORITHMS.values() for a in t})
+        if env_algo != WORKSPACE_ALGO and not any(env_algo in t for t in ALGORITHMS.values()):
+            names = sorted({a for t in ALGORITHMS.values() for a in t} | {WORKSPACE_ALGO})
             raise ValueError(f"RINGCOMM_ALGO={env_algo!r} names no algorithm; known: {names}")
+    if local:
+        return WORKSPACE_ALGO
     if collective == "all_reduce":
         if 3 <= world_size <= ALL_REDUCE_STAR_MAX_WORLD and nbytes <= ALL_REDUCE_STAR_MAX_BYTES:
             return "star"

@@ -27,10 +27,12 @@ import numpy as np
 from ..buffers import check_array, check_peer
 from ..device.staging import backend_for
 from ..device.xp import get_xp, is_device_array
+from ..group_core import setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
-from . import choose_algorithm, get_algorithm
+from . import WORKSPACE_ALGO, choose_algorithm, get_algorithm
 from .base import Call, Comm
 from .staged import PIPELINED, DeviceCall, staged_class
+from .workspace import WorkspaceCollectives
 
 if TYPE_CHECKING:
     from ..group_core import GroupCore
@@ -39,6 +41,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "alloc",
     "barrier",
     "broadcast",
     "gather",
@@ -168,7 +171,11 @@ def _run(
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     group.check_usable(call.name)
+    if call.algo == WORKSPACE_ALGO:
+        return _run_on_workspace(group, call, timeout, async_op)
     cls = get_algorithm(call.name, call.algo)
+    if group.workspace_calls is not None:  # earlier collectives of the group go first
+        group.workspace_calls.drain(timeout)
     arr = call.x if call.x is not None else call.out
     device = None
     if arr is not None and type(arr) is not np.ndarray and is_device_array(arr):
@@ -203,8 +210,67 @@ def _run(
     return group.run(op, timeout, False, deadline)
 
 
+def _workspace_calls(group: GroupCore) -> WorkspaceCollectives | None:
+    """The group's collectives on its workspace; a sub-group sets the workspace up at its
+    first call (all members are in it); None if that found none (all members agree)."""
+    calls = group.workspace_calls
+    if calls is None:
+        if group.workspace is None and group.workspace_pending:
+            group.workspace_pending = False
+            group.workspace = setup_workspace(group)
+        if group.workspace is None:
+            return None
+        calls = group.workspace_calls = WorkspaceCollectives(group, group.workspace)
+    return calls  # type: ignore[no-any-return]
+
+
+def alloc(group: GroupCore, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+    """A zeroed NumPy array that the group's collectives use in place (a symmetric
+    buffer): on a group with a shared workspace it lives in a window every rank maps, so
+    an all_reduce of it copies nothing in or out. Every rank calls it, in the same order,
+    with the same shape and dtype. Elsewhere: a plain ``np.zeros``."""
+    what = _what(group, "alloc")
+    try:
+        dt = np.dtype(dtype)
+        dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what}: shape must be ints and dtype a NumPy dtype: {exc}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{what}: negative dimension in shape {dims}")
+    check_array(np.empty(0, dt), what)  # the supported dtypes
+    group.check_usable("alloc")
+    calls = _workspace_calls(group)
+    if calls is None:
+        return np.zeros(dims, dt)
+    calls.drain(group.timeout_s)
+    return calls.alloc(dims, dt)
+
+
+def _run_on_workspace(group: GroupCore, call: Call, timeout: float, async_op: bool) -> Any:
+    calls = _workspace_calls(group)
+    if calls is None:  # a sub-group found it has no workspace after all: as elsewhere
+        arr = call.x if call.x is not None else call.out
+        nbytes = 0 if arr is None else int(arr.nbytes)
+        algo = choose_algorithm(call.name, None, _env_algo(group), nbytes, group.world_size)
+        return _run(group, call._replace(algo=algo), timeout, async_op)
+    return calls.run(call, group.next_collective_seq(), timeout, async_op)
+
+
 def _env_algo(group: GroupCore) -> str | None:
     return group.config.algo
+
+
+def _pick(
+    group: GroupCore, collective: str, requested: str | None, nbytes: int, host: bool, what: str
+) -> str:
+    """The algorithm of a call (``choose_algorithm``; ``host``: its arrays are NumPy's)."""
+    local = host and (group.workspace is not None or group.workspace_pending)
+    try:
+        return choose_algorithm(
+            collective, requested, _env_algo(group), nbytes, group.world_size, local=local
+        )
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
 
 
 # -- the collectives -------------------------------------------------------------------
@@ -224,10 +290,7 @@ def all_reduce(
     rop = _check_op(op, dtype, what)
     if async_op is not False:
         async_op = _check_flag(async_op, what)
-    try:
-        chosen = choose_algorithm("all_reduce", algo, _env_algo(group), x.nbytes, group.world_size)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+    chosen = _pick(group, "all_reduce", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape)
     return _run(group, call, timeout_s, async_op, what)
 
@@ -252,7 +315,8 @@ def reduce_scatter(
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
         raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
-    call = Call("reduce_scatter", "ring", x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape))
+    algo = _pick(group, "reduce_scatter", None, x.nbytes, type(x) is np.ndarray, what)
+    call = Call("reduce_scatter", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
 
@@ -270,7 +334,8 @@ def all_gather(
     async_op = _check_flag(async_op, what)
     shape = (group.world_size, *x.shape)
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    call = Call("all_gather", "ring", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
+    algo = _pick(group, "all_gather", None, x.nbytes, type(x) is np.ndarray, what)
+    call = Call("all_gather", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
 
@@ -288,10 +353,7 @@ def broadcast(
     src = _check_root(src, group, what, "src")
     x = check_array(x, what, writeable=group.rank != src, device=True)
     async_op = _check_flag(async_op, what)
-    try:
-        chosen = choose_algorithm("broadcast", algo, _env_algo(group), x.nbytes)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+    chosen = _pick(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -312,7 +374,8 @@ def reduce(
     x = check_array(x, what, writeable=group.rank == dst, device=True)
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
-    call = Call("reduce", "tree", x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
+    algo = _pick(group, "reduce", None, x.nbytes, type(x) is np.ndarray, what)
+    call = Call("reduce", algo, x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
 
@@ -336,7 +399,8 @@ def gather(
         out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     else:
         out = None
-    call = Call("gather", "direct", x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
+    algo = _pick(group, "gather", None, x.nbytes, type(x) is np.ndarray, what)
+    call = Call("gather", algo, x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
 
@@ -373,7 +437,9 @@ def scatter(
             dtype, shape = out.dtype, (n, *out.shape)
     elif dtype is not None and shape is not None:  # src, or a rank that passed x
         out = _empty(x, shape[1:])
-    call = Call("scatter", "direct", x=x, out=out, root=src, dtype=dtype, shape=shape)
+    host = (x is None or type(x) is np.ndarray) and (out is None or type(out) is np.ndarray)
+    algo = _pick(group, "scatter", None, 0, host, what)
+    call = Call("scatter", algo, x=x, out=out, root=src, dtype=dtype, shape=shape)
     return _run(group, call, timeout_s, async_op)
 
 
@@ -396,11 +462,14 @@ def all_to_all(
         out = _check_out(out, tuple(x.shape), x.dtype, what, x)
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
-    call = Call("all_to_all", "direct", x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
+    algo = _pick(group, "all_to_all", None, x.nbytes, type(x) is np.ndarray, what)
+    call = Call("all_to_all", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
 
 def barrier(group: GroupCore, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
     """Return once every rank of the group has entered the barrier."""
-    async_op = _check_flag(async_op, _what(group, "barrier"))
-    return _run(group, Call("barrier", "dissemination"), timeout_s, async_op)
+    what = _what(group, "barrier")
+    async_op = _check_flag(async_op, what)
+    algo = _pick(group, "barrier", None, 0, True, what)
+    return _run(group, Call("barrier", algo), timeout_s, async_op)

@@ -41,6 +41,8 @@ class EndpointInfo:
     lane: str | None = None
     #: Takes part in the shared-memory lane (transport/shm_lane.py) with lane peers.
     shm: bool = False
+    #: Takes part in shared workspaces (transport/workspace.py) with same-host peers.
+    workspace: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +54,7 @@ class EndpointInfo:
             "version": self.version,
             "lane": self.lane,
             "shm": self.shm,
+            "workspace": self.workspace,
         }
 
     @classmethod
@@ -65,6 +68,7 @@ class EndpointInfo:
             version=str(d["version"]),
             lane=d.get("lane"),
             shm=bool(d.get("shm", False)),
+            workspace=bool(d.get("workspace", False)),
         )
 
 

@@ -1,0 +1,315 @@
+"""A shared workspace: one memory segment that every rank of a group on one host maps.
+
+Collectives over it (``ringcomm.collectives.workspace``) need no ring and no socket: every
+rank can read every other rank's data. Layout of the segment (an anonymous ``memfd``,
+created by the group's rank 0 and opened by the others through ``/proc/<pid>/fd/<fd>``;
+nothing in /dev/shm, nothing left behind when the ranks end, whichever dies first)::
+
+    [ control: one 256-byte line per rank ][ bell: one page ][ slots: rank 0 buffer 0,
+      rank 0 buffer 1, rank 1 buffer 0, ... each SLOT_BYTES ]
+
+A rank's control line holds its *arrival count* (how many synchronisations it has
+reached), whether it sleeps, and the fingerprint of the call it is in (sequence number,
+collective, dtype, count, root, op, where a symmetric buffer sits): only its owner writes
+it. A synchronisation ``k`` is complete when every rank's arrival count is at least ``k``.
+Each rank has two buffers, used by rounds alternately: writing buffer ``b`` in round ``r``
+is safe once synchronisation ``r-1`` is complete, because every rank has then finished
+reading what round ``r-2`` left in it.
+
+Waiting: look at the arrival counts for :data:`SPIN_S` (yielding the core between looks
+when there are more ranks than cores), then sleep on the bell, a futex word: a sleeper
+marks its line, looks once more, and sleeps while the bell keeps its value; a rank that
+completes a synchronisation and sees a sleeper rings the bell (changes it, wakes its
+sleepers). Every sleep is bounded by :data:`SLEEP_SLICE_S`, after which the caller's
+``idle`` check runs (peers' liveness, the progress engine's news, the deadline).
+
+Ordering: the data and the counts are plain stores and loads through NumPy. x86-64 keeps
+stores in order and loads in order (TSO), so a rank that sees a peer's count ``k`` sees
+everything that peer wrote before it: the workspace is only used there (``AVAILABLE``).
+TSO lets a load pass an earlier store, so a sleeper and the rank that should wake it can
+miss each other (each reads the other's old value): the sleeper then wakes at the end of
+its slice; :attr:`Workspace.late_wakes` counts how often the condition was already true
+then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import platform
+import select
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "AVAILABLE",
+    "LINE_WORDS",
+    "SLOT_BYTES",
+    "Window",
+    "Workspace",
+    "WorkspaceTimeout",
+]
+
+#: x86-64 Linux with memfd (the module docstring says why x86-64).
+AVAILABLE = (
+    hasattr(os, "memfd_create")
+    and hasattr(os, "MFD_CLOEXEC")
+    and platform.system() == "Linux"
+    and platform.machine().lower() in ("x86_64", "amd64")
+)
+#: Bytes of each of a rank's two buffers: the largest piece of one round.
+SLOT_BYTES = 4 << 20
+#: A rank's control line: 48 words of 8 bytes (whole cache lines, no false sharing).
+LINE_WORDS = 48
+_LINE_BYTES = LINE_WORDS * 8
+_BELL_BYTES = 4096
+# Words of a control line.
+ARRIVE = 0  # synchronisations reached
+SLEEP = 1  # the synchronisation it sleeps waiting for (0: awake)
+FP = 2  # first fingerprint word (the collectives' module fills FP..LINE_WORDS-1)
+#: How long a waiter looks at the counts before it sleeps (measured: a peer on another
+#: core arrives within a few microseconds of a ready rank; a rank sharing a core with
+#: the one it waits for should give the core away soon).
+SPIN_S = 50e-6
+#: Longest sleep before the waiter runs its ``idle`` check.
+SLEEP_SLICE_S = 0.002
+
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_SYS_FUTEX = 202  # x86-64
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _load_syscall() -> Any:
+    if not AVAILABLE:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    return fn
+
+
+_syscall = _load_syscall()
+
+
+class WorkspaceTimeout(Exception):
+    """A wait ran past its deadline (the caller turns it into its own error)."""
+
+
+def segment_bytes(world_size: int, slot_bytes: int = SLOT_BYTES) -> int:
+    """Size of the segment of a group of ``world_size`` ranks."""
+    head = world_size * _LINE_BYTES + _BELL_BYTES
+    head = (head + 4095) // 4096 * 4096
+    return head + world_size * 2 * slot_bytes
+
+
+def create_segment(world_size: int, slot_bytes: int = SLOT_BYTES) -> int:
+    """A new segment's descriptor (rank 0 makes it; pages are allocated when touched)."""
+    fd = os.memfd_create("ringcomm-workspace", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, segment_bytes(world_size, slot_bytes))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_window(world_size: int, nbytes: int) -> tuple[int, int]:
+    """A new window's descriptor and the bytes of each rank's part (page-aligned)."""
+    part = max(4096, (nbytes + 4095) // 4096 * 4096)
+    fd = os.memfd_create("ringcomm-window", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, world_size * part)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, part
+
+
+class Window:
+    """A symmetric allocation: one part per rank of a segment every rank maps, so each
+    rank's array can be read (and written) by the others."""
+
+    def __init__(self, fd: int, world_size: int, part_bytes: int, index: int) -> None:
+        self.index = index
+        self.part_bytes = part_bytes
+        try:
+            self._map = mmap.mmap(fd, world_size * part_bytes)
+        finally:
+            os.close(fd)
+        self.parts = [
+            np.frombuffer(self._map, np.uint8, part_bytes, r * part_bytes)
+            for r in range(world_size)
+        ]
+        self.bases = [int(p.ctypes.data) for p in self.parts]
+
+    def locate(self, rank: int, address: int, nbytes: int) -> int | None:
+        """The offset of ``nbytes`` at ``address`` inside ``rank``'s part, or None."""
+        offset = address - self.bases[rank]
+        if offset >= 0 and offset + nbytes <= self.part_bytes:
+            return offset
+        return None
+
+
+def open_segment(pid: int, fd: int, size: int) -> int:
+    """Open the segment that process ``pid`` holds as ``fd``; OSError if it cannot be."""
+    mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(mine).st_size != size:
+            raise OSError(f"segment of pid {pid} has {os.fstat(mine).st_size} bytes, not {size}")
+    except OSError:
+        os.close(mine)
+        raise
+    return mine
+
+
+class Workspace:
+    """One rank's view of a group's segment (``fd``; the workspace owns it from here)."""
+
+    def __init__(
+        self,
+        fd: int,
+        rank: int,
+        world_size: int,
+        pids: Sequence[int],
+        slot_bytes: int = SLOT_BYTES,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.slot_bytes = slot_bytes
+        size = segment_bytes(world_size, slot_bytes)
+        self._fd = fd
+        self._map = mmap.mmap(fd, size)
+        n = world_size
+        self.lines = np.frombuffer(self._map, np.uint64, n * LINE_WORDS, 0).reshape(n, LINE_WORDS)
+        self.line = self.lines[rank]
+        self.arrivals = self.lines[:, ARRIVE]
+        self.sleepers = self.lines[:, SLEEP]
+        self._bell = np.frombuffer(self._map, np.uint32, 1, n * _LINE_BYTES)
+        self._bell_addr = self._bell.ctypes.data
+        head = size - n * 2 * slot_bytes
+        #: buffers[rank][b]: rank's buffer b (uint8 views of the segment).
+        self.buffers = [
+            [
+                np.frombuffer(self._map, np.uint8, slot_bytes, head + (2 * r + b) * slot_bytes)
+                for b in (0, 1)
+            ]
+            for r in range(n)
+        ]
+        self.count = int(self.line[ARRIVE])  # this rank's synchronisations so far
+        self.late_wakes = 0
+        self.sleeps = 0
+        self.oversubscribed = n > len(os.sched_getaffinity(0))
+        self._pidfds: list[tuple[int, int]] = []  # (group rank, pidfd) of the others
+        self._poller = select.poll()
+        for r, pid in enumerate(pids):
+            if r == rank:
+                continue
+            try:
+                pfd = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                continue  # gone already (found at the first wait) or no pidfds here
+            self._pidfds.append((r, pfd))
+            self._poller.register(pfd, select.POLLIN)
+        self.closed = False
+
+    # -- synchronisation ---------------------------------------------------------------
+    def arrive(self) -> int:
+        """Reach the next synchronisation (returns its number); :meth:`wait` for it."""
+        k = self.count = self.count + 1
+        self.line[ARRIVE] = k
+        return k
+
+    def complete(self, k: int) -> bool:
+        return bool(self.arrivals.min() >= k)
+
+    def late(self, k: int) -> list[int]:
+        """The ranks that have not reached synchronisation ``k``."""
+        return [r for r in range(self.world_size) if int(self.arrivals[r]) < k]
+
+    def wait(self, k: int, deadline: float, idle: Callable[[], None]) -> None:
+        """Return once synchronisation ``k`` is complete. ``idle()`` runs between sleeps
+        (it raises to give up); WorkspaceTimeout at ``deadline`` (``time.monotonic()``)."""
+        arrivals = self.arrivals
+        if arrivals.min() >= k:
+            self._ring_if_sleepers()
+            return
+        spin_until = time.perf_counter() + SPIN_S
+        yield_ = self.oversubscribed
+        while arrivals.min() < k:
+            if yield_:
+                os.sched_yield()
+            if time.perf_counter() > spin_until:
+                self._sleep(k, deadline, idle)
+                break
+        self._ring_if_sleepers()
+
+    def _sleep(self, k: int, deadline: float, idle: Callable[[], None]) -> None:
+        arrivals, line, bell = self.arrivals, self.line, self._bell
+        ts = _Timespec(0, int(SLEEP_SLICE_S * 1e9))
+        while True:
+            ring = int(bell[0])
+            line[SLEEP] = k
+            if arrivals.min() >= k:
+                line[SLEEP] = 0
+                return
+            self.sleeps += 1
+            if _syscall is not None:
+                _syscall(_SYS_FUTEX, ctypes.c_void_p(self._bell_addr), _FUTEX_WAIT, ring,
+                         ctypes.byref(ts), None, 0)  # fmt: skip
+            else:
+                time.sleep(SLEEP_SLICE_S / 4)
+            line[SLEEP] = 0
+            if arrivals.min() >= k:
+                if int(bell[0]) == ring:
+                    self.late_wakes += 1  # woken by the slice's end, not by the bell
+                return
+            idle()
+            if time.monotonic() > deadline:
+                raise WorkspaceTimeout
+
+    def _ring_if_sleepers(self) -> None:
+        if self.sleepers.any():
+            self._bell[0] = (int(self._bell[0]) + 1) & 0xFFFFFFFF
+            if _syscall is not None:
+                _syscall(_SYS_FUTEX, ctypes.c_void_p(self._bell_addr), _FUTEX_WAKE,
+                         0x7FFFFFFF, None, None, 0)  # fmt: skip
+
+    def dead_peers(self) -> list[int]:
+        """Group ranks of the others whose process has ended (never blocks)."""
+        if not self._pidfds:
+            return []
+        ready = {fd for fd, _ in self._poller.poll(0)}
+        return [r for r, pfd in self._pidfds if pfd in ready]
+
+    # -- closing -----------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for _, pfd in self._pidfds:
+            with contextlib.suppress(OSError):
+                os.close(pfd)
+        self._pidfds = []
+        # The arrays view the map: drop them; the map goes with the last view (a user may
+        # still hold one of a symmetric buffer).
+        self.lines = self.line = self.arrivals = self.sleepers = np.zeros((1, LINE_WORDS), np.uint64)
+        self._bell = np.zeros(1, np.uint32)
+        self.buffers = []
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
