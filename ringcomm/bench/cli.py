@@ -136,7 +136,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=",".join(BenchConfig.devices),
         metavar="D[,D...]",
         help="where ringcomm's buffers live: host (NumPy), cuda (CuPy on the current GPU), "
-        "host-staged (NumPy through the staging path CuPy takes); several, comma-separated, "
+        "host-staged (NumPy through the staging path CuPy takes), symmetric (NumPy arrays "
+        "from pg.alloc: on one host in memory every rank maps), copy (not a collective: "
+        "every rank's numpy.copyto of the size at once, the memory-bandwidth reference); "
+        "several, comma-separated, "
         "run side by side with ratios of the first over the others (e.g. cuda,host)",
     )
     p.add_argument(

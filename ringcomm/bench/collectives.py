@@ -5,9 +5,11 @@ what ``ringcomm bench`` spawns on every rank: ringcomm, plus Gloo in the same pr
 with ``--compare gloo`` (one process start for both; the sizes alternate ringcomm, Gloo,
 ringcomm, Gloo, ...).
 
-``--device``: ringcomm's buffers are NumPy arrays (host), CuPy arrays (cuda) or the host
-stand-in for CuPy arrays (host-staged); several devices are measured side by side, sizes
-alternating between them, like ``--compare``.
+``--device``: ringcomm's buffers are NumPy arrays (host), CuPy arrays (cuda), the host
+stand-in for CuPy arrays (host-staged) or symmetric buffers (``pg.alloc``); ``copy`` is no
+collective but the reference of memory bandwidth (every rank ``numpy.copyto`` of the size at
+once); several devices are measured side by side, sizes alternating between them, like
+``--compare``.
 
 sendrecv: the ranks form a ring; each posts ``isend`` to rank+1 and ``irecv`` from rank-1,
 then waits for both (nccl-tests' sendrecv_perf).
@@ -52,7 +54,7 @@ def missing_collective(op: str) -> str | None:
 
 def device_array_maker(device: str) -> Any:
     """``numpy array -> array on device`` for ``--device`` (a copy; identity for host)."""
-    if device == "host":
+    if device in ("host", "symmetric", "copy"):  # (RingcommImpl allocates these two)
         return lambda a: a
     if device == "host-staged":
         from ringcomm.device.standin import standin_array
@@ -96,6 +98,14 @@ class RingcommImpl:
         self.device = device
         self.name = device_impl(device)
         self._dev = device_array_maker(device)
+        if device == "symmetric":  # buffers from pg.alloc (every rank, in one order)
+
+            def symmetric(a: np.ndarray) -> np.ndarray:
+                buf = pg.alloc(a.shape, a.dtype)
+                buf[...] = a
+                return buf
+
+            self._dev = symmetric
 
     def sync(self) -> None:
         barrier = getattr(self.pg, "barrier", None)
@@ -104,9 +114,23 @@ class RingcommImpl:
         else:  # before the collectives exist: gather at rank 0, then release
             _p2p_barrier(self.pg)
 
+    @property
+    def checked(self) -> bool:
+        """Whether its output is the operation's (not for the copy reference)."""
+        return self.device != "copy"
+
     def prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
         pg = self.pg
         dev = self._dev
+        if self.device == "copy":  # the reference: every rank copies spec.nbytes at once
+            src = np.ones(spec.nbytes, np.uint8)
+            dst = np.zeros(spec.nbytes, np.uint8)
+
+            def copy() -> np.ndarray:
+                np.copyto(dst, src)
+                return dst
+
+            return copy
         x = dev(data.copy())
         op = spec.op
         if op == "all_reduce":

@@ -63,12 +63,13 @@ IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-
 #: Where ``--device`` puts ringcomm's buffers: NumPy arrays (``host``), CuPy arrays on the
 #: current GPU (``cuda``), or the host stand-in for CuPy arrays (``host-staged``: NumPy
 #: memory through the same staging path as CuPy, to test and measure it without a GPU).
-DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged")
+DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "symmetric", "copy")
 
 
 def device_impl(device: str) -> str:
     """The ``impl`` name of ringcomm's rows on ``device`` (host: plain ``ringcomm``)."""
-    return {"host": "ringcomm", "cuda": "ringcomm-cuda", "host-staged": "ringcomm-staged"}[device]
+    return {"host": "ringcomm", "cuda": "ringcomm-cuda", "host-staged": "ringcomm-staged",
+            "symmetric": "ringcomm-symmetric", "copy": "numpy-copyto"}[device]  # fmt: skip
 
 
 def busbw_factor(op: str, world_size: int) -> float:

@@ -264,6 +264,8 @@ def _pick(
     group: GroupCore, collective: str, requested: str | None, nbytes: int, host: bool, what: str
 ) -> str:
     """The algorithm of a call (``choose_algorithm``; ``host``: its arrays are NumPy's)."""
+    if requested is None and host and group.workspace is not None and not group.config.algo:
+        return WORKSPACE_ALGO  # the common case on one host, without the general rule
     local = host and (group.workspace is not None or group.workspace_pending)
     try:
         return choose_algorithm(

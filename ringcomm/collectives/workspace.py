@@ -80,7 +80,8 @@ _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _SEQ, _COLL, _DTYPE, _SHAPE, _ROOT, _ROP, _CHUNK = range(7)
 _COMPARED = 7
 _SYM, _SYM_OFFSET = 7, 8  # all_reduce: the window (index + 1, 0: none) holding x, where
-_NDIM = 9  # then the dims (named in mismatch errors; scatter's root says its shape)
+_DIGEST = 9  # of words 1.._COMPARED-1: a quick look compares seq and digest only
+_NDIM = 10  # then the dims (named in mismatch errors; scatter's root says its shape)
 _AREA_WORDS = (LINE_WORDS - FP) // 2
 _MAX_DIMS = _AREA_WORDS - _NDIM - 1
 
@@ -90,22 +91,36 @@ def _shape_word(shape: tuple[int, ...]) -> int:
     return (hash(shape) & 0x7FFF_FFFF_FFFF_FFFF) | 1
 
 
-class WorkspaceOp(Op):
-    """One collective call on the workspace, as an :class:`~ringcomm.progress.Op` (so a
-    ``Work`` can wait on it); never submitted to the engine."""
+class Job:
+    """One collective call on the workspace: what the algorithms carry from call to sync."""
 
-    fails_group = True
+    __slots__ = ("call", "core", "deadline", "note", "seq", "timeout_s")
 
-    def __init__(self, runner: WorkspaceCollectives, call: Call, seq: int, deadline: float,
+    def __init__(self, core: GroupCore, call: Call, seq: int, deadline: float,
                  timeout_s: float) -> None:  # fmt: skip
-        super().__init__(runner.core.progress)
-        self.runner = runner
+        self.core = core
         self.call = call
         self.seq = seq
         self.deadline = deadline
         self.timeout_s = timeout_s
+        self.note = ""  # where it waits (a sync), for the progress map
+
+    @property
+    def desc(self) -> str:
+        """As the engine's collectives say it, plus where it runs."""
+        fp = describe_fingerprint(fingerprint(self.call, self.core.chunk_bytes))
+        return f"{fp} (collective #{self.seq} of group {self.core.group_id}, on the shared workspace)"
+
+
+class WorkspaceOp(Op):
+    """A queued (asynchronous) call as an :class:`~ringcomm.progress.Op`, so that a
+    ``Work`` waits on it; never submitted to the engine."""
+
+    def __init__(self, runner: WorkspaceCollectives, job: Job) -> None:
+        super().__init__(runner.core.progress)
+        self.runner = runner
+        self.job = job
         self.started = True  # the engine never starts it
-        self.note = ""
         self._finished = threading.Event()
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -117,24 +132,16 @@ class WorkspaceOp(Op):
         self._finished.wait(max(0.0, deadline - time.monotonic()))
 
     def describe(self) -> str:
-        """As the engine's collectives say it, plus where it runs."""
-        core = self.runner.core
-        fp = describe_fingerprint(fingerprint(self.call, core.chunk_bytes))
-        return f"{fp} (collective #{self.seq} of group {core.group_id}, on the shared workspace)"
+        return self.job.desc
 
     def progress_note(self) -> str:
-        return self.note
+        return self.job.note
 
     def execute(self) -> None:
         """Run the call here; ``result`` or ``error`` set, ``done`` True."""
-        if self.progress.log_ops:
-            log.debug("rank %d: start %s", self.progress.rank, self.desc)
         try:
-            result = self.runner.execute(self)
+            result = self.runner.execute(self.job)
         except BaseException as exc:  # noqa: BLE001 (the op carries it to its caller)
-            engine = isinstance(exc, PeerFailedError) and self.progress.failure is not None
-            if isinstance(exc, RingcommError) and not engine and self.runner.core.failed is None:
-                self.runner.core.failed = exc
             self.finish(exc)
             return
         self.result = result
@@ -156,32 +163,34 @@ class WorkspaceCollectives:
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
+        # Per call shape: its fingerprint row; per (buffer, dtype, count): the views.
+        self._rows: dict[tuple[Any, ...], tuple[np.ndarray, int]] = {}
+        self._published: list[tuple[Any, ...] | None] = [None, None]  # per area
+        self._views: dict[tuple[int, np.dtype[Any], int], list[np.ndarray]] = {}
+        self._digest = 0
 
     # -- entry ---------------------------------------------------------------------------
     def run(self, call: Call, seq: int, timeout_s: float, async_op: bool) -> Any:
-        deadline = time.monotonic() + timeout_s
-        op = WorkspaceOp(self, call, seq, deadline, timeout_s)
+        job = Job(self.core, call, seq, time.monotonic() + timeout_s, timeout_s)
+        if not async_op:
+            with self._cv:
+                busy = bool(self._queue) or self._worker_busy
+            if not busy:  # the common case: here, now
+                with self._lock:
+                    return self.execute(job)
+        op = WorkspaceOp(self, job)
         with self._cv:
-            busy = bool(self._queue) or self._worker_busy
-            if async_op or busy:
-                self._queue.append(op)
-                self._ensure_worker()
-                self._cv.notify()
-                queued = True
-            else:
-                queued = False
+            self._queue.append(op)
+            self._ensure_worker()
+            self._cv.notify()
         if async_op:
             return Work(self.core.progress, op, timeout_s)
-        if queued:
-            op.wait_done(deadline + 1.0)
-            if not op.done:
-                raise CommTimeoutError(
-                    f"rank {self.core.rank}: {op.desc} timed out after {timeout_s:g} s "
-                    "behind earlier asynchronous collectives"
-                )
-        else:
-            with self._lock:
-                op.execute()
+        op.wait_done(job.deadline + 1.0)
+        if not op.done:
+            raise CommTimeoutError(
+                f"rank {self.core.rank}: {job.desc} timed out after {timeout_s:g} s "
+                "behind earlier asynchronous collectives"
+            )
         if op.error is not None:
             raise op.error
         return op.result
@@ -265,7 +274,7 @@ class WorkspaceCollectives:
                     )
                 self._cv.wait(left)
 
-    def _after_earlier(self, op: WorkspaceOp) -> None:
+    def _after_earlier(self, op: Job) -> None:
         """Wait for this group's earlier collectives that went through the engine."""
         serial = self.core.serial
         last = serial.pending[-1] if serial.pending else serial.active
@@ -284,12 +293,28 @@ class WorkspaceCollectives:
         self.ws.close()
 
     # -- the calls -----------------------------------------------------------------------
-    def execute(self, op: WorkspaceOp) -> Any:
+    def execute(self, op: Job) -> Any:
+        """Run a call (under ``_lock``); a failure other than a mismatch leaves the group
+        failed (a dead peer fails the whole engine, as over the socket)."""
         call = op.call
-        self._after_earlier(op)
-        return getattr(self, "_" + call.name)(op, call)
+        progress = self.core.progress
+        if progress.log_ops:
+            log.debug("rank %d: start %s", progress.rank, op.desc)
+        try:
+            self._after_earlier(op)
+            result = getattr(self, "_" + call.name)(op, call)
+        except RingcommError as exc:
+            engine = isinstance(exc, PeerFailedError) and progress.failure is not None
+            if not engine and self.core.failed is None:
+                self.core.failed = exc
+            if progress.log_ops:
+                log.debug("rank %d: failed %s: %s", progress.rank, op.desc, exc)
+            raise
+        if progress.log_ops:
+            log.debug("rank %d: end %s", progress.rank, op.desc)
+        return result
 
-    def _sync(self, op: WorkspaceOp, where: str) -> None:
+    def _sync(self, op: Job, where: str) -> None:
         ws = self.ws
         k = ws.arrive()
         if ws.complete(k):
@@ -319,7 +344,7 @@ class WorkspaceCollectives:
                 parts.append(f"rank {r}'s last call here: {self._described(newest)}")
         return "; ".join(parts)
 
-    def _idle(self, op: WorkspaceOp, k: int, where: str) -> None:
+    def _idle(self, op: Job, k: int, where: str) -> None:
         """Between sleeps: is any peer we wait for gone?"""
         core, ws = self.core, self.ws
         progress = core.progress
@@ -349,45 +374,68 @@ class WorkspaceCollectives:
                 "goodbye (killed or crashed)", peer=g))  # fmt: skip
             raise progress.failed_error(f"{op.desc} [{where}]")
 
-    def _publish(self, op: WorkspaceOp, call: Call) -> None:
-        """Put the call's fingerprint in this rank's line (the area of its first round)."""
-        base = self._fp_base = FP + (self.round & 1) * _AREA_WORDS
-        fp = self.ws.line[base : base + _AREA_WORDS]
-        fp[_SEQ] = op.seq
-        fp[_COLL] = _OPCODES[call.name]
+    def _publish(self, op: Job, call: Call) -> None:
+        """Put the call's fingerprint in this rank's line (the area of its first round):
+        its sequence number, a digest of the rest, and the rest (for error messages)."""
+        area = self.round & 1
+        base = self._fp_base = FP + area * _AREA_WORDS
+        key = (call.name, call.dtype, call.shape, call.root, call.op, self.core.chunk_bytes)
+        cached = self._rows.get(key)
+        if cached is None:
+            if len(self._rows) >= 256:
+                self._rows.clear()
+            cached = self._rows[key] = self._row(call)
+        row, digest = cached
+        words = self.ws.words
+        mine = self.ws.rank * LINE_WORDS + base
+        if self._published[area] != key:  # the same shape as last time: only seq changes
+            self.ws.line[base : base + _AREA_WORDS] = row
+            self._published[area] = key
+        words[mine + _SYM] = 0
+        words[mine + _SEQ] = op.seq
+        self._digest = digest
+
+    def _row(self, call: Call) -> tuple[np.ndarray, int]:
+        row = np.zeros(_AREA_WORDS, np.uint64)
+        row[_COLL] = _OPCODES[call.name]
         known = call.dtype is not None and call.shape is not None
-        fp[_DTYPE] = _DTYPE_CODES[call.dtype] if known else 0  # type: ignore[index]
-        fp[_SHAPE] = _shape_word(call.shape) if known else 0  # type: ignore[arg-type]
-        fp[_ROOT] = 0 if call.root is None else call.root + 1
-        fp[_ROP] = 0 if call.op is None else _OP_CODES[call.op]
-        fp[_CHUNK] = self.core.chunk_bytes  # it sets the rounds: ranks must agree
-        fp[_SYM] = 0
+        row[_DTYPE] = _DTYPE_CODES[call.dtype] if known else 0  # type: ignore[index]
+        row[_SHAPE] = _shape_word(call.shape) if known else 0  # type: ignore[arg-type]
+        row[_ROOT] = 0 if call.root is None else call.root + 1
+        row[_ROP] = 0 if call.op is None else _OP_CODES[call.op]
+        row[_CHUNK] = self.core.chunk_bytes  # it sets the rounds: ranks must agree
         shape = call.shape
         if known and shape:
-            assert shape is not None
             if len(shape) > _MAX_DIMS and call.name == "scatter" and call.root == self.core.rank:
                 raise ValueError(
                     f"rank {self.core.rank}: scatter: at most {_MAX_DIMS} dimensions on the "
                     "shared workspace"
                 )
             k = min(len(shape), _MAX_DIMS)
-            fp[_NDIM] = len(shape)
-            fp[_NDIM + 1 : _NDIM + 1 + k] = shape[:k]
-        else:
-            fp[_NDIM] = 0
+            row[_NDIM] = len(shape)
+            row[_NDIM + 1 : _NDIM + 1 + k] = shape[:k]
+        # The digest of the compared words (after seq): equal digests, equal calls.
+        row[_DIGEST] = _shape_word(tuple(int(v) for v in row[_COLL:_COMPARED]))
+        return row, int(row[_DIGEST])
 
     def _fingerprints(self) -> np.ndarray:
         """Every rank's fingerprint of this call (rows), once the first sync is done."""
         base = self._fp_base
         return self.ws.lines[:, base : base + _AREA_WORDS]
 
-    def _check(self, op: WorkspaceOp) -> None:
+    def _check(self, op: Job) -> None:
         """After the first sync: every rank is in the same call, or all raise."""
+        words, seq, digest = self.ws.words, op.seq, self._digest
+        base = self._fp_base
+        for r in range(self.ws.world_size):
+            at = r * LINE_WORDS + base
+            if words[at + _SEQ] != seq or words[at + _DIGEST] != digest:
+                break
+        else:
+            return
         fps = self._fingerprints()
         me = self.ws.rank
         mine = fps[me, :_COMPARED]
-        if not (fps[:, :_COMPARED] != mine).any():
-            return
         for r in range(self.ws.world_size):
             theirs = fps[r, :_COMPARED]
             for word, (a, b) in enumerate(zip(mine.tolist(), theirs.tolist(), strict=True)):
@@ -419,11 +467,15 @@ class WorkspaceCollectives:
         parts.append(f"chunk_bytes={words[_CHUNK]}")
         return f"{names.get(words[_COLL], '?')}({', '.join(parts)}) #{words[_SEQ]}"
 
+    def _round_cap(self, least: int) -> int:
+        """Most bytes of one round (at least ``least``: one element per row)."""
+        return min(self.ws.slot_bytes, max(self.core.chunk_bytes, least))
+
     def _rounds(self, nbytes: int, itemsize: int, rows: int = 1) -> tuple[int, int]:
         """(elements per round per row, number of rounds) for ``nbytes`` per row: a round
         fills at most a buffer, and at most the group's ``chunk_bytes`` (tests force many
         rounds on small arrays with it)."""
-        cap = min(self.ws.slot_bytes, max(self.core.chunk_bytes, itemsize * rows))
+        cap = self._round_cap(itemsize * rows)
         per_round = max(1, cap // (rows * itemsize))
         count = nbytes // itemsize if itemsize else 0
         return per_round, max(1, -(-count // per_round))
@@ -436,8 +488,19 @@ class WorkspaceCollectives:
     def _view(self, r: int, b: int, dtype: np.dtype[Any], count: int) -> np.ndarray:
         return self.ws.buffers[r][b][: count * dtype.itemsize].view(dtype)
 
+    def _all_views(self, b: int, dtype: np.dtype[Any], count: int) -> list[np.ndarray]:
+        """Every rank's buffer ``b`` as ``count`` elements of ``dtype`` (cached)."""
+        key = (b, dtype, count)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 512:
+                self._views.clear()
+            views = [self._view(r, b, dtype, count) for r in range(self.ws.world_size)]
+            self._views[key] = views
+        return views
+
     # all_reduce -------------------------------------------------------------------------
-    def _all_reduce(self, op: WorkspaceOp, call: Call) -> Any:
+    def _all_reduce(self, op: Job, call: Call) -> Any:
         x = call.x
         assert x is not None and call.op is not None
         n = self.ws.world_size
@@ -448,6 +511,8 @@ class WorkspaceCollectives:
             fp[_SYM], fp[_SYM_OFFSET] = sym, offset
         if n > 1 and (sym or self.windows):  # a peer's x may be in a window
             return self._all_reduce_sources(op, call, x)
+        if n > 1 and x.nbytes <= SMALL_ALL_REDUCE_BYTES and x.nbytes <= self._round_cap(x.itemsize):
+            return self._all_reduce_small(op, call, x)
         dtype = x.dtype
         flat = x.reshape(-1)
         me = self.ws.rank
@@ -461,7 +526,7 @@ class WorkspaceCollectives:
             hi = min(lo + per, flat.size)
             c = hi - lo
             b = self._next_buffer()
-            views = [self._view(r, b, dtype, c) for r in range(n)]
+            views = self._all_views(b, dtype, c)
             np.copyto(views[me], flat[lo:hi])
             self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
             if i == 0:
@@ -487,7 +552,22 @@ class WorkspaceCollectives:
                     np.copyto(flat[lo + s : lo + e], views[r][s:e])
         return x
 
-    def _all_reduce_sources(self, op: WorkspaceOp, call: Call, x: np.ndarray) -> Any:
+    def _all_reduce_small(self, op: Job, call: Call, x: np.ndarray) -> Any:
+        """One round: copy in, sync, every rank reduces every buffer in rank order."""
+        assert call.op is not None
+        b = self._next_buffer()
+        views = self._all_views(b, x.dtype, x.size)
+        flat = x.reshape(-1)
+        np.copyto(views[self.ws.rank], flat)
+        self._sync(op, "sync 1 of round 1/1")
+        self._check(op)
+        ufunc = reduce_ufunc(call.op, x.dtype)
+        reduce_in_order(ufunc, views, flat, silence=x.dtype.kind == "f")
+        if call.op is ReduceOp.AVG:
+            finalize(call.op, flat, self.ws.world_size)
+        return x
+
+    def _all_reduce_sources(self, op: Job, call: Call, x: np.ndarray) -> Any:
         """all_reduce where some ranks' ``x`` lives in a window (:meth:`alloc`): those are
         read in place, not copied in; if all are, the whole buffer is one round and no
         byte is copied in or out of the workspace but the reduced slices. Each rank
@@ -548,7 +628,7 @@ class WorkspaceCollectives:
         return x
 
     # reduce_scatter ---------------------------------------------------------------------
-    def _reduce_scatter(self, op: WorkspaceOp, call: Call) -> Any:
+    def _reduce_scatter(self, op: Job, call: Call) -> Any:
         x, out = call.x, call.out
         assert x is not None and out is not None and call.op is not None
         n, me = self.ws.world_size, self.ws.rank
@@ -580,7 +660,7 @@ class WorkspaceCollectives:
         return out
 
     # all_gather, gather ----------------------------------------------------------------
-    def _gather_rounds(self, op: WorkspaceOp, call: Call, to_me: bool) -> None:
+    def _gather_rounds(self, op: Job, call: Call, to_me: bool) -> None:
         x, out = call.x, call.out
         assert x is not None
         n, me = self.ws.world_size, self.ws.rank
@@ -593,7 +673,7 @@ class WorkspaceCollectives:
             lo = i * per
             hi = min(lo + per, flat.size)
             b = self._next_buffer()
-            views = [self._view(r, b, dtype, hi - lo) for r in range(n)]
+            views = self._all_views(b, dtype, hi - lo)
             np.copyto(views[me], flat[lo:hi])
             self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
             if i == 0:
@@ -602,16 +682,16 @@ class WorkspaceCollectives:
                 for r in range(n):
                     np.copyto(dst[r, lo:hi], views[r])
 
-    def _all_gather(self, op: WorkspaceOp, call: Call) -> Any:
+    def _all_gather(self, op: Job, call: Call) -> Any:
         self._gather_rounds(op, call, True)
         return call.out
 
-    def _gather(self, op: WorkspaceOp, call: Call) -> Any:
+    def _gather(self, op: Job, call: Call) -> Any:
         self._gather_rounds(op, call, call.root == self.ws.rank)
         return call.out if call.root == self.ws.rank else None
 
     # broadcast, reduce -----------------------------------------------------------------
-    def _broadcast(self, op: WorkspaceOp, call: Call) -> Any:
+    def _broadcast(self, op: Job, call: Call) -> Any:
         x = call.x
         assert x is not None and call.root is not None
         me, root = self.ws.rank, call.root
@@ -633,7 +713,7 @@ class WorkspaceCollectives:
                 np.copyto(flat[lo:hi], src)
         return x
 
-    def _reduce(self, op: WorkspaceOp, call: Call) -> Any:
+    def _reduce(self, op: Job, call: Call) -> Any:
         x = call.x
         assert x is not None and call.root is not None and call.op is not None
         n, me, root = self.ws.world_size, self.ws.rank, call.root
@@ -646,7 +726,7 @@ class WorkspaceCollectives:
             lo = i * per
             hi = min(lo + per, flat.size)
             b = self._next_buffer()
-            views = [self._view(r, b, dtype, hi - lo) for r in range(n)]
+            views = self._all_views(b, dtype, hi - lo)
             np.copyto(views[me], flat[lo:hi])
             self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
             if i == 0:
@@ -658,7 +738,7 @@ class WorkspaceCollectives:
         return x
 
     # scatter, all_to_all ---------------------------------------------------------------
-    def _scatter(self, op: WorkspaceOp, call: Call) -> Any:
+    def _scatter(self, op: Job, call: Call) -> Any:
         n, me, root = self.ws.world_size, self.ws.rank, call.root
         assert root is not None
         self._publish(op, call)
@@ -706,7 +786,7 @@ class WorkspaceCollectives:
             i += 1
         return out
 
-    def _all_to_all(self, op: WorkspaceOp, call: Call) -> Any:
+    def _all_to_all(self, op: Job, call: Call) -> Any:
         x, out = call.x, call.out
         assert x is not None and out is not None
         n, me = self.ws.world_size, self.ws.rank
@@ -730,7 +810,7 @@ class WorkspaceCollectives:
                 np.copyto(dst[r, lo:hi], blocks[r][me])
         return out
 
-    def _barrier(self, op: WorkspaceOp, call: Call) -> Any:
+    def _barrier(self, op: Job, call: Call) -> Any:
         self._publish(op, call)
         self._next_buffer()
         self._sync(op, "the barrier")

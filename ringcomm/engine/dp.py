@@ -40,7 +40,7 @@ class DataParallel(Strategy):
         self.launch_at = {a: k for k, (a, _) in enumerate(self.layout.segment_layers)}
         xp = self.xp
         self.params = xp.zeros(self.layout.total, self.dtype)
-        self.grads = xp.zeros(self.layout.total, self.dtype)
+        self.grads = self.grad_buffer(self.layout.total)
         self.pviews = [layer_views(self.layout, self.params, i) for i in range(L)]
         self.gviews = [layer_views(self.layout, self.grads, i) for i in range(L)]
         for i in range(L):

@@ -70,6 +70,9 @@ class TracemallocMeter(MemoryMeter):
     def __init__(self) -> None:
         super().__init__()
         self._started = False
+        #: Bytes held outside the Python heap that the rank allocated (its parts of
+        #: shared-memory buffers): added to what tracemalloc measures.
+        self.untraced_bytes = 0
 
     def start(self) -> None:
         if not tracemalloc.is_tracing():
@@ -81,10 +84,10 @@ class TracemallocMeter(MemoryMeter):
         tracemalloc.reset_peak()
 
     def end_step(self) -> None:
-        self.peak = max(self.peak, tracemalloc.get_traced_memory()[1])
+        self.peak = max(self.peak, tracemalloc.get_traced_memory()[1] + self.untraced_bytes)
 
     def _final(self) -> None:
-        self.held = tracemalloc.get_traced_memory()[0]
+        self.held = tracemalloc.get_traced_memory()[0] + self.untraced_bytes
         if self._started:
             tracemalloc.stop()
             self._started = False

@@ -198,6 +198,20 @@ class Strategy:
             self.rows = (0, cfg.batch_size)
         #: The rank whose ``step`` returns the loss.
         self.loss_rank = 0
+        #: Bytes of this rank's buffers in shared memory (:meth:`grad_buffer`), which
+        #: tracemalloc does not see: the memory meter adds them.
+        self.symmetric_bytes = 0
+
+    def grad_buffer(self, size: int) -> Any:
+        """A zeroed flat buffer the group all-reduces or reduce-scatters: a symmetric
+        buffer (``pg.alloc``, collectives read it in place) for NumPy arrays on a group
+        whose ranks share a host, else ``xp.zeros``. Every rank calls it in one order."""
+        if self.pg is None or self.n == 1 or self.xp is not np:
+            return self.xp.zeros(size, self.dtype)
+        buf = self.pg.alloc(size, self.dtype)
+        if self.pg.core.workspace is not None:
+            self.symmetric_bytes += int(buf.nbytes)
+        return buf
 
     @property
     def numel(self) -> int:

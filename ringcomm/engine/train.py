@@ -22,7 +22,7 @@ from typing import Any
 
 from ringcomm.schedule.pipeline import gpipe_bubble
 
-from .memory import make_meter, staging_stats
+from .memory import TracemallocMeter, make_meter, staging_stats
 from .strategy import TrainConfig, array_module, strategy_class
 
 __all__ = ["describe_model", "summarize", "train_rank"]
@@ -51,6 +51,8 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     meter.start()
     try:
         strat = strategy_class(cfg.strategy)(pg, cfg)
+        if isinstance(meter, TracemallocMeter):
+            meter.untraced_bytes = strat.symmetric_bytes
         rank = strat.rank
         if cfg.verbose and rank == 0:
             where = cfg.device if strat.device_id is None else f"cuda:{strat.device_id}"

@@ -109,7 +109,7 @@ class Zero1(_BucketedZero):
 
     def __init__(self, pg: Any, cfg: TrainConfig) -> None:
         super().__init__(pg, cfg)
-        self.grads = self.xp.zeros(self.layout.total, self.dtype)
+        self.grads = self.grad_buffer(self.layout.total)
         self.gviews = [layer_views(self.layout, self.grads, i) for i in range(len(self.layers))]
 
     def _bucket_ready(self, i: int) -> None:

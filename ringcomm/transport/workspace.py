@@ -196,6 +196,11 @@ class Workspace:
         self.line = self.lines[rank]
         self.arrivals = self.lines[:, ARRIVE]
         self.sleepers = self.lines[:, SLEEP]
+        #: The control words as Python ints (a memoryview: cheaper than NumPy per word).
+        self.words = memoryview(self._map)[: n * _LINE_BYTES].cast("Q")
+        self._arrive_at = [r * LINE_WORDS + ARRIVE for r in range(n)]
+        self._sleep_at = [r * LINE_WORDS + SLEEP for r in range(n)]
+        self._mine = rank * LINE_WORDS
         self._bell = np.frombuffer(self._map, np.uint32, 1, n * _LINE_BYTES)
         self._bell_addr = self._bell.ctypes.data
         head = size - n * 2 * slot_bytes
@@ -228,11 +233,15 @@ class Workspace:
     def arrive(self) -> int:
         """Reach the next synchronisation (returns its number); :meth:`wait` for it."""
         k = self.count = self.count + 1
-        self.line[ARRIVE] = k
+        self.words[self._mine + ARRIVE] = k
         return k
 
     def complete(self, k: int) -> bool:
-        return bool(self.arrivals.min() >= k)
+        words = self.words
+        for i in self._arrive_at:  # noqa: SIM110 (a loop: cheaper than all() of a generator)
+            if words[i] < k:
+                return False
+        return True
 
     def late(self, k: int) -> list[int]:
         """The ranks that have not reached synchronisation ``k``."""
@@ -241,13 +250,13 @@ class Workspace:
     def wait(self, k: int, deadline: float, idle: Callable[[], None]) -> None:
         """Return once synchronisation ``k`` is complete. ``idle()`` runs between sleeps
         (it raises to give up); WorkspaceTimeout at ``deadline`` (``time.monotonic()``)."""
-        arrivals = self.arrivals
-        if arrivals.min() >= k:
+        complete = self.complete
+        if complete(k):
             self._ring_if_sleepers()
             return
         spin_until = time.perf_counter() + SPIN_S
         yield_ = self.oversubscribed
-        while arrivals.min() < k:
+        while not complete(k):
             if yield_:
                 os.sched_yield()
             if time.perf_counter() > spin_until:
@@ -256,13 +265,14 @@ class Workspace:
         self._ring_if_sleepers()
 
     def _sleep(self, k: int, deadline: float, idle: Callable[[], None]) -> None:
-        arrivals, line, bell = self.arrivals, self.line, self._bell
+        words, bell, complete = self.words, self._bell, self.complete
+        mine = self._mine + SLEEP
         ts = _Timespec(0, int(SLEEP_SLICE_S * 1e9))
         while True:
             ring = int(bell[0])
-            line[SLEEP] = k
-            if arrivals.min() >= k:
-                line[SLEEP] = 0
+            words[mine] = k
+            if complete(k):
+                words[mine] = 0
                 return
             self.sleeps += 1
             if _syscall is not None:
@@ -270,8 +280,8 @@ class Workspace:
                          ctypes.byref(ts), None, 0)  # fmt: skip
             else:
                 time.sleep(SLEEP_SLICE_S / 4)
-            line[SLEEP] = 0
-            if arrivals.min() >= k:
+            words[mine] = 0
+            if complete(k):
                 if int(bell[0]) == ring:
                     self.late_wakes += 1  # woken by the slice's end, not by the bell
                 return
@@ -280,7 +290,8 @@ class Workspace:
                 raise WorkspaceTimeout
 
     def _ring_if_sleepers(self) -> None:
-        if self.sleepers.any():
+        words = self.words
+        if any(words[i] for i in self._sleep_at):
             self._bell[0] = (int(self._bell[0]) + 1) & 0xFFFFFFFF
             if _syscall is not None:
                 _syscall(_SYS_FUTEX, ctypes.c_void_p(self._bell_addr), _FUTEX_WAKE,
