@@ -90,7 +90,7 @@ from torch._C._distributed_c10d import (
 from torch.futures import Future
 
 from .config import env_master_addr, env_token
-from .errors import RingcommError
+from .errors import CommTimeoutError, RingcommError
 from .group import ProcessGroup as RcGroup
 from .group import init_process_group
 from .rendezvous import StoreServer
@@ -298,7 +298,7 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
                 if self._post is not None:
                     self._post()
             except BaseException as exc:  # noqa: BLE001 (reported through the future)
-                error = exc
+                error = _torch_wording(exc, f"ringcomm backend: {self._desc}")
             self._error = error
             self._settled = True
         if error is not None and self._on_error is not None:
@@ -553,8 +553,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         try:
             return fn(*args, **kwargs)
         except RingcommError as exc:
-            self._note_failure(exc)
-            raise
+            error = _torch_wording(exc, self._what(getattr(fn, "__name__", "call")))
+            self._note_failure(error)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _note_failure(self, error: BaseException) -> None:
         if self._failure is None:
@@ -587,6 +590,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._issue([w], [t], red.copy_back if red.post else None, "allreduce", opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+        """``dist.all_reduce_coalesced`` and the coalescing manager's all-reduces (any mix
+        of dtypes): one ringcomm all_reduce per dtype, of the tensors' concatenation (a
+        lone tensor of its dtype is reduced in place, without the copy)."""
         what = self._what("allreduce_coalesced")
         self._check_usable(what)
         opts = opts if opts is not None else AllreduceCoalescedOptions()
@@ -594,14 +600,29 @@ class RingcommProcessGroup(dist.ProcessGroup):
             _Reduction(_check_cpu(t, what), opts.reduceOp, what, in_place=True) for t in tensors
         ]
         timeout_s = _timeout_s(opts, self._timeout_s)
-        works = [
-            self._call(
-                self._rc.all_reduce, r.array, op=r.op, async_op=_async(opts), timeout_s=timeout_s
+        groups: dict[tuple[np.dtype[Any], str], list[_Reduction]] = {}
+        for r in reds:  # in order of first appearance: the same on every rank
+            groups.setdefault((r.array.dtype, r.op), []).append(r)
+        works, unpack = [], []
+        for (_, op), members in groups.items():
+            if len(members) == 1:
+                flat = members[0].array
+            else:
+                flat = np.concatenate([m.array.reshape(-1) for m in members])
+                unpack.append((flat, members))
+            works.append(
+                self._call(
+                    self._rc.all_reduce, flat, op=op, async_op=_async(opts), timeout_s=timeout_s
+                )
             )
-            for r in reds
-        ]
 
         def post() -> None:
+            for flat, members in unpack:
+                at = 0
+                for m in members:
+                    k = m.array.size
+                    m.array[...] = flat[at : at + k].reshape(m.array.shape)
+                    at += k
             for r in reds:
                 r.copy_back()
 
@@ -763,16 +784,34 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingcommWork:
+        """All-gathers into tensors (the coalescing manager's ``all_gather_into_tensor``):
+        one ringcomm all_gather per dtype, of the inputs' concatenation."""
         what = self._what("allgather_into_tensor_coalesced")
         self._check_usable(what)
         opts = opts if opts is not None else AllgatherOptions()
-        works, posts = [], []
-        for out, inp in zip(outputs, inputs, strict=True):
-            w, p = self._all_gather_into(_check_cpu(out, what), _check_cpu(inp, what), what, opts)
-            works.append(w)
-            if p is not None:
-                posts.append(p)
-        return self._issue(works, list(outputs), _run_all(posts), "allgather_coalesced", opts)
+        n = self._rc.world_size
+        outs = [_check_cpu(o, what) for o in outputs]
+        ins = [_check_cpu(i, what) for i in inputs]
+        if len(outs) != len(ins):
+            raise ValueError(f"{what}: {len(outs)} outputs for {len(ins)} inputs")
+        for o, i in zip(outs, ins, strict=True):
+            if o.numel() != i.numel() * n or o.dtype != i.dtype:
+                raise ValueError(
+                    f"{what}: output ({o.dtype}, {o.numel()} elements) is not world size "
+                    f"{n} x input ({i.dtype}, {i.numel()} elements)"
+                )
+        if len(ins) == 1 or not all(o.is_contiguous() for o in outs):
+            works, posts = [], []
+            for o, i in zip(outs, ins, strict=True):
+                w, p = self._all_gather_into(o, i, what, opts)
+                works.append(w)
+                if p is not None:
+                    posts.append(p)
+            return self._issue(works, outs, _run_all(posts), "allgather_coalesced", opts)
+        # rank r's copy of input i goes to the r-th 1/n of (contiguous) output i
+        dests = [list(o.detach().view(n, -1)) for o in outs]
+        works, post = self._gather_batched(ins, dests, what, opts)
+        return self._issue(works, outs, post, "allgather_coalesced", opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
@@ -801,13 +840,64 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingcommWork:
+        """``dist.all_gather_coalesced``: ``outputs[r][i]`` receives rank r's ``inputs[i]``
+        (torch's layout: one list per *rank*, each as long as ``inputs``). All inputs of one
+        dtype go as one ringcomm all_gather of their concatenation."""
         what = self._what("allgather_coalesced")
         self._check_usable(what)
-        works = [
-            self.allgather([outs], [inp], opts) for outs, inp in zip(outputs, inputs, strict=True)
-        ]
+        opts = opts if opts is not None else AllgatherOptions()
+        n = self._rc.world_size
+        if len(outputs) != n or any(len(outs) != len(inputs) for outs in outputs):
+            raise ValueError(
+                f"{what}: expected {n} output lists (one per rank) of {len(inputs)} tensors "
+                f"(one per input), got {[len(outs) for outs in outputs]}"
+            )
+        ins = [_check_cpu(t, what) for t in inputs]
+        for r, outs in enumerate(outputs):
+            for i, (o, inp) in enumerate(zip(outs, ins, strict=True)):
+                _check_cpu(o, what)
+                if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                    raise ValueError(
+                        f"{what}: output [{r}][{i}] ({o.dtype}, {o.numel()} elements) does "
+                        f"not match input {i} ({inp.dtype}, {inp.numel()} elements)"
+                    )
+        # per input i: the n tensors that receive it, in rank order
+        dests = [[outputs[r][i] for r in range(n)] for i in range(len(ins))]
+        works, post = self._gather_batched(ins, dests, what, opts)
         flat = [o for outs in outputs for o in outs]
-        return self._issue(works, flat, None, "allgather_coalesced", opts)
+        return self._issue(works, flat, post, "allgather_coalesced", opts)
+
+    def _gather_batched(
+        self,
+        inputs: list[torch.Tensor],
+        dests: list[list[torch.Tensor]],
+        what: str,
+        opts: Any,
+    ) -> tuple[list[RcWork], _Post | None]:
+        """All-gather ``inputs`` (one ringcomm all_gather per dtype, of the inputs'
+        concatenation); the post step writes rank r's copy of input i into
+        ``dests[i][r]`` (any shape with input i's element count)."""
+        n = self._rc.world_size
+        works: list[RcWork] = []
+        steps: list[_Post] = []
+        for idx in _by_dtype(inputs):
+            parts = [inputs[i].detach().reshape(-1) for i in idx]
+            flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+            gathered = torch.empty((n, flat.numel()), dtype=flat.dtype)
+            w, _ = self._all_gather_into(gathered, flat, what, opts)
+            works.append(w)
+
+            def unpack(idx: list[int] = idx, gathered: torch.Tensor = gathered) -> None:
+                at = 0
+                for i in idx:
+                    k = inputs[i].numel()
+                    for r in range(n):
+                        d = dests[i][r]
+                        d.detach().copy_(gathered[r, at : at + k].reshape(d.shape))
+                    at += k
+
+            steps.append(unpack)
+        return works, _run_all(steps)
 
     def gather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -1035,12 +1125,32 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if getattr(self, "_shut", True):
             return
         self._shut = True
-        with contextlib.suppress(Exception):
+        # try/except, not contextlib.suppress: at interpreter teardown the module's globals
+        # (contextlib among them) may be None already.
+        try:
             self._completer.close(0.1)
             self._rc.close()
+        except Exception:  # noqa: BLE001, S110 (best effort in a finaliser)
+            pass
         if self._store_server is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self._store_server.close()
+            except Exception:  # noqa: BLE001, S110 (best effort in a finaliser)
+                pass
+
+
+def _torch_wording(error: BaseException, what: str) -> BaseException:
+    """``error`` as torch reports it. torch's callers (its own test suite among them) tell a
+    timeout by the words " Timed out " (Gloo: "Timed out waiting 1000ms for recv ...";
+    NCCL's watchdog: "Watchdog caught collective operation timeout"): a ringcomm
+    ``CommTimeoutError`` gets a new ``CommTimeoutError`` (same type, chained) whose message
+    starts with torch's words and goes on with ringcomm's whole message (rank, peer, op,
+    tag, the progress of each rank). Any other error is returned as it is."""
+    if not isinstance(error, CommTimeoutError) or " Timed out " in str(error):
+        return error
+    mapped = CommTimeoutError(f"{what}: Timed out ({error})")
+    mapped.__cause__ = error
+    return mapped
 
 
 def _run_all(posts: list[_Post]) -> _Post | None:
@@ -1052,6 +1162,15 @@ def _run_all(posts: list[_Post]) -> _Post | None:
             p()
 
     return run
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype, groups in order of first appearance (the
+    same on every rank that passes the same dtypes in the same order)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
 
 
 def _from_move_view(row: np.ndarray, like: torch.Tensor) -> torch.Tensor:
