@@ -578,7 +578,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
             op, opts = opts, AllreduceOptions()
         else:
             op = opts.reduceOp
-        t = self._one([tensors] if isinstance(tensors, torch.Tensor) else tensors, what)
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        if len(ts) == 1 and isinstance(ts[0], torch.Tensor) and ts[0].is_sparse:
+            return self._sparse_allreduce(ts[0], op, what, opts)
+        t = self._one(ts, what)
         red = _Reduction(t, op, what, in_place=True)
         w = self._call(
             self._rc.all_reduce,
@@ -588,6 +591,55 @@ class RingcommProcessGroup(dist.ProcessGroup):
             timeout_s=_timeout_s(opts, self._timeout_s),
         )
         return self._issue([w], [t], red.copy_back if red.post else None, "allreduce", opts)
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: Any, what: str, opts: Any) -> RingcommWork:
+        """SUM of sparse COO tensors, Gloo's way: every rank's (coalesced) indices and
+        values are gathered (counts first, then both padded to the largest count: ringcomm's
+        all_gather takes one shape), concatenated in rank order and coalesced (duplicate
+        indices summed); ``t`` becomes the coalesced sum. Runs blocking on the caller's
+        thread even for ``async_op=True`` (the three gathers depend on each other); the
+        returned Work is complete."""
+        if t.device.type != "cpu":
+            raise ValueError(f"{what}: the ringcomm backend takes CPU tensors, got {t.device}")
+        if t.layout != torch.sparse_coo:
+            raise ValueError(f"{what}: sparse layout {t.layout} is not supported (COO only)")
+        if (op.op if hasattr(op, "op") else op) != ReduceOp.SUM:
+            raise ValueError(f"{what}: sparse tensors are reduced with SUM only (as by Gloo)")
+        timeout_s = _timeout_s(opts, self._timeout_s)
+        n = self._rc.world_size
+        x = t.detach().coalesce()
+        idx, vals = x.indices(), x.values().contiguous()
+        nnz = int(idx.shape[1])
+        meta = np.array([nnz, x.sparse_dim(), x.dense_dim(), *x.shape], dtype=np.int64)
+        metas = self._call(self._rc.all_gather, meta, timeout_s=timeout_s)
+        for r in range(n):
+            if not np.array_equal(metas[r, 1:], meta[1:]):
+                raise ValueError(
+                    f"{what}: rank {r}'s sparse tensor (sparse/dense dims and shape "
+                    f"{metas[r, 1:].tolist()}) does not match this rank's {meta[1:].tolist()}"
+                )
+        counts = [int(c) for c in metas[:, 0]]
+        top = max(counts)
+        g_idx = torch.zeros((n, x.sparse_dim(), top), dtype=torch.int64)
+        g_vals = torch.zeros((n, top, *vals.shape[1:]), dtype=vals.dtype)
+        if top > 0:
+            pad_idx = torch.zeros((x.sparse_dim(), top), dtype=torch.int64)
+            pad_idx[:, :nnz] = idx
+            pad_vals = torch.zeros((top, *vals.shape[1:]), dtype=vals.dtype)
+            pad_vals[:nnz] = vals
+            self._call(self._rc.all_gather, pad_idx.numpy(), out=g_idx.numpy(), timeout_s=timeout_s)
+            self._call(
+                self._rc.all_gather,
+                _move_view(pad_vals).reshape(-1),
+                out=_move_view(g_vals).reshape(n, -1),
+                timeout_s=timeout_s,
+            )
+        all_idx = torch.cat([g_idx[r, :, : counts[r]] for r in range(n)], dim=1)
+        all_vals = torch.cat([g_vals[r, : counts[r]] for r in range(n)])
+        total = torch.sparse_coo_tensor(all_idx, all_vals, x.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(total)
+        return self._issue([], [t], None, "allreduce (sparse)", opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
         """``dist.all_reduce_coalesced`` and the coalescing manager's all-reduces (any mix

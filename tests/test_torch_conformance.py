@@ -265,6 +265,45 @@ def conformance_job(rank: int, world_size: int, store_path: str) -> dict[str, st
             full = sum(_val(r, i, (W * (i + 1),), torch.float32) for r in range(W))
             assert torch.equal(got[i], full.reshape(W, -1)[R]), (i, got[i])
 
+    def sparse_all_reduce() -> None:
+        """COO tensors (a different number of entries per rank, shared and empty ones,
+        dense trailing dims, integer values): the same coalesced sum as Gloo's."""
+
+        def sparse(rank: int, dense: tuple[int, ...], dtype: Any) -> Any:
+            nnz = rank + 1 if rank != 1 else 0  # rank 1 contributes nothing
+            idx = torch.tensor(
+                [[(2 * j + rank) % 7 for j in range(nnz)], [j % 3 for j in range(nnz)]],
+                dtype=torch.int64,
+            )
+            vals = torch.arange(nnz * (dense[0] if dense else 1), dtype=torch.float64)
+            vals = (vals + 10 * rank + 1).reshape(nnz, *dense).to(dtype)
+            # uncoalesced on purpose: a repeated index
+            idx = torch.cat([idx, idx[:, :1]], dim=1) if nnz else idx
+            vals = torch.cat([vals, vals[:1]]) if nnz else vals
+            return torch.sparse_coo_tensor(idx, vals, (7, 3, *dense))
+
+        for dense, dtype in (((), torch.float32), ((2,), torch.float64), ((), torch.int64)):
+            for async_op in (False, True):
+
+                def run(
+                    group: Any, dense: Any = dense, dtype: Any = dtype, a: bool = async_op
+                ) -> Any:
+                    t = sparse(R, dense, dtype)
+                    w = dist.all_reduce(t, group=group, async_op=a)
+                    if a:
+                        w.wait()
+                    return t
+
+                got, ref = on_both(run)
+                exp = sum(sparse(r, dense, dtype).to_dense() for r in range(W))
+                assert got.is_sparse, got
+                assert torch.equal(got.to_dense(), ref.to_dense()), (dense, dtype, got, ref)
+                assert torch.equal(got.to_dense(), exp.to(dtype)), (dense, dtype, got)
+                g, r_ = got.coalesce(), ref.coalesce()
+                assert torch.equal(g.indices(), r_.indices()), (g.indices(), r_.indices())
+        with pytest.raises(ValueError, match="SUM only"):
+            dist.all_reduce(sparse(R, (), torch.float32), op=dist.ReduceOp.MAX)
+
     def timeout_wording() -> None:
         """Only rank 0 enters the barrier: it times out with torch's words, still a
         CommTimeoutError naming the rank and the op (ringcomm's message goes on)."""
@@ -295,6 +334,7 @@ def conformance_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         all_reduce_coalesced,
         coalescing_manager_all_reduce,
         coalescing_manager_gathers,
+        sparse_all_reduce,
         timeout_wording,
     ):
         check(fn.__name__, fn)
@@ -308,6 +348,7 @@ CHECKS = [
     "all_reduce_coalesced",
     "coalescing_manager_all_reduce",
     "coalescing_manager_gathers",
+    "sparse_all_reduce",
     "timeout_wording",
 ]
 
