@@ -106,6 +106,8 @@ _STORE_KEY = "ringcomm/store"
 _CLOSED_KEY = "ringcomm/closed"
 #: Longest rank 0 keeps ringcomm's store up at shutdown for the others to check out.
 _CHECKOUT_MAX_S = 30.0
+#: Tags of monitored barriers in the point-to-point group (far above the all-to-all ones).
+_MONITORED_TAG0 = 1 << 40
 #: The longest the point-to-point poller sleeps between looks (adaptive from 50 us).
 _P2P_POLL_MAX_S = 0.002
 
@@ -477,6 +479,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         assert p2p is not None  # every rank is a member
         self._rc_p2p: RcGroup = p2p
         self._p2p_seq = 0
+        self._monitored_seq = 0
         self._timeout_s = timeout_s
         self._store_server = store_server
         self._torch_store = torch_store
@@ -1116,6 +1119,65 @@ class RingcommProcessGroup(dist.ProcessGroup):
             self._rc.barrier, async_op=_async(opts), timeout_s=_timeout_s(opts, self._timeout_s)
         )
         return self._issue([w], [], None, "barrier", opts)
+
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """Gloo's monitored barrier (``pg.monitored_barrier(timeout)``; torch's
+        ``dist.monitored_barrier`` itself refuses every backend not named gloo): every
+        other rank checks in with rank 0 and waits for its answer; rank 0 waits for each
+        (in rank order, within ``timeout`` in all) and names the first rank that did not
+        come (``wait_all_ranks``: all of them) in a ``RuntimeError`` worded as Gloo's."""
+        what = self._what("monitored_barrier")
+        self._check_usable(what)
+        timeout_s = (
+            timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else self._timeout_s
+        )
+        n, me = self._rc.world_size, self._rc.rank
+        if n == 1:
+            return
+        self._monitored_seq += 1
+        tag = _MONITORED_TAG0 + self._monitored_seq
+        ms = int(timeout_s * 1000)
+        wait_s = max(timeout_s, 1e-3)
+        if me != 0:
+            try:
+                self._rc_p2p.send(np.zeros(1, np.uint8), dst=0, tag=tag, timeout_s=wait_s)
+                self._rc_p2p.recv(np.zeros(1, np.uint8), src=0, tag=tag, timeout_s=wait_s)
+            except RingcommError as exc:
+                raise RuntimeError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors "
+                    "while waiting for send/recv from rank 0. Please check rank 0 logs for "
+                    f"faulty rank. ({type(exc).__name__}: {exc})"
+                ) from exc
+            return
+        deadline = time.monotonic() + timeout_s
+        works = {r: self._rc_p2p.irecv(np.zeros(1, np.uint8), src=r, tag=tag) for r in range(1, n)}
+        failed: list[int] = []
+        for r, w in works.items():
+            left = deadline - time.monotonic()
+            if left <= 0 and not w.done():
+                waiting = [q for q, wq in works.items() if q >= r and not wq.done()]
+                raise RuntimeError(
+                    f"Rank 0 timed out in monitoredBarrier after {ms} ms; ranks not yet "
+                    f"checked in: {waiting}"
+                )
+            try:
+                w.wait(max(left, 1e-3))
+            except RingcommError as exc:
+                if not wait_all_ranks:
+                    raise RuntimeError(
+                        f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms "
+                        f"({type(exc).__name__}: {exc})"
+                    ) from exc
+                failed.append(r)
+        if failed:
+            raise RuntimeError(
+                f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass "
+                f"monitoredBarrier in {ms} ms"
+            )
+        for r in range(1, n):
+            self._rc_p2p.send(np.zeros(1, np.uint8), dst=r, tag=tag, timeout_s=wait_s)
 
     # -- point-to-point ----------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> RingcommWork:

@@ -304,6 +304,20 @@ def conformance_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         with pytest.raises(ValueError, match="SUM only"):
             dist.all_reduce(sparse(R, (), torch.float32), op=dist.ReduceOp.MAX)
 
+    def monitored_barrier() -> None:
+        """``pg.monitored_barrier`` (dist.monitored_barrier refuses non-Gloo names): all
+        ranks pass; then the last rank stays away and rank 0 names it, as Gloo does."""
+        rc_world.monitored_barrier(datetime.timedelta(seconds=30))
+        g = dist.new_group(backend="ringcomm")
+        late = W - 1
+        if R == 0:
+            with pytest.raises(RuntimeError, match=f"Rank {late} failed to pass monitoredBarrier"):
+                g.monitored_barrier(datetime.timedelta(seconds=1))
+        elif late != R:  # checked in; rank 0 never answers
+            with pytest.raises(RuntimeError, match=f"Rank {R} successfully reached"):
+                g.monitored_barrier(datetime.timedelta(seconds=1))
+        dist.barrier()
+
     def timeout_wording() -> None:
         """Only rank 0 enters the barrier: it times out with torch's words, still a
         CommTimeoutError naming the rank and the op (ringcomm's message goes on)."""
@@ -335,6 +349,7 @@ def conformance_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         coalescing_manager_all_reduce,
         coalescing_manager_gathers,
         sparse_all_reduce,
+        monitored_barrier,
         timeout_wording,
     ):
         check(fn.__name__, fn)
@@ -349,6 +364,7 @@ CHECKS = [
     "coalescing_manager_all_reduce",
     "coalescing_manager_gathers",
     "sparse_all_reduce",
+    "monitored_barrier",
     "timeout_wording",
 ]
 
