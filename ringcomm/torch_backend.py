@@ -52,6 +52,14 @@ input by ``f`` (on a copy where the input is not the output) and sums; BAND and 
 bool tensors (logical AND, OR); other bitwise uses (BXOR, integer BAND/BOR) raise
 ``ValueError``. ``recv_anysource`` is not supported.
 
+Coalesced calls (``all_gather_coalesced``, ``all_reduce_coalesced``, and what the coalescing
+manager ``with dist._coalescing_manager(): ...`` batches: all-reduces, all-gathers into
+tensors) run one ringcomm operation per dtype, on the tensors' concatenation. Sparse COO
+tensors: ``all_reduce`` with SUM, Gloo's semantics (indices and values gathered, the
+result coalesced). ``pg.monitored_barrier(timeout)`` works as Gloo's (``dist.monitored_barrier``
+refuses any backend not named gloo). A timeout reaches torch as a ``CommTimeoutError``
+whose message starts with torch's words ("Timed out") and carries ringcomm's.
+
 Mixed strings such as ``"cpu:ringcomm,cuda:nccl"`` register only one backend in torch
 2.13 (the creator returns a ProcessGroup, which replaces the whole group): use
 ``"ringcomm"`` for CPU jobs.
