@@ -1,8 +1,9 @@
 """PyTorch's own backend-conformance suite on ringcomm (``tests/torch_suite/driver.py``).
 
 By default a subset at world size 2 (about a minute on 2 cores): the calls whose layouts
-or wording ringcomm once got wrong (coalesced gathers and all-reduces, the coalescing
-manager, the timeout wording, sparse all_reduce), a sample of each family (reductions,
+or wording ringcomm once got wrong (coalesced gathers and all-reduces, the timeout
+wording, sparse all_reduce, monitored barrier; the suite runs its coalescing-manager tests
+on NCCL only: tests/test_torch_conformance.py covers the manager), a sample of each family (reductions,
 data movement, point-to-point, DDP, objects), and the exclusion list's entries, which must
 still fail (else the entry is stale). ``RINGCOMM_TORCH_SUITE=full`` runs the whole suite at
 world sizes 2 and 3 on Gloo and on ringcomm and fails on any test that passes on Gloo and
@@ -44,11 +45,10 @@ SUBSET = [
     "test_all_gather_coalesced_full_group",
     "test_all_reduce_coalesced_sum",
     "test_all_reduce_coalesced_full_group_product",
-    "test_coalescing_manager",
-    "test_coalescing_manager_async",
     "test_barrier_timeout_global",
     "test_barrier_timeout_full_group",
     "test_sparse_all_reduce_sum",
+    "test_monitored_barrier_gloo_rank_0_timeout",
     # a sample of each family
     "test_all_reduce_sum_async",
     "test_all_reduce_sum_complex",
