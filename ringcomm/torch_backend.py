@@ -52,6 +52,14 @@ input by ``f`` (on a copy where the input is not the output) and sums; BAND and 
 bool tensors (logical AND, OR); other bitwise uses (BXOR, integer BAND/BOR) raise
 ``ValueError``. ``recv_anysource`` is not supported.
 
+Coalesced calls (``all_gather_coalesced``, ``all_reduce_coalesced``, and what the coalescing
+manager ``with dist._coalescing_manager(): ...`` batches: all-reduces, all-gathers into
+tensors) run one ringcomm operation per dtype, on the tensors' concatenation. Sparse COO
+tensors: ``all_reduce`` with SUM, Gloo's semantics (indices and values gathered, the
+result coalesced). ``pg.monitored_barrier(timeout)`` works as Gloo's (``dist.monitored_barrier``
+refuses any backend not named gloo). A timeout reaches torch as a ``CommTimeoutError``
+whose message starts with torch's words ("Timed out") and carries ringcomm's.
+
 Mixed strings such as ``"cpu:ringcomm,cuda:nccl"`` register only one backend in torch
 2.13 (the creator returns a ProcessGroup, which replaces the whole group): use
 ``"ringcomm"`` for CPU jobs.
@@ -90,7 +98,7 @@ from torch._C._distributed_c10d import (
 from torch.futures import Future
 
 from .config import env_master_addr, env_token
-from .errors import RingcommError
+from .errors import CommTimeoutError, RingcommError
 from .group import ProcessGroup as RcGroup
 from .group import init_process_group
 from .rendezvous import StoreServer
@@ -106,6 +114,8 @@ _STORE_KEY = "ringcomm/store"
 _CLOSED_KEY = "ringcomm/closed"
 #: Longest rank 0 keeps ringcomm's store up at shutdown for the others to check out.
 _CHECKOUT_MAX_S = 30.0
+#: Tags of monitored barriers in the point-to-point group (far above the all-to-all ones).
+_MONITORED_TAG0 = 1 << 40
 #: The longest the point-to-point poller sleeps between looks (adaptive from 50 us).
 _P2P_POLL_MAX_S = 0.002
 
@@ -298,7 +308,7 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
                 if self._post is not None:
                     self._post()
             except BaseException as exc:  # noqa: BLE001 (reported through the future)
-                error = exc
+                error = _torch_wording(exc, f"ringcomm backend: {self._desc}")
             self._error = error
             self._settled = True
         if error is not None and self._on_error is not None:
@@ -477,6 +487,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         assert p2p is not None  # every rank is a member
         self._rc_p2p: RcGroup = p2p
         self._p2p_seq = 0
+        self._monitored_seq = 0
         self._timeout_s = timeout_s
         self._store_server = store_server
         self._torch_store = torch_store
@@ -553,8 +564,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         try:
             return fn(*args, **kwargs)
         except RingcommError as exc:
-            self._note_failure(exc)
-            raise
+            error = _torch_wording(exc, self._what(getattr(fn, "__name__", "call")))
+            self._note_failure(error)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _note_failure(self, error: BaseException) -> None:
         if self._failure is None:
@@ -575,7 +589,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
             op, opts = opts, AllreduceOptions()
         else:
             op = opts.reduceOp
-        t = self._one([tensors] if isinstance(tensors, torch.Tensor) else tensors, what)
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        if len(ts) == 1 and isinstance(ts[0], torch.Tensor) and ts[0].is_sparse:
+            return self._sparse_allreduce(ts[0], op, what, opts)
+        t = self._one(ts, what)
         red = _Reduction(t, op, what, in_place=True)
         w = self._call(
             self._rc.all_reduce,
@@ -586,7 +603,59 @@ class RingcommProcessGroup(dist.ProcessGroup):
         )
         return self._issue([w], [t], red.copy_back if red.post else None, "allreduce", opts)
 
+    def _sparse_allreduce(self, t: torch.Tensor, op: Any, what: str, opts: Any) -> RingcommWork:
+        """SUM of sparse COO tensors, Gloo's way: every rank's (coalesced) indices and
+        values are gathered (counts first, then both padded to the largest count: ringcomm's
+        all_gather takes one shape), concatenated in rank order and coalesced (duplicate
+        indices summed); ``t`` becomes the coalesced sum. Runs blocking on the caller's
+        thread even for ``async_op=True`` (the three gathers depend on each other); the
+        returned Work is complete."""
+        if t.device.type != "cpu":
+            raise ValueError(f"{what}: the ringcomm backend takes CPU tensors, got {t.device}")
+        if t.layout != torch.sparse_coo:
+            raise ValueError(f"{what}: sparse layout {t.layout} is not supported (COO only)")
+        if (op.op if hasattr(op, "op") else op) != ReduceOp.SUM:
+            raise ValueError(f"{what}: sparse tensors are reduced with SUM only (as by Gloo)")
+        timeout_s = _timeout_s(opts, self._timeout_s)
+        n = self._rc.world_size
+        x = t.detach().coalesce()
+        idx, vals = x.indices(), x.values().contiguous()
+        nnz = int(idx.shape[1])
+        meta = np.array([nnz, x.sparse_dim(), x.dense_dim(), *x.shape], dtype=np.int64)
+        metas = self._call(self._rc.all_gather, meta, timeout_s=timeout_s)
+        for r in range(n):
+            if not np.array_equal(metas[r, 1:], meta[1:]):
+                raise ValueError(
+                    f"{what}: rank {r}'s sparse tensor (sparse/dense dims and shape "
+                    f"{metas[r, 1:].tolist()}) does not match this rank's {meta[1:].tolist()}"
+                )
+        counts = [int(c) for c in metas[:, 0]]
+        top = max(counts)
+        g_idx = torch.zeros((n, x.sparse_dim(), top), dtype=torch.int64)
+        g_vals = torch.zeros((n, top, *vals.shape[1:]), dtype=vals.dtype)
+        if top > 0:
+            pad_idx = torch.zeros((x.sparse_dim(), top), dtype=torch.int64)
+            pad_idx[:, :nnz] = idx
+            pad_vals = torch.zeros((top, *vals.shape[1:]), dtype=vals.dtype)
+            pad_vals[:nnz] = vals
+            self._call(self._rc.all_gather, pad_idx.numpy(), out=g_idx.numpy(), timeout_s=timeout_s)
+            self._call(
+                self._rc.all_gather,
+                _move_view(pad_vals).reshape(-1),
+                out=_move_view(g_vals).reshape(n, -1),
+                timeout_s=timeout_s,
+            )
+        all_idx = torch.cat([g_idx[r, :, : counts[r]] for r in range(n)], dim=1)
+        all_vals = torch.cat([g_vals[r, : counts[r]] for r in range(n)])
+        total = torch.sparse_coo_tensor(all_idx, all_vals, x.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(total)
+        return self._issue([], [t], None, "allreduce (sparse)", opts)
+
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+        """``dist.all_reduce_coalesced`` and the coalescing manager's all-reduces (any mix
+        of dtypes): one ringcomm all_reduce per dtype, of the tensors' concatenation (a
+        lone tensor of its dtype is reduced in place, without the copy)."""
         what = self._what("allreduce_coalesced")
         self._check_usable(what)
         opts = opts if opts is not None else AllreduceCoalescedOptions()
@@ -594,14 +663,29 @@ class RingcommProcessGroup(dist.ProcessGroup):
             _Reduction(_check_cpu(t, what), opts.reduceOp, what, in_place=True) for t in tensors
         ]
         timeout_s = _timeout_s(opts, self._timeout_s)
-        works = [
-            self._call(
-                self._rc.all_reduce, r.array, op=r.op, async_op=_async(opts), timeout_s=timeout_s
+        groups: dict[tuple[np.dtype[Any], str], list[_Reduction]] = {}
+        for r in reds:  # in order of first appearance: the same on every rank
+            groups.setdefault((r.array.dtype, r.op), []).append(r)
+        works, unpack = [], []
+        for (_, op), members in groups.items():
+            if len(members) == 1:
+                flat = members[0].array
+            else:
+                flat = np.concatenate([m.array.reshape(-1) for m in members])
+                unpack.append((flat, members))
+            works.append(
+                self._call(
+                    self._rc.all_reduce, flat, op=op, async_op=_async(opts), timeout_s=timeout_s
+                )
             )
-            for r in reds
-        ]
 
         def post() -> None:
+            for flat, members in unpack:
+                at = 0
+                for m in members:
+                    k = m.array.size
+                    m.array[...] = flat[at : at + k].reshape(m.array.shape)
+                    at += k
             for r in reds:
                 r.copy_back()
 
@@ -763,16 +847,34 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingcommWork:
+        """All-gathers into tensors (the coalescing manager's ``all_gather_into_tensor``):
+        one ringcomm all_gather per dtype, of the inputs' concatenation."""
         what = self._what("allgather_into_tensor_coalesced")
         self._check_usable(what)
         opts = opts if opts is not None else AllgatherOptions()
-        works, posts = [], []
-        for out, inp in zip(outputs, inputs, strict=True):
-            w, p = self._all_gather_into(_check_cpu(out, what), _check_cpu(inp, what), what, opts)
-            works.append(w)
-            if p is not None:
-                posts.append(p)
-        return self._issue(works, list(outputs), _run_all(posts), "allgather_coalesced", opts)
+        n = self._rc.world_size
+        outs = [_check_cpu(o, what) for o in outputs]
+        ins = [_check_cpu(i, what) for i in inputs]
+        if len(outs) != len(ins):
+            raise ValueError(f"{what}: {len(outs)} outputs for {len(ins)} inputs")
+        for o, i in zip(outs, ins, strict=True):
+            if o.numel() != i.numel() * n or o.dtype != i.dtype:
+                raise ValueError(
+                    f"{what}: output ({o.dtype}, {o.numel()} elements) is not world size "
+                    f"{n} x input ({i.dtype}, {i.numel()} elements)"
+                )
+        if len(ins) == 1 or not all(o.is_contiguous() for o in outs):
+            works, posts = [], []
+            for o, i in zip(outs, ins, strict=True):
+                w, p = self._all_gather_into(o, i, what, opts)
+                works.append(w)
+                if p is not None:
+                    posts.append(p)
+            return self._issue(works, outs, _run_all(posts), "allgather_coalesced", opts)
+        # rank r's copy of input i goes to the r-th 1/n of (contiguous) output i
+        dests = [list(o.detach().view(n, -1)) for o in outs]
+        works, post = self._gather_batched(ins, dests, what, opts)
+        return self._issue(works, outs, post, "allgather_coalesced", opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
@@ -801,13 +903,64 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingcommWork:
+        """``dist.all_gather_coalesced``: ``outputs[r][i]`` receives rank r's ``inputs[i]``
+        (torch's layout: one list per *rank*, each as long as ``inputs``). All inputs of one
+        dtype go as one ringcomm all_gather of their concatenation."""
         what = self._what("allgather_coalesced")
         self._check_usable(what)
-        works = [
-            self.allgather([outs], [inp], opts) for outs, inp in zip(outputs, inputs, strict=True)
-        ]
+        opts = opts if opts is not None else AllgatherOptions()
+        n = self._rc.world_size
+        if len(outputs) != n or any(len(outs) != len(inputs) for outs in outputs):
+            raise ValueError(
+                f"{what}: expected {n} output lists (one per rank) of {len(inputs)} tensors "
+                f"(one per input), got {[len(outs) for outs in outputs]}"
+            )
+        ins = [_check_cpu(t, what) for t in inputs]
+        for r, outs in enumerate(outputs):
+            for i, (o, inp) in enumerate(zip(outs, ins, strict=True)):
+                _check_cpu(o, what)
+                if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                    raise ValueError(
+                        f"{what}: output [{r}][{i}] ({o.dtype}, {o.numel()} elements) does "
+                        f"not match input {i} ({inp.dtype}, {inp.numel()} elements)"
+                    )
+        # per input i: the n tensors that receive it, in rank order
+        dests = [[outputs[r][i] for r in range(n)] for i in range(len(ins))]
+        works, post = self._gather_batched(ins, dests, what, opts)
         flat = [o for outs in outputs for o in outs]
-        return self._issue(works, flat, None, "allgather_coalesced", opts)
+        return self._issue(works, flat, post, "allgather_coalesced", opts)
+
+    def _gather_batched(
+        self,
+        inputs: list[torch.Tensor],
+        dests: list[list[torch.Tensor]],
+        what: str,
+        opts: Any,
+    ) -> tuple[list[RcWork], _Post | None]:
+        """All-gather ``inputs`` (one ringcomm all_gather per dtype, of the inputs'
+        concatenation); the post step writes rank r's copy of input i into
+        ``dests[i][r]`` (any shape with input i's element count)."""
+        n = self._rc.world_size
+        works: list[RcWork] = []
+        steps: list[_Post] = []
+        for idx in _by_dtype(inputs):
+            parts = [inputs[i].detach().reshape(-1) for i in idx]
+            flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+            gathered = torch.empty((n, flat.numel()), dtype=flat.dtype)
+            w, _ = self._all_gather_into(gathered, flat, what, opts)
+            works.append(w)
+
+            def unpack(idx: list[int] = idx, gathered: torch.Tensor = gathered) -> None:
+                at = 0
+                for i in idx:
+                    k = inputs[i].numel()
+                    for r in range(n):
+                        d = dests[i][r]
+                        d.detach().copy_(gathered[r, at : at + k].reshape(d.shape))
+                    at += k
+
+            steps.append(unpack)
+        return works, _run_all(steps)
 
     def gather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -975,6 +1128,65 @@ class RingcommProcessGroup(dist.ProcessGroup):
         )
         return self._issue([w], [], None, "barrier", opts)
 
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """Gloo's monitored barrier (``pg.monitored_barrier(timeout)``; torch's
+        ``dist.monitored_barrier`` itself refuses every backend not named gloo): every
+        other rank checks in with rank 0 and waits for its answer; rank 0 waits for each
+        (in rank order, within ``timeout`` in all) and names the first rank that did not
+        come (``wait_all_ranks``: all of them) in a ``RuntimeError`` worded as Gloo's."""
+        what = self._what("monitored_barrier")
+        self._check_usable(what)
+        timeout_s = (
+            timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else self._timeout_s
+        )
+        n, me = self._rc.world_size, self._rc.rank
+        if n == 1:
+            return
+        self._monitored_seq += 1
+        tag = _MONITORED_TAG0 + self._monitored_seq
+        ms = int(timeout_s * 1000)
+        wait_s = max(timeout_s, 1e-3)
+        if me != 0:
+            try:
+                self._rc_p2p.send(np.zeros(1, np.uint8), dst=0, tag=tag, timeout_s=wait_s)
+                self._rc_p2p.recv(np.zeros(1, np.uint8), src=0, tag=tag, timeout_s=wait_s)
+            except RingcommError as exc:
+                raise RuntimeError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors "
+                    "while waiting for send/recv from rank 0. Please check rank 0 logs for "
+                    f"faulty rank. ({type(exc).__name__}: {exc})"
+                ) from exc
+            return
+        deadline = time.monotonic() + timeout_s
+        works = {r: self._rc_p2p.irecv(np.zeros(1, np.uint8), src=r, tag=tag) for r in range(1, n)}
+        failed: list[int] = []
+        for r, w in works.items():
+            left = deadline - time.monotonic()
+            if left <= 0 and not w.done():
+                waiting = [q for q, wq in works.items() if q >= r and not wq.done()]
+                raise RuntimeError(
+                    f"Rank 0 timed out in monitoredBarrier after {ms} ms; ranks not yet "
+                    f"checked in: {waiting}"
+                )
+            try:
+                w.wait(max(left, 1e-3))
+            except RingcommError as exc:
+                if not wait_all_ranks:
+                    raise RuntimeError(
+                        f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms "
+                        f"({type(exc).__name__}: {exc})"
+                    ) from exc
+                failed.append(r)
+        if failed:
+            raise RuntimeError(
+                f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass "
+                f"monitoredBarrier in {ms} ms"
+            )
+        for r in range(1, n):
+            self._rc_p2p.send(np.zeros(1, np.uint8), dst=r, tag=tag, timeout_s=wait_s)
+
     # -- point-to-point ----------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> RingcommWork:
         what = self._what("send")
@@ -1035,12 +1247,32 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if getattr(self, "_shut", True):
             return
         self._shut = True
-        with contextlib.suppress(Exception):
+        # try/except, not contextlib.suppress: at interpreter teardown the module's globals
+        # (contextlib among them) may be None already.
+        try:
             self._completer.close(0.1)
             self._rc.close()
+        except Exception:  # noqa: BLE001, S110 (best effort in a finaliser)
+            pass
         if self._store_server is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self._store_server.close()
+            except Exception:  # noqa: BLE001, S110 (best effort in a finaliser)
+                pass
+
+
+def _torch_wording(error: BaseException, what: str) -> BaseException:
+    """``error`` as torch reports it. torch's callers (its own test suite among them) tell a
+    timeout by the words " Timed out " (Gloo: "Timed out waiting 1000ms for recv ...";
+    NCCL's watchdog: "Watchdog caught collective operation timeout"): a ringcomm
+    ``CommTimeoutError`` gets a new ``CommTimeoutError`` (same type, chained) whose message
+    starts with torch's words and goes on with ringcomm's whole message (rank, peer, op,
+    tag, the progress of each rank). Any other error is returned as it is."""
+    if not isinstance(error, CommTimeoutError) or " Timed out " in str(error):
+        return error
+    mapped = CommTimeoutError(f"{what}: Timed out ({error})")
+    mapped.__cause__ = error
+    return mapped
 
 
 def _run_all(posts: list[_Post]) -> _Post | None:
@@ -1052,6 +1284,15 @@ def _run_all(posts: list[_Post]) -> _Post | None:
             p()
 
     return run
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype, groups in order of first appearance (the
+    same on every rank that passes the same dtypes in the same order)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
 
 
 def _from_move_view(row: np.ndarray, like: torch.Tensor) -> torch.Tensor:
