@@ -329,6 +329,10 @@ class ProcessGroup:
             "lane_messages": t.lane_messages,
             "shm_pieces": t.shm_pieces,
             "lane_fallbacks": t.lane_fallbacks,
+            # This group's inputs to its collectives on its shared workspace (no socket).
+            "workspace_bytes": (
+                0 if self.core.workspace_calls is None else self.core.workspace_calls.moved_bytes
+            ),
         }
 
     def failed_peers(self) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from . import lifecycle
 from .config import InitConfig
-from .errors import CommTimeoutError, GroupClosedError, RingcommError
+from .errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
 from .progress import DEPART_ERROR, Op, Progress, SerialQueue
 from .rendezvous import Store, StoreServer
 from .transport import workspace as ws_mod
@@ -244,6 +244,11 @@ class GroupCore:
     def config(self) -> InitConfig:
         return self.state.config
 
+    def describe(self) -> str:
+        """``rank 1 of group 12345`` (or ``of the world group``), for messages."""
+        where = "the world group" if self.is_world else f"group {self.group_id}"
+        return f"rank {self.rank} of {where}"
+
     @property
     def is_world(self) -> bool:
         return self.group_id == WORLD_GROUP_ID
@@ -322,7 +327,7 @@ def workspace_possible(core: GroupCore) -> bool:
     return all(i is not None and i.host_id == state.host_id and i.workspace for i in infos)
 
 
-def setup_workspace(core: GroupCore) -> ws_mod.Workspace | None:
+def setup_workspace(core: GroupCore, timeout_s: float | None = None) -> ws_mod.Workspace | None:
     """The shared workspace of ``core``'s group (:func:`workspace_possible`), else None.
     Every member calls it at the same point (group formation, or a sub-group's first
     collective); they agree through the store, so all get one or none.
@@ -330,14 +335,92 @@ def setup_workspace(core: GroupCore) -> ws_mod.Workspace | None:
     Rank 0 of the group makes the segment (a memfd) and publishes its pid and descriptor;
     the others open it through ``/proc/<pid>/fd``; each says whether that worked.
     """
-    state, n = core.state, core.world_size
-    store = state.store
-    if not workspace_possible(core) or store is None:
+    if not workspace_possible(core) or core.state.store is None:
         return None
+    what = f"{core.describe()}: setting up its workspace"
+    t = core.timeout_s if timeout_s is None else timeout_s
+    try:
+        return _setup_workspace(core, core.state.store, what, t)
+    except RingcommError as exc:
+        # The store lost (its host went down) or a member late: if a peer failed or left,
+        # say so as every other call does (its goodbye may still be on its way).
+        give_up = time.monotonic() + _GOODBYE_WAIT_S
+        while True:
+            last = time.monotonic() >= give_up
+            trouble = _peer_trouble(core, what, store_host_only=not last)
+            if trouble is not None:
+                raise trouble from exc
+            if last:
+                raise
+            time.sleep(0.005)
+
+
+#: How long a failed workspace setup looks for a peer's goodbye that explains it.
+_GOODBYE_WAIT_S = 0.5
+#: Slices of a workspace setup's store waits (between them it looks at its peers).
+_SETUP_SLICE_S = 0.05
+
+
+def _peer_trouble(core: GroupCore, what: str, store_host_only: bool = False) -> RingcommError | None:
+    """The error a call of ``core`` raises now because a peer failed or left (None: none
+    did). ``store_host_only``: only the store's host leaving counts (it took the store)."""
+    progress = core.progress
+    progress.poll_now()
+    if progress.failure is not None:
+        return progress.failed_error(what)
+    gone = [g for g in core.ranks if g != core.global_rank and progress.departed(g)]
+    host = None if core.config.store_external else WORLD_GROUP_ID
+    if store_host_only:
+        gone = [g for g in gone if g == host]
+    if not gone and not store_host_only:  # ended without a goodbye (same host: its pid)
+        dead = [g for g in core.ranks if g != core.global_rank and g in core.state.peers
+                and wait_for_exit(core.state.peers[g].pid, 0.0)]  # fmt: skip
+        if dead:
+            g = host if host in dead else dead[0]
+            progress.peer_failed(PeerFailedError(
+                f"rank {core.global_rank}: peer rank {g} failed: its connection dropped "
+                "without a goodbye (its process ended: killed or crashed)", peer=g))  # fmt: skip
+            return progress.failed_error(what)
+    if not gone:
+        return None
+    g = host if host in gone else gone[0]
+    return PeerFailedError(
+        f"{what}: peer rank {g} left the group ({progress.departure_note(g)})", peer=g
+    )
+
+
+def _wait_keys(
+    core: GroupCore, store: Store, keys: list[str], ranks: list[int], deadline: float,
+    what: str, timeout_s: float,
+) -> None:  # fmt: skip
+    """``store.wait(keys)`` (set by ``ranks``) until ``deadline``, looking at the peers
+    between slices."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, timeout_s=max(0.001, min(_SETUP_SLICE_S, left)))
+            return
+        except CommTimeoutError:
+            trouble = _peer_trouble(core, what)
+            if trouble is not None:
+                raise trouble from None
+            if left <= _SETUP_SLICE_S:
+                late = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+                raise CommTimeoutError(
+                    f"{what} (at its first collective) timed out after {timeout_s:g} s: "
+                    f"waiting for rank{'s' if len(late) > 1 else ''} "
+                    f"{', '.join(map(str, late))} at the setup of the workspace"
+                ) from None
+
+
+def _setup_workspace(
+    core: GroupCore, store: Store, what: str, timeout_s: float
+) -> ws_mod.Workspace | None:
+    state, n = core.state, core.world_size
     pids = [state.peers[g].pid for g in core.ranks]
     key = f"workspace/{core.group_id}"
     size = ws_mod.segment_bytes(n)
-    timeout_s = core.timeout_s
+    deadline = time.monotonic() + timeout_s
     fd: int | None = None
     if core.rank == 0:
         try:
@@ -346,7 +429,7 @@ def setup_workspace(core: GroupCore) -> ws_mod.Workspace | None:
         except OSError:
             store.set(key, b"none")
     else:
-        store.wait([key], timeout_s=timeout_s)
+        _wait_keys(core, store, [key], [0], deadline, what, timeout_s)
         text = store.get(key).decode()
         if text != "none":
             pid, theirs = (int(v) for v in text.split(":"))
@@ -356,7 +439,7 @@ def setup_workspace(core: GroupCore) -> ws_mod.Workspace | None:
                 fd = None
     store.set(f"{key}/{core.rank}", b"1" if fd is not None else b"0")
     keys = [f"{key}/{r}" for r in range(n)]
-    store.wait(keys, timeout_s=timeout_s)
+    _wait_keys(core, store, keys, list(range(n)), deadline, what, timeout_s)
     if any(store.get(k) != b"1" for k in keys):
         if fd is not None:
             os.close(fd)

@@ -107,7 +107,8 @@ def test_zero3_end_to_end_matches_single(tmp_path: Path, no_child_processes: Non
             assert row["peak_bytes"] > 0
     assert zero3["world_size"] == 3 and [r["rank"] for r in zero3["per_rank"]] == [0, 1, 2]
     assert zero3["losses"] == pytest.approx(single["losses"], rel=1e-10)
-    assert all(r["sent_bytes_per_step"] > 0 for r in zero3["per_rank"])
+    # one host: the collectives go through the shared workspace, not a socket
+    assert all(r["workspace_bytes_per_step"] > 0 for r in zero3["per_rank"])
     assert single["per_rank"][0]["sent_bytes_per_step"] == 0
     assert zero3["per_rank"][0]["param_bytes"] < single["per_rank"][0]["param_bytes"]
 

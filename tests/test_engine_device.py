@@ -131,7 +131,10 @@ def _single(cfg: TrainConfig) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [2, 3])
-def test_host_staged_strategies_match_single(n: int, no_child_processes: None) -> None:
+def test_host_staged_strategies_match_single(
+    n: int, no_child_processes: None, no_workspace: None
+) -> None:
+    """(Both on the message path: the shared workspace takes host arrays only.)"""
     cases = _cases(n)
     per_rank = rc.spawn(staged_job, n, args=(cases,), timeout_s=200)
     failures: list[str] = []

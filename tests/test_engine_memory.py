@@ -63,7 +63,8 @@ def _state(r: dict[str, Any]) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_zero_memory_and_bytes_sent(no_child_processes: None) -> None:
+def test_zero_memory_and_bytes_sent(no_child_processes: None, no_workspace: None) -> None:
+    """(Bytes sent are the message path's: without the shared workspace.)"""
     results = rc.spawn(memory_job, N, timeout_s=240)
     _check_memory(results)
     _check_bytes_sent(results)

@@ -304,3 +304,29 @@ def job_random(pg: rc.ProcessGroup) -> tuple[list[str], dict[int, str]]:
         pg.all_reduce(x)
         digests[i] = hashlib.sha256(x.tobytes()).hexdigest()
     return [], digests
+
+
+def job_sync_timeout(pg: rc.ProcessGroup) -> str:
+    """Rank 0 alone in an all_reduce of a sub-group whose workspace is set up: the
+    timeout says whom it waited for, at which sync, and what that rank last did."""
+    sub = pg.new_group(range(pg.world_size))
+    assert sub is not None
+    sub.barrier()  # the workspace is set up (every member's first collective)
+    text = ""
+    token = np.zeros(1, np.int64)
+    if pg.rank == 0:
+        try:
+            sub.all_reduce(np.ones(4), timeout_s=0.5)
+        except rc.CommTimeoutError as exc:
+            text = str(exc)
+        pg.send(token, 1, tag=5)
+    else:
+        pg.recv(token, 0, tag=5)  # until rank 0 gave up
+    return text
+
+
+@pytest.mark.timeout(60)
+def test_a_timeout_says_whom_it_waited_for_and_where() -> None:
+    text = rc.spawn(job_sync_timeout, 2, timeout_s=50)[0]
+    assert "timed out after 0.5 s: waiting for rank 1 at sync 1 of round 1/1" in text, text
+    assert "rank 1's last call here: barrier(" in text, text

@@ -27,8 +27,11 @@ import numpy as np
 from ..buffers import check_array, check_peer
 from ..device.staging import backend_for
 from ..device.xp import get_xp, is_device_array
+from ..errors import RingcommError
 from ..group_core import setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
+from ..progress import Op
+from ..work import Work
 from . import WORKSPACE_ALGO, choose_algorithm, get_algorithm
 from .base import Call, Comm
 from .staged import PIPELINED, DeviceCall, staged_class
@@ -210,14 +213,20 @@ def _run(
     return group.run(op, timeout, False, deadline)
 
 
-def _workspace_calls(group: GroupCore) -> WorkspaceCollectives | None:
+def _workspace_calls(group: GroupCore, timeout_s: float) -> WorkspaceCollectives | None:
     """The group's collectives on its workspace; a sub-group sets the workspace up at its
-    first call (all members are in it); None if that found none (all members agree)."""
+    first call (all members are in it; within that call's ``timeout_s``); None if that
+    found none (all members agree). A setup that fails leaves the group failed."""
     calls = group.workspace_calls
     if calls is None:
         if group.workspace is None and group.workspace_pending:
             group.workspace_pending = False
-            group.workspace = setup_workspace(group)
+            try:
+                group.workspace = setup_workspace(group, timeout_s)
+            except RingcommError as exc:
+                if group.failed is None:
+                    group.failed = exc
+                raise
         if group.workspace is None:
             return None
         calls = group.workspace_calls = WorkspaceCollectives(group, group.workspace)
@@ -239,7 +248,7 @@ def alloc(group: GroupCore, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         raise ValueError(f"{what}: negative dimension in shape {dims}")
     check_array(np.empty(0, dt), what)  # the supported dtypes
     group.check_usable("alloc")
-    calls = _workspace_calls(group)
+    calls = _workspace_calls(group, group.timeout_s)
     if calls is None:
         return np.zeros(dims, dt)
     calls.drain(group.timeout_s)
@@ -247,7 +256,7 @@ def alloc(group: GroupCore, shape: Any, dtype: Any = np.float32) -> np.ndarray:
 
 
 def _run_on_workspace(group: GroupCore, call: Call, timeout: float, async_op: bool) -> Any:
-    calls = _workspace_calls(group)
+    calls = _workspace_calls(group, timeout)
     if calls is None:  # a sub-group found it has no workspace after all: as elsewhere
         arr = call.x if call.x is not None else call.out
         nbytes = 0 if arr is None else int(arr.nbytes)
@@ -440,9 +449,35 @@ def scatter(
     elif dtype is not None and shape is not None:  # src, or a rank that passed x
         out = _empty(x, shape[1:])
     host = (x is None or type(x) is np.ndarray) and (out is None or type(out) is np.ndarray)
+    if not host and (group.workspace is not None or group.workspace_pending):
+        # A rank that passed x=None cannot know the source's kind of array: on a group with
+        # a workspace every rank takes it, device arrays copied through the host.
+        return _scatter_device_on_workspace(group, x, src, out, dtype, shape, timeout_s, async_op)
     algo = _pick(group, "scatter", None, 0, host, what)
     call = Call("scatter", algo, x=x, out=out, root=src, dtype=dtype, shape=shape)
     return _run(group, call, timeout_s, async_op)
+
+
+def _scatter_device_on_workspace(
+    group: GroupCore, x: Any, src: int, out: Any, dtype: Any, shape: Any,
+    timeout_s: float | None, async_op: bool,
+) -> Any:  # fmt: skip
+    """scatter with device arrays (``get()``/``set()``, CuPy's and the stand-in's) on a
+    group with a workspace: run on host copies, blocking; a Work that is done if async."""
+    x_host = None if x is None else x.get()
+    out_host = None if out is None else np.empty(out.shape, out.dtype)
+    call = Call("scatter", WORKSPACE_ALGO, x=x_host, out=out_host, root=src, dtype=dtype,
+                shape=shape)  # fmt: skip
+    got = _run(group, call, timeout_s, False)
+    if out is not None:
+        out.set(got)
+        got = out
+    if not async_op:
+        return got
+    done = Op(group.progress)
+    done.result = got
+    done.finish()
+    return Work(group.progress, done, None)
 
 
 def all_to_all(

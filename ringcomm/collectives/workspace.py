@@ -40,11 +40,18 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError, CommTimeoutError, PeerFailedError, RingcommError
+from ..errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    GroupClosedError,
+    PeerFailedError,
+    RingcommError,
+)
 from ..ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
 from ..progress import Op
 from ..transport import workspace as ws_mod
@@ -73,6 +80,7 @@ _OPCODES = {
 }  # fmt: skip
 _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 _CODE_DTYPES = {i: dt for dt, i in _DTYPE_CODES.items()}
+_ROOT_SENDS = ("broadcast", "scatter")  # only the root's input travels
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 # A fingerprint: words from an area's start, compared ones first. Two areas per line, by
 # the parity of the call's first round (as the buffers): a rank's next call may publish
@@ -118,10 +126,15 @@ class WorkspaceOp(Op):
 
     def __init__(self, runner: WorkspaceCollectives, job: Job) -> None:
         super().__init__(runner.core.progress)
-        self.runner = runner
-        self.job = job
+        self.runner: WorkspaceCollectives | None = runner
+        self.job: Job | None = job
+        self._desc = job.desc  # (kept: the job goes once it is done)
         self.started = True  # the engine never starts it
         self._finished = threading.Event()
+
+    def release(self) -> None:
+        super().release()
+        self.job = self.runner = None  # nothing of the caller's but the result stays
 
     def finish(self, error: BaseException | None = None) -> None:
         super().finish(error)
@@ -131,14 +144,12 @@ class WorkspaceOp(Op):
         """Wait (on the worker) until done or ``deadline`` (``time.monotonic()``)."""
         self._finished.wait(max(0.0, deadline - time.monotonic()))
 
-    def describe(self) -> str:
-        return self.job.desc
-
     def progress_note(self) -> str:
-        return self.job.note
+        return "" if self.job is None else self.job.note
 
     def execute(self) -> None:
         """Run the call here; ``result`` or ``error`` set, ``done`` True."""
+        assert self.runner is not None and self.job is not None
         try:
             result = self.runner.execute(self.job)
         except BaseException as exc:  # noqa: BLE001 (the op carries it to its caller)
@@ -168,6 +179,9 @@ class WorkspaceCollectives:
         self._published: list[tuple[Any, ...] | None] = [None, None]  # per area
         self._views: dict[tuple[int, np.dtype[Any], int], list[np.ndarray]] = {}
         self._digest = 0
+        #: Bytes this rank contributed to its collectives here (its inputs: the workspace's
+        #: counterpart of bytes sent).
+        self.moved_bytes = 0
 
     # -- entry ---------------------------------------------------------------------------
     def run(self, call: Call, seq: int, timeout_s: float, async_op: bool) -> Any:
@@ -216,6 +230,7 @@ class WorkspaceCollectives:
             try:
                 with self._lock:
                     op.execute()
+                del op  # a finished op must not outlive its call here (its result is the caller's)
                 self.core.progress.transport.wake()  # a waiter may sit in the engine's poll
             finally:
                 with self._cv:
@@ -303,6 +318,10 @@ class WorkspaceCollectives:
         try:
             self._after_earlier(op)
             result = getattr(self, "_" + call.name)(op, call)
+            x = call.x
+            if x is not None and (call.root is None or call.name not in _ROOT_SENDS
+                                  or call.root == self.ws.rank):  # fmt: skip
+                self.moved_bytes += int(x.nbytes)
         except RingcommError as exc:
             engine = isinstance(exc, PeerFailedError) and progress.failure is not None
             if not engine and self.core.failed is None:
@@ -348,17 +367,24 @@ class WorkspaceCollectives:
         """Between sleeps: is any peer we wait for gone?"""
         core, ws = self.core, self.ws
         progress = core.progress
+        if core.closed or core.state.closed or ws.closed:
+            raise GroupClosedError(
+                f"rank {core.rank}: {op.desc}: the group was closed while this rank waited "
+                f"at {where}"
+            )
         progress.poll_now()
         if progress.failure is not None:
             raise progress.failed_error(f"{op.desc} [{where}]")
         for r in ws.late(k):
             g = core.ranks[r]
             if progress.departed(g):
-                raise PeerFailedError(
-                    f"rank {core.rank}: {op.desc}: peer rank {r} left the group "
-                    f"({progress.departure_note(g)}) while this rank waited for it at {where}",
-                    peer=g,
-                )
+                # As the engine does for a departed peer something still waits on: the
+                # engine fails (later calls raise too; the exit path waits for the culprit).
+                progress.peer_failed(PeerFailedError(
+                    f"rank {core.global_rank}: peer rank {g} left the group "
+                    f"({progress.departure_note(g)}) while this rank waited for it at "
+                    f"{where} of {op.call.name} #{op.seq}", peer=g))  # fmt: skip
+                raise progress.failed_error(f"{op.desc} [{where}]")
         dead = [r for r in ws.dead_peers() if r in ws.late(k)]
         if dead:
             give_up = time.monotonic() + GOODBYE_WAIT_S
@@ -370,8 +396,8 @@ class WorkspaceCollectives:
             r = dead[0]
             g = core.ranks[r]
             progress.peer_failed(PeerFailedError(
-                f"rank {core.global_rank}: peer rank {g} failed: its process ended without a "
-                "goodbye (killed or crashed)", peer=g))  # fmt: skip
+                f"rank {core.global_rank}: peer rank {g} failed: its connection dropped without "
+                "a goodbye (its process ended: killed or crashed)", peer=g))  # fmt: skip
             raise progress.failed_error(f"{op.desc} [{where}]")
 
     def _publish(self, op: Job, call: Call) -> None:
@@ -628,15 +654,14 @@ class WorkspaceCollectives:
         return x
 
     # reduce_scatter ---------------------------------------------------------------------
-    def _reduce_scatter(self, op: Job, call: Call) -> Any:
-        x, out = call.x, call.out
-        assert x is not None and out is not None and call.op is not None
+    def _row_rounds(
+        self, op: Job, call: Call, rows: np.ndarray
+    ) -> Iterator[tuple[int, int, list[np.ndarray]]]:
+        """Rounds of a call on ``(W, m)`` rows: copy this rank's columns ``lo:hi`` of every
+        row into its buffer, sync (the first time: check); yield ``(lo, hi, blocks)``,
+        ``blocks[r]`` rank r's ``(W, hi - lo)`` copy."""
         n, me = self.ws.world_size, self.ws.rank
-        dtype = x.dtype
-        rows = x.reshape(n, -1)
-        res = out.reshape(-1)
-        m = rows.shape[1]
-        ufunc = reduce_ufunc(call.op, dtype)
+        dtype, m = rows.dtype, rows.shape[1]
         self._publish(op, call)
         per, rounds = self._rounds(m * dtype.itemsize, dtype.itemsize, n)
         for i in range(rounds):
@@ -649,90 +674,88 @@ class WorkspaceCollectives:
             self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
             if i == 0:
                 self._check(op)
-            if c:
-                if n == 1:
-                    np.copyto(res[lo:hi], blocks[0][0])
-                else:
-                    srcs = [blk[me] for blk in blocks]
-                    reduce_in_order(ufunc, srcs, res[lo:hi], silence=dtype.kind == "f")
-                if call.op is ReduceOp.AVG:
-                    finalize(call.op, res[lo:hi], n)
+            yield lo, hi, blocks
+
+    def _reduce_scatter(self, op: Job, call: Call) -> Any:
+        x, out = call.x, call.out
+        assert x is not None and out is not None and call.op is not None
+        n, me = self.ws.world_size, self.ws.rank
+        res = out.reshape(-1)
+        ufunc = reduce_ufunc(call.op, x.dtype)
+        for lo, hi, blocks in self._row_rounds(op, call, x.reshape(n, -1)):
+            if hi == lo:
+                continue
+            if n == 1:
+                np.copyto(res[lo:hi], blocks[0][0])
+            else:
+                srcs = [blk[me] for blk in blocks]
+                reduce_in_order(ufunc, srcs, res[lo:hi], silence=x.dtype.kind == "f")
+            if call.op is ReduceOp.AVG:
+                finalize(call.op, res[lo:hi], n)
         return out
 
-    # all_gather, gather ----------------------------------------------------------------
-    def _gather_rounds(self, op: Job, call: Call, to_me: bool) -> None:
-        x, out = call.x, call.out
-        assert x is not None
-        n, me = self.ws.world_size, self.ws.rank
-        dtype = x.dtype
-        flat = x.reshape(-1)
-        dst = out.reshape(n, -1) if to_me and out is not None else None
+    # all_gather, gather, broadcast, reduce -------------------------------------------
+    def _flat_rounds(
+        self, op: Job, call: Call, flat: np.ndarray, writes: bool = True
+    ) -> Iterator[tuple[int, int, list[np.ndarray]]]:
+        """Rounds of a call on a flat buffer: copy ``flat[lo:hi]`` into this rank's buffer
+        (if it ``writes``), sync (the first time: check); yield ``(lo, hi, views)``,
+        ``views[r]`` rank r's copy."""
+        dtype = flat.dtype
         self._publish(op, call)
-        per, rounds = self._rounds(x.nbytes, dtype.itemsize)
+        per, rounds = self._rounds(flat.nbytes, dtype.itemsize)
         for i in range(rounds):
             lo = i * per
             hi = min(lo + per, flat.size)
-            b = self._next_buffer()
-            views = self._all_views(b, dtype, hi - lo)
-            np.copyto(views[me], flat[lo:hi])
+            views = self._all_views(self._next_buffer(), dtype, hi - lo)
+            if writes:
+                np.copyto(views[self.ws.rank], flat[lo:hi])
             self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
             if i == 0:
                 self._check(op)
-            if dst is not None:
-                for r in range(n):
-                    np.copyto(dst[r, lo:hi], views[r])
+            yield lo, hi, views
 
     def _all_gather(self, op: Job, call: Call) -> Any:
-        self._gather_rounds(op, call, True)
-        return call.out
+        x, out = call.x, call.out
+        assert x is not None and out is not None
+        dst = out.reshape(self.ws.world_size, -1)
+        for lo, hi, views in self._flat_rounds(op, call, x.reshape(-1)):
+            for r, view in enumerate(views):
+                np.copyto(dst[r, lo:hi], view)
+        return out
 
     def _gather(self, op: Job, call: Call) -> Any:
-        self._gather_rounds(op, call, call.root == self.ws.rank)
-        return call.out if call.root == self.ws.rank else None
+        x, out = call.x, call.out
+        assert x is not None
+        mine = call.root == self.ws.rank
+        dst = out.reshape(self.ws.world_size, -1) if mine and out is not None else None
+        for lo, hi, views in self._flat_rounds(op, call, x.reshape(-1)):
+            if dst is not None:
+                for r, view in enumerate(views):
+                    np.copyto(dst[r, lo:hi], view)
+        return out if mine else None
 
-    # broadcast, reduce -----------------------------------------------------------------
     def _broadcast(self, op: Job, call: Call) -> Any:
         x = call.x
         assert x is not None and call.root is not None
-        me, root = self.ws.rank, call.root
+        root = call.root
         flat = x.reshape(-1)
-        dtype = x.dtype
-        self._publish(op, call)
-        per, rounds = self._rounds(x.nbytes, dtype.itemsize)
-        for i in range(rounds):
-            lo = i * per
-            hi = min(lo + per, flat.size)
-            b = self._next_buffer()
-            src = self._view(root, b, dtype, hi - lo)
-            if me == root:
-                np.copyto(src, flat[lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
-            if me != root:
-                np.copyto(flat[lo:hi], src)
+        mine = self.ws.rank == root
+        for lo, hi, views in self._flat_rounds(op, call, flat, writes=mine):
+            if not mine:
+                np.copyto(flat[lo:hi], views[root])
         return x
 
     def _reduce(self, op: Job, call: Call) -> Any:
         x = call.x
         assert x is not None and call.root is not None and call.op is not None
-        n, me, root = self.ws.world_size, self.ws.rank, call.root
+        n = self.ws.world_size
         flat = x.reshape(-1)
-        dtype = x.dtype
-        ufunc = reduce_ufunc(call.op, dtype)
-        self._publish(op, call)
-        per, rounds = self._rounds(x.nbytes, dtype.itemsize)
-        for i in range(rounds):
-            lo = i * per
-            hi = min(lo + per, flat.size)
-            b = self._next_buffer()
-            views = self._all_views(b, dtype, hi - lo)
-            np.copyto(views[me], flat[lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
-            if me == root and n > 1:
-                reduce_in_order(ufunc, views, flat[lo:hi], silence=dtype.kind == "f")
+        ufunc = reduce_ufunc(call.op, x.dtype)
+        mine = self.ws.rank == call.root
+        for lo, hi, views in self._flat_rounds(op, call, flat):
+            if mine and n > 1:
+                reduce_in_order(ufunc, views, flat[lo:hi], silence=x.dtype.kind == "f")
                 if call.op is ReduceOp.AVG:
                     finalize(call.op, flat[lo:hi], n)
         return x
@@ -790,22 +813,8 @@ class WorkspaceCollectives:
         x, out = call.x, call.out
         assert x is not None and out is not None
         n, me = self.ws.world_size, self.ws.rank
-        dtype = x.dtype
-        rows = x.reshape(n, -1)
         dst = out.reshape(n, -1)
-        m = rows.shape[1]
-        self._publish(op, call)
-        per, rounds = self._rounds(m * dtype.itemsize, dtype.itemsize, n)
-        for i in range(rounds):
-            lo = i * per
-            hi = min(lo + per, m)
-            c = hi - lo
-            b = self._next_buffer()
-            blocks = [self._view(r, b, dtype, n * c).reshape(n, c) for r in range(n)]
-            np.copyto(blocks[me], rows[:, lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
+        for lo, hi, blocks in self._row_rounds(op, call, x.reshape(n, -1)):
             for r in range(n):
                 np.copyto(dst[r, lo:hi], blocks[r][me])
         return out

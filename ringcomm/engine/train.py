@@ -65,6 +65,7 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
         probe = _staging_probe(strat)
         staging0 = staging_stats(probe)
         sent0 = pg.stats()["sent_bytes"] if pg is not None else 0
+        moved0 = pg.stats()["workspace_bytes"] if pg is not None else 0
         losses, times = [], []
         for step in range(cfg.steps):
             meter.begin_step(step)
@@ -83,6 +84,7 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
                         flush=True,
                     )
         sent = (pg.stats()["sent_bytes"] - sent0) if pg is not None else 0
+        moved = (pg.stats()["workspace_bytes"] - moved0) if pg is not None else 0
         staging = staging_stats(probe)
         meter.stop()
         result: dict[str, Any] = {
@@ -100,6 +102,8 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             "device_id": strat.device_id,
             "array_module": strat.xp.__name__,
             "sent_bytes_per_step": sent / max(cfg.steps, 1),
+            # (on one host the collectives go through the shared workspace, not a socket)
+            "workspace_bytes_per_step": moved / max(cfg.steps, 1),
             "extra": strat.extra(),
         }
         if cfg.export:
@@ -140,6 +144,7 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
                 "optim_bytes": r["optim_bytes"],
                 "peak_bytes": r["peak_bytes"],
                 "sent_bytes_per_step": r["sent_bytes_per_step"],
+                "workspace_bytes_per_step": r["workspace_bytes_per_step"],
                 "staging_bytes": r["staging_bytes"],
                 **({"device_id": r["device_id"]} if r["device_id"] is not None else {}),
                 **{

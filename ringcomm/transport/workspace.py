@@ -299,9 +299,9 @@ class Workspace:
 
     def dead_peers(self) -> list[int]:
         """Group ranks of the others whose process has ended (never blocks)."""
-        if not self._pidfds:
+        if not self._pidfds or self.closed:
             return []
-        ready = {fd for fd, _ in self._poller.poll(0)}
+        ready = {fd for fd, ev in self._poller.poll(0) if ev & select.POLLIN}
         return [r for r, pfd in self._pidfds if pfd in ready]
 
     # -- closing -----------------------------------------------------------------------
