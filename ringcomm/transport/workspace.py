@@ -291,11 +291,15 @@ class Workspace:
 
     def _ring_if_sleepers(self) -> None:
         words = self.words
-        if any(words[i] for i in self._sleep_at):
-            self._bell[0] = (int(self._bell[0]) + 1) & 0xFFFFFFFF
-            if _syscall is not None:
-                _syscall(_SYS_FUTEX, ctypes.c_void_p(self._bell_addr), _FUTEX_WAKE,
-                         0x7FFFFFFF, None, None, 0)  # fmt: skip
+        for i in self._sleep_at:
+            if words[i]:
+                break
+        else:
+            return  # nobody sleeps: no system call
+        self._bell[0] = (int(self._bell[0]) + 1) & 0xFFFFFFFF
+        if _syscall is not None:
+            _syscall(_SYS_FUTEX, ctypes.c_void_p(self._bell_addr), _FUTEX_WAKE,
+                     0x7FFFFFFF, None, None, 0)  # fmt: skip
 
     def dead_peers(self) -> list[int]:
         """Group ranks of the others whose process has ended (never blocks)."""
