@@ -138,26 +138,28 @@ def test_workspace_setting_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None
     assert [r[0] for r in rc.spawn(job_basics, 2, timeout_s=50)] == [False, False]
 
 
-def job_symmetric(pg: rc.ProcessGroup, chunk: int) -> tuple[list[str], list[str]]:
+def job_symmetric(pg: rc.ProcessGroup, chunk: int) -> tuple[list[str], list[str], int]:
     """all_reduce of symmetric buffers (whole, slices, every dtype and op, mixed with
     plain arrays on some ranks) against NumPy; digests of the results (bit-identical)."""
     pg.chunk_bytes = chunk
     n, me = pg.world_size, pg.rank
     failures, digests = [], []
-    bufs = {dt: pg.alloc((3, 333), dt) for dt in DTYPES}
+    # 3 x 25000: above the small all_reduce (64 KiB) for every dtype, read in place; a row
+    # of int8/bool/float16 below it (copied in): both paths.
+    bufs = {dt: pg.alloc((3, 25000), dt) for dt in DTYPES}
     for i, (dt, op) in enumerate(itertools.product(DTYPES, OPS)):
         if op == "avg" and dt.kind == "b":
             continue
         rng = np.random.default_rng
-        inputs = [(rng(1000 * i + r).integers(0, 3, (3, 333))).astype(dt) for r in range(n)]
+        inputs = [(rng(1000 * i + r).integers(0, 3, (3, 25000))).astype(dt) for r in range(n)]
         buf = bufs[dt]
-        for view, mixed in ((buf, False), (buf[1], False), (buf[:, 5:300], False), (buf, True)):
+        for view, mixed in ((buf, False), (buf[1], False), (buf[1:], False), (buf, True)):
             if not view.flags.c_contiguous:
                 continue
             full = np.array(inputs[me])
             buf[...] = full
             x = view.copy() if (mixed and me % 2 == 0) else view
-            sel = (slice(None),) if view is buf else ((1,) if view.ndim == 1 else ())
+            sel = (slice(None),) if view is buf else ((1,) if view.ndim == 1 else (slice(1, None),))
             exp = reference_reduce(op, [inp[sel] for inp in inputs])
             res = pg.all_reduce(x, op, timeout_s=30)
             if res is not x or not np.array_equal(res, exp):
@@ -165,15 +167,17 @@ def job_symmetric(pg: rc.ProcessGroup, chunk: int) -> tuple[list[str], list[str]
             digests.append(res.tobytes().hex()[:64])
             if view is not buf and not mixed and not np.array_equal(buf[0], full[0]):
                 failures.append(f"rank {me}: {dt} {op}: all_reduce of a slice wrote outside it")
-    return failures, digests
+    return failures, digests, pg.core.workspace_calls.in_place_calls
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("world_size", "chunk"), [(2, 4 << 20), (3, 96), (4, 4 << 20)])
+@pytest.mark.parametrize(("world_size", "chunk"), [(2, 4 << 20), (3, 16384), (4, 4 << 20)])
 def test_symmetric_buffers(world_size: int, chunk: int) -> None:
     results = rc.spawn(job_symmetric, world_size, args=(chunk,), timeout_s=180)
-    for failures, _ in results:
+    for rank, (failures, _, in_place) in enumerate(results):
         assert failures == []
+        # whole buffers and the 2-row slices of every dtype, unmixed or (odd ranks) mixed
+        assert in_place >= 12 * 4, (rank, in_place)
     assert all(r[1] == results[0][1] for r in results), "ranks differ"
 
 

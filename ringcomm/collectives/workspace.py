@@ -182,6 +182,8 @@ class WorkspaceCollectives:
         #: Bytes this rank contributed to its collectives here (its inputs: the workspace's
         #: counterpart of bytes sent).
         self.moved_bytes = 0
+        #: all_reduce calls that read this rank's x in place from its window.
+        self.in_place_calls = 0
 
     # -- entry ---------------------------------------------------------------------------
     def run(self, call: Call, seq: int, timeout_s: float, async_op: bool) -> Any:
@@ -495,7 +497,8 @@ class WorkspaceCollectives:
 
     def _round_cap(self, least: int) -> int:
         """Most bytes of one round (at least ``least``: one element per row)."""
-        return min(self.ws.slot_bytes, max(self.core.chunk_bytes, least))
+        cap = min(self.ws.slot_bytes, ws_mod.ROUND_BYTES, self.core.chunk_bytes)
+        return max(cap, least)
 
     def _rounds(self, nbytes: int, itemsize: int, rows: int = 1) -> tuple[int, int]:
         """(elements per round per row, number of rounds) for ``nbytes`` per row: a round
@@ -531,11 +534,14 @@ class WorkspaceCollectives:
         assert x is not None and call.op is not None
         n = self.ws.world_size
         self._publish(op, call)
-        sym, offset = self._symmetric(x)
+        # Small calls copy in even from a window (one sync beats reading in place); every
+        # rank decides alike, by the size, which every rank's fingerprint shares.
+        small = x.nbytes <= SMALL_ALL_REDUCE_BYTES
+        sym, offset = (0, 0) if small else self._symmetric(x)
         if sym:
             fp = self.ws.line[self._fp_base : self._fp_base + _AREA_WORDS]
             fp[_SYM], fp[_SYM_OFFSET] = sym, offset
-        if n > 1 and (sym or self.windows):  # a peer's x may be in a window
+        if n > 1 and not small and self.windows:  # a peer's x may be in a window
             return self._all_reduce_sources(op, call, x)
         if n > 1 and x.nbytes <= SMALL_ALL_REDUCE_BYTES and x.nbytes <= self._round_cap(x.itemsize):
             return self._all_reduce_small(op, call, x)
@@ -628,6 +634,7 @@ class WorkspaceCollectives:
                         part = self.windows[w - 1].parts[r]
                         places[r] = part[off : off + x.nbytes].view(dtype)
                 any_sym = any(p is not None for p in places)
+                self.in_place_calls += places[me] is not None
                 if all(p is not None for p in places):
                     per, rounds, hi = max(size, 1), 1, size  # nothing was copied in
             c = hi - lo

@@ -64,6 +64,10 @@ AVAILABLE = (
 )
 #: Bytes of each of a rank's two buffers: the largest piece of one round.
 SLOT_BYTES = 4 << 20
+#: The piece of one round of a large call (at most a buffer; smaller if chunk_bytes is).
+#: Measured, all_reduce W=2: 1 MiB rounds 1.5-2x the busbw of 4 MiB ones from 4 MiB up
+#: (the round's data stays in cache between copy-in, reduction and copy-out).
+ROUND_BYTES = 1 << 20
 #: A rank's control line: 48 words of 8 bytes (whole cache lines, no false sharing).
 LINE_WORDS = 48
 _LINE_BYTES = LINE_WORDS * 8
@@ -72,10 +76,12 @@ _BELL_BYTES = 4096
 ARRIVE = 0  # synchronisations reached
 SLEEP = 1  # the synchronisation it sleeps waiting for (0: awake)
 FP = 2  # first fingerprint word (the collectives' module fills FP..LINE_WORDS-1)
-#: How long a waiter looks at the counts before it sleeps (measured: a peer on another
-#: core arrives within a few microseconds of a ready rank; a rank sharing a core with
-#: the one it waits for should give the core away soon).
-SPIN_S = 50e-6
+#: How long a waiter looks at the counts before it sleeps (yielding the core between
+#: looks when ranks outnumber cores). Measured (benchmarks/results/workspace.md): 50 us
+#: made large calls sleep between rounds and pay a futex wake each time; 1 ms did not
+#: slow the small ones, and at 4 ranks on 2 cores it was the fastest of 0-1 ms (the
+#: yields give the core to the rank that is late).
+SPIN_S = 1e-3
 #: Longest sleep before the waiter runs its ``idle`` check.
 SLEEP_SLICE_S = 0.002
 
