@@ -77,9 +77,9 @@ def test_a_sleeping_waiter_is_woken_by_the_last_arrival() -> None:
         t.start()
         # The waiter marks its line before it sleeps: arrive once it does.
         deadline = time.monotonic() + 10
-        while not int(a.sleepers[0]) and time.monotonic() < deadline:
+        while not a.words[ws_mod.SLEEP] and time.monotonic() < deadline:
             threading.Event().wait(0.001)
-        assert int(a.sleepers[0]) == k, "the waiter never slept"
+        assert a.words[ws_mod.SLEEP] == k, "the waiter never slept"
         b.arrive()
         b.wait(k, time.monotonic() + 5, lambda: None)  # rings the bell
         t.join(10)

@@ -20,7 +20,7 @@ all_reduce and broadcast, ``async_op`` on every call, ``out`` on gather (used on
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ..buffers import check_array, check_peer
 from ..device.staging import backend_for
 from ..device.xp import get_xp, is_device_array
 from ..errors import RingcommError
-from ..group_core import setup_workspace
+from ..group_core import GroupCore, setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
 from ..progress import Op
 from ..work import Work
@@ -36,9 +36,6 @@ from . import WORKSPACE_ALGO, choose_algorithm, get_algorithm
 from .base import Call, Comm
 from .staged import PIPELINED, DeviceCall, staged_class
 from .workspace import WorkspaceCollectives
-
-if TYPE_CHECKING:
-    from ..group_core import GroupCore
 
 __all__ = [
     "all_gather",

@@ -200,8 +200,6 @@ class Workspace:
         n = world_size
         self.lines = np.frombuffer(self._map, np.uint64, n * LINE_WORDS, 0).reshape(n, LINE_WORDS)
         self.line = self.lines[rank]
-        self.arrivals = self.lines[:, ARRIVE]
-        self.sleepers = self.lines[:, SLEEP]
         #: The control words as Python ints (a memoryview: cheaper than NumPy per word).
         self.words = memoryview(self._map)[: n * _LINE_BYTES].cast("Q")
         self._arrive_at = [r * LINE_WORDS + ARRIVE for r in range(n)]
@@ -221,7 +219,6 @@ class Workspace:
         self.count = int(self.line[ARRIVE])  # this rank's synchronisations so far
         self.late_wakes = 0
         self.sleeps = 0
-        self.oversubscribed = n > len(os.sched_getaffinity(0))
         self._pidfds: list[tuple[int, int]] = []  # (group rank, pidfd) of the others
         self._poller = select.poll()
         for r, pid in enumerate(pids):
@@ -251,7 +248,8 @@ class Workspace:
 
     def late(self, k: int) -> list[int]:
         """The ranks that have not reached synchronisation ``k``."""
-        return [r for r in range(self.world_size) if int(self.arrivals[r]) < k]
+        words = self.words
+        return [r for r, i in enumerate(self._arrive_at) if words[i] < k]
 
     def wait(self, k: int, deadline: float, idle: Callable[[], None]) -> None:
         """Return once synchronisation ``k`` is complete. ``idle()`` runs between sleeps
@@ -327,7 +325,7 @@ class Workspace:
         self._pidfds = []
         # The arrays view the map: drop them; the map goes with the last view (a user may
         # still hold one of a symmetric buffer).
-        self.lines = self.line = self.arrivals = self.sleepers = np.zeros((1, LINE_WORDS), np.uint64)
+        self.lines = self.line = np.zeros((1, LINE_WORDS), np.uint64)
         self._bell = np.zeros(1, np.uint32)
         self.buffers = []
         try:
