@@ -36,6 +36,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "ringcomm.bench.cli",
     "ringcomm.engine.cli",
     "ringcomm.ps.cli",
+    "ringcomm.trace_cli",
 )
 
 

@@ -18,7 +18,8 @@ With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at 
 ``RINGCOMM_CHUNK_BYTES`` (suffixes K/M/G), ``RINGCOMM_ALGO``, ``RINGCOMM_LOG``,
 ``RINGCOMM_STORE_EXTERNAL``, ``RINGCOMM_TRANSPORT``, ``RINGCOMM_SECURITY``,
 ``RINGCOMM_MAX_UNEXPECTED_MESSAGES``/``_BYTES``, ``RINGCOMM_LOCAL_LANE``, ``RINGCOMM_SHM``,
-``RINGCOMM_BIND``. Every invalid value raises :class:`RendezvousError` naming the
+``RINGCOMM_BIND``, ``RINGCOMM_TRACE_DIR``/``RINGCOMM_TRACE``/``RINGCOMM_TRACE_ENTRIES``
+(the flight recorder, ringcomm.flight). Every invalid value raises :class:`RendezvousError` naming the
 variable, its value and the convention it came from.
 
 Settings that belong to no group are small pure functions of the same mapping, each
@@ -207,6 +208,12 @@ class InitConfig:
     #: How peers are reached (``transport=`` / ``RINGCOMM_TRANSPORT``): one of
     #: :data:`TRANSPORT_MODES`.
     transport: str = "auto"
+    #: The flight recorder (ringcomm.flight): operations each rank remembers
+    #: (``RINGCOMM_TRACE_ENTRIES``, 0: off), where the record is written
+    #: (``RINGCOMM_TRACE_DIR``), and whether ``close()`` writes it too (``RINGCOMM_TRACE=1``).
+    trace_entries: int = 4096
+    trace_dir: str | None = None
+    trace_at_close: bool = False
 
     @property
     def effective_chunk_bytes(self) -> int:
@@ -652,6 +659,14 @@ def resolve_init_config(
     workspace_f = _env_setting(env, "RINGCOMM_WORKSPACE")
     workspace = _parse_bool(workspace_f) if workspace_f is not None else True
 
+    entries_text = (env.get("RINGCOMM_TRACE_ENTRIES") or "").strip()
+    try:
+        trace_entries = parse_size(entries_text) if entries_text else 4096
+    except ValueError as exc:
+        raise RendezvousError(f"RINGCOMM_TRACE_ENTRIES={entries_text!r}: {exc}") from None
+    trace_f = _env_setting(env, "RINGCOMM_TRACE")
+    trace_at_close = _parse_bool(trace_f) if trace_f is not None else False
+
     if host_store is not None:
         store_external = not host_store
     else:
@@ -680,6 +695,9 @@ def resolve_init_config(
         bind=bind,
         local_world_size=local_world_size,
         transport=mode,
+        trace_entries=trace_entries,
+        trace_dir=(env.get("RINGCOMM_TRACE_DIR") or "").strip() or None,
+        trace_at_close=trace_at_close,
     )
 
 

@@ -36,6 +36,7 @@ from .group_core import (
     WORLD_GROUP_ID,
     GroupCore,
     ProcessState,
+    install_trace_signal,
     setup_workspace,
     workspace_possible,
 )
@@ -335,6 +336,20 @@ class ProcessGroup:
             ),
         }
 
+    def comm_summary(self) -> list[dict[str, Any]]:
+        """This process's collectives so far, per op and size bucket (DeepSpeed's comms
+        logger): ``op``, ``bucket_bytes`` (the next power of two of the call's bytes),
+        ``count``, ``bytes``, ``total_s``, ``median_s``, ``busbw_GBps`` (nccl-tests'
+        factors). Every group of the process counts; empty with RINGCOMM_TRACE_ENTRIES=0.
+        ``ringcomm.flight.summary_table(rows)`` prints it."""
+        return self.core.state.recorder.summary()
+
+    def trace(self, reason: str = "pg.trace()") -> str | None:
+        """Write this process's flight record to ``RINGCOMM_TRACE_DIR`` now; the path
+        written, or None without a trace directory."""
+        path = self.core.state.dump_trace(reason)
+        return None if path is None else str(path)
+
     def failed_peers(self) -> list[int]:
         """Global ranks this process saw fail (empty while the group is healthy)."""
         return sorted(self.core.progress.failed_peers)
@@ -559,6 +574,7 @@ def init_process_group(
         state = ProcessState(cfg, progress, store, server, cfg.effective_chunk_bytes)
         state.peers = infos
         lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
+        install_trace_signal(state)  # RINGCOMM_TRACE_DIR: SIGUSR1 writes the flight record
         core = GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID)
         core.workspace = setup_workspace(core)
         return ProcessGroup(core)

@@ -17,14 +17,18 @@ hands it to ``ringcomm.collectives.api``.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
+import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from . import lifecycle
 from .config import InitConfig
 from .errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
+from .flight import FlightRecorder
 from .progress import DEPART_ERROR, Op, Progress, SerialQueue
 from .rendezvous import Store, StoreServer
 from .transport import workspace as ws_mod
@@ -36,6 +40,7 @@ __all__ = [
     "CULPRIT_WAIT_S",
     "GroupCore",
     "ProcessState",
+    "install_trace_signal",
     "setup_workspace",
     "wait_for_exit",
     "workspace_possible",
@@ -77,10 +82,28 @@ class ProcessState:
         #: Every rank's published endpoint info (pid, host), by global rank.
         self.peers: dict[int, EndpointInfo] = {}
         self.host_id = host_identity()
+        #: This process's last operations (ringcomm.flight; RINGCOMM_TRACE_*).
+        self.recorder = FlightRecorder(
+            config.trace_entries, config.rank, config.trace_dir, config.trace_at_close
+        )
+
+    def dump_trace(self, reason: str) -> Path | None:
+        """Write the flight record (if ``RINGCOMM_TRACE_DIR`` is set), with where the
+        progress engine's operations are; the file written, or None."""
+        if self.recorder.trace_dir is None:
+            return None
+        context: dict[str, Any] = {"world_size": self.config.world_size}
+        try:
+            context["engine"] = self.progress.where()
+        except Exception:  # noqa: BLE001 (a dump never fails the caller)
+            context["engine"] = "unknown"
+        return self.recorder.dump(reason, context)
 
     # -- lifecycle.Leaver --------------------------------------------------------------
     def leave(self, kind: str, why: str, budget_s: float) -> None:
         """The process ends without ``close()`` (lifecycle.py): leave within ``budget_s``."""
+        if not self.closed and kind != DEPART_ERROR:  # (shutdown dumps an error's itself)
+            self.dump_trace("the process ended without close()")
         self.shutdown(kind, why, checkout_s=budget_s / 3, linger_s=budget_s / 3)
 
     def farewell(self, why: str) -> None:
@@ -121,6 +144,10 @@ class ProcessState:
                 return
             self.closed = True
         lifecycle.unregister(self)
+        if kind == DEPART_ERROR:
+            self.dump_trace(f"abort: {why}")
+        elif self.recorder.at_close:
+            self.dump_trace("close()")
         progress, store, server = self.progress, self.store, self.server
         rank = self.config.rank
         try:
@@ -196,6 +223,29 @@ class ProcessState:
                     return  # a rank failed (it never checks out), or everyone left
         except RingcommError:
             pass  # best effort: the store or its host may be gone
+
+
+def install_trace_signal(state: ProcessState) -> None:
+    """With ``RINGCOMM_TRACE_DIR`` set: SIGUSR1 writes ``state``'s flight record (when
+    SIGUSR1's handler is the default, or one installed here, and this is the main
+    thread). The handler holds the state weakly (a closed group's record stays readable)."""
+    sig = getattr(signal, "SIGUSR1", None)
+    if sig is None or state.recorder.trace_dir is None:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(sig)
+    if current is not signal.SIG_DFL and not getattr(current, "ringcomm_trace", False):
+        return  # the application's own handler stays
+    ref = weakref.ref(state)
+
+    def on_usr1(signum: int, frame: object) -> None:
+        target = ref()
+        if target is not None:
+            target.dump_trace("SIGUSR1")
+
+    on_usr1.ringcomm_trace = True  # type: ignore[attr-defined]
+    signal.signal(sig, on_usr1)
 
 
 class GroupCore:

@@ -32,7 +32,7 @@ PACKAGE = "ringcomm"
 # ("ringcomm" itself matches only the package's own __init__). A module may import its own
 # layer or any lower one, never a higher one.
 LAYER_NAMES = {
-    0: "base: errors, config, xp, standin, schedule, ops, lifecycle, wire format",
+    0: "base: errors, config, xp, standin, schedule, ops, lifecycle, flight, wire format",
     1: "transport",
     2: "rendezvous",
     3: "progress",
@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.schedule": 0,  # pure schedules
     "ringcomm.ops": 0,  # reducers
     "ringcomm.lifecycle": 0,  # the one exit hook
+    "ringcomm.flight": 0,  # the flight recorder and its report (pure but for its file)
     "ringcomm.transport.wire": 0,  # pure pack/unpack (in transport/, but below any socket)
     "ringcomm.transport.base": 0,  # the transport interface and path thresholds (pure)
     "ringcomm.transport": 1,  # the transport interface and its lanes; zmq lives here only
@@ -76,6 +77,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.launch": 8,
     "ringcomm.torch_backend": 8,
     "ringcomm.cli": 8,
+    "ringcomm.trace_cli": 8,
     "ringcomm.__main__": 8,
     "ringcomm": 8,  # ringcomm/__init__.py re-exports the public API (group, launch, ...)
 }

@@ -27,7 +27,7 @@ import numpy as np
 from ..buffers import check_array, check_peer
 from ..device.staging import backend_for
 from ..device.xp import get_xp, is_device_array
-from ..errors import RingcommError
+from ..errors import CollectiveMismatchError, CommTimeoutError, PeerFailedError, RingcommError
 from ..group_core import GroupCore, setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
 from ..progress import Op
@@ -158,7 +158,47 @@ def _check_chunk_bytes(group: GroupCore, what: str) -> int:
 
 
 # -- running ---------------------------------------------------------------------------
+#: Errors of a collective that write the flight record (RINGCOMM_TRACE_DIR).
+_TRACED = (CommTimeoutError, PeerFailedError, CollectiveMismatchError)
+
+
 def _run(
+    group: GroupCore, call: Call, timeout_s: float | None, async_op: bool, what: str | None = None
+) -> Any:
+    """Run ``call`` (:func:`_run_call`), recorded by the process's flight recorder; a
+    timeout or a failed peer writes the record (``RINGCOMM_TRACE_DIR``)."""
+    recorder = group.state.recorder
+    if not recorder.enabled:
+        return _run_call(group, call, timeout_s, async_op, what)
+    arr = call.x if call.x is not None else call.out
+    entry = recorder.start(
+        group.group_id, group.collective_seq + 1, call.name,
+        None if call.dtype is None else call.dtype.name, call.shape,
+        0 if arr is None else int(arr.nbytes), call.algo, group.ranks,
+    )  # fmt: skip
+    try:
+        result = _run_call(group, call, timeout_s, async_op, what)
+    except BaseException as exc:
+        recorder.end(entry, exc)
+        if isinstance(exc, _TRACED):
+            group.state.dump_trace(f"{type(exc).__name__} in op #{group.collective_seq} {call.name}")
+        raise
+    if async_op and isinstance(result, Work):
+        result.add_done_callback(lambda w: _ended(group, entry, w))
+    else:
+        recorder.end(entry)
+    return result
+
+
+def _ended(group: GroupCore, entry: Any, work: Work) -> None:
+    """An asynchronous collective ended (a done callback: no waiting here)."""
+    error = work.exception()
+    group.state.recorder.end(entry, error)
+    if isinstance(error, _TRACED):
+        group.state.dump_trace(f"{type(error).__name__} in op #{entry.seq} {entry.op}")
+
+
+def _run_call(
     group: GroupCore, call: Call, timeout_s: float | None, async_op: bool, what: str | None = None
 ) -> Any:
     if what is None:
@@ -258,7 +298,7 @@ def _run_on_workspace(group: GroupCore, call: Call, timeout: float, async_op: bo
         arr = call.x if call.x is not None else call.out
         nbytes = 0 if arr is None else int(arr.nbytes)
         algo = choose_algorithm(call.name, None, _env_algo(group), nbytes, group.world_size)
-        return _run(group, call._replace(algo=algo), timeout, async_op)
+        return _run_call(group, call._replace(algo=algo), timeout, async_op)
     return calls.run(call, group.next_collective_seq(), timeout, async_op)
 
 

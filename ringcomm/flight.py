@@ -1,0 +1,356 @@
+"""The flight recorder: the last operations of this process, and the report built from them.
+
+Every rank keeps its last ``RINGCOMM_TRACE_ENTRIES`` operations (default
+:data:`DEFAULT_ENTRIES`; 0 turns the recorder off) in a ring buffer
+(:class:`FlightRecorder`): per operation its group, sequence number, op, dtype and shape,
+bytes, algorithm, peers, start and end time (wall clock, so ranks' records line up), and
+its state (``running``, ``done``, or ``failed: <the error>`` — for a timeout the error says
+where it waited and for whom). It also keeps, per op and size bucket, the count, bytes and
+times of every operation (:meth:`FlightRecorder.summary`, DeepSpeed's comms logger's table).
+
+The record is written, one JSON file per rank (``rank<global rank>.json``), to
+``RINGCOMM_TRACE_DIR`` when a call of this rank times out or finds a peer failed, on
+``SIGUSR1``, when the process ends without ``close()``, and at ``close()`` when
+``RINGCOMM_TRACE=1``. :func:`load_dir` reads a directory of them, :func:`desync_report`
+says which rank is behind and where every rank waits, :func:`chrome_trace` turns them
+into a Chrome/Perfetto trace (one track per rank, one slice per op).
+``ringcomm trace DIR [--chrome FILE]`` is the command line of the last two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_ENTRIES",
+    "SUMMARY_SAMPLES",
+    "Entry",
+    "FlightRecorder",
+    "bus_factor",
+    "chrome_trace",
+    "desync_report",
+    "load_dir",
+    "size_bucket",
+    "summary_table",
+]
+
+#: Operations each rank remembers by default.
+DEFAULT_ENTRIES = 4096
+#: Durations kept per (op, size bucket) for the summary's median (the newest ones).
+SUMMARY_SAMPLES = 4096
+#: The version of the trace file's layout.
+FILE_VERSION = 1
+
+RUNNING = "running"
+DONE = "done"
+
+
+class Entry:
+    """One operation as the recorder keeps it (a slotted object: cheap on the hot path)."""
+
+    __slots__ = ("algo", "dtype", "end_s", "group", "nbytes", "op", "peers", "seq", "shape",
+                 "start_s", "state")  # fmt: skip
+
+    def __init__(
+        self, group: int, seq: int, op: str, dtype: str | None, shape: tuple[int, ...] | None,
+        nbytes: int, algo: str | None, peers: Sequence[int],
+    ) -> None:  # fmt: skip
+        self.group = group
+        self.seq = seq
+        self.op = op
+        self.dtype = dtype
+        self.shape = shape
+        self.nbytes = nbytes
+        self.algo = algo
+        self.peers = peers
+        self.start_s = time.time()
+        self.end_s: float | None = None
+        self.state = RUNNING
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "seq": self.seq,
+            "op": self.op,
+            "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+            "bytes": self.nbytes,
+            "algo": self.algo,
+            "peers": list(self.peers),
+            "start_s": self.start_s,
+            "end_s": self.end_s,
+            "state": self.state,
+        }
+
+
+def size_bucket(nbytes: int) -> int:
+    """The summary's size bucket of ``nbytes``: the next power of two (0 for 0)."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor of ``op`` over ``n`` ranks (DESIGN.md §2)."""
+    if n <= 1:
+        return 0.0 if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all") else 1.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+class _Stat:
+    __slots__ = ("count", "nbytes", "recent", "total_s", "world")
+
+    def __init__(self, world: int) -> None:
+        self.count = 0
+        self.nbytes = 0
+        self.total_s = 0.0
+        self.world = world
+        self.recent: deque[float] = deque(maxlen=SUMMARY_SAMPLES)
+
+
+class FlightRecorder:
+    """The ring buffer of this process's last ``capacity`` operations (0: records
+    nothing), the per-op summary, and where the record goes (``trace_dir``)."""
+
+    def __init__(self, capacity: int, rank: int, trace_dir: str | None = None,
+                 at_close: bool = False) -> None:  # fmt: skip
+        self.capacity = max(0, int(capacity))
+        self.enabled = self.capacity > 0
+        self.rank = rank
+        self.trace_dir = trace_dir
+        self.at_close = at_close
+        self.entries: deque[Entry] = deque(maxlen=self.capacity or 1)
+        self._stats: dict[tuple[str, int], _Stat] = {}
+        self._lock = threading.Lock()  # dumps (a signal, a worker thread) against each other
+        self.dumps = 0
+
+    # -- the hot path ----------------------------------------------------------------
+    def start(
+        self, group: int, seq: int, op: str, dtype: str | None, shape: tuple[int, ...] | None,
+        nbytes: int, algo: str | None, peers: Sequence[int],
+    ) -> Entry | None:  # fmt: skip
+        """Record an operation starting now; None when the recorder is off."""
+        if not self.enabled:
+            return None
+        entry = Entry(group, seq, op, dtype, shape, nbytes, algo, peers)
+        self.entries.append(entry)
+        return entry
+
+    def end(self, entry: Entry | None, error: BaseException | None = None) -> None:
+        """The operation of ``entry`` ended (with ``error`` if it failed)."""
+        if entry is None:
+            return
+        now = time.time()
+        entry.end_s = now
+        if error is None:
+            entry.state = DONE
+            key = (entry.op, size_bucket(entry.nbytes))
+            stat = self._stats.get(key)
+            if stat is None:
+                stat = self._stats[key] = _Stat(len(entry.peers))
+            stat.count += 1
+            stat.nbytes += entry.nbytes
+            took = now - entry.start_s
+            stat.total_s += took
+            stat.recent.append(took)
+        else:
+            entry.state = f"failed: {type(error).__name__}: {error}"
+
+    # -- reading -----------------------------------------------------------------------
+    def records(self) -> list[dict[str, Any]]:
+        """The entries, oldest first, as JSON-ready dicts."""
+        return [e.as_dict() for e in list(self.entries)]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per op and size bucket (sorted): ``op``, ``bucket_bytes``, ``count``, ``bytes``,
+        ``total_s``, ``median_s`` (of the newest :data:`SUMMARY_SAMPLES`), ``busbw_GBps``
+        (nccl-tests' bus bandwidth of the mean bytes at the median time)."""
+        rows = []
+        for (op, bucket), s in sorted(self._stats.items()):
+            median = statistics.median(s.recent) if s.recent else 0.0
+            mean_bytes = s.nbytes / s.count if s.count else 0.0
+            busbw = mean_bytes / median * bus_factor(op, s.world) / 1e9 if median > 0 else 0.0
+            rows.append({
+                "op": op, "bucket_bytes": bucket, "count": s.count, "bytes": s.nbytes,
+                "total_s": s.total_s, "median_s": median, "busbw_GBps": busbw,
+            })  # fmt: skip
+        return rows
+
+    # -- writing -----------------------------------------------------------------------
+    def dump(self, reason: str, context: dict[str, Any] | None = None) -> Path | None:
+        """Write the record to ``trace_dir``/rank<rank>.json (atomically: a reader never
+        sees half a file); None when there is no trace directory or the write failed."""
+        if not self.trace_dir or not self.enabled:
+            return None
+        with self._lock:
+            self.dumps += 1
+            body = {
+                "version": FILE_VERSION,
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "host": os.uname().nodename,
+                "reason": reason,
+                "dumped_s": time.time(),
+                "capacity": self.capacity,
+                **(context or {}),
+                "entries": self.records(),
+            }
+            try:
+                folder = Path(self.trace_dir)
+                folder.mkdir(parents=True, exist_ok=True)
+                path = folder / f"rank{self.rank}.json"
+                tmp = folder / f".rank{self.rank}.json.{os.getpid()}.tmp"
+                tmp.write_text(json.dumps(body, default=str))
+                os.replace(tmp, path)
+            except OSError:
+                return None
+            return path
+
+
+# -- reading a directory of records ------------------------------------------------------
+def load_dir(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank's trace file in ``folder`` (``rank*.json``), by rank."""
+    files = []
+    for path in sorted(Path(folder).glob("rank*.json")):
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a ringcomm trace file: {exc}") from None
+        if not isinstance(body, dict) or "entries" not in body or "rank" not in body:
+            raise ValueError(f"{path}: not a ringcomm trace file (no rank or entries)")
+        files.append(body)
+    return sorted(files, key=lambda b: int(b["rank"]))
+
+
+def _what(e: dict[str, Any]) -> str:
+    shape = e.get("shape")
+    if e.get("dtype") is None or shape is None:
+        return f"{e['op']}()"
+    count = 1
+    for d in shape:
+        count *= int(d)
+    return f"{e['op']}({e['dtype']}[{count}])"
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    rs = sorted(ranks)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None) -> str:
+    """Which rank is behind, per group, and where every rank was (a text report).
+
+    For each group seen: every rank's latest operation there (its sequence number, what,
+    state, when entered relative to the newest dump); ranks whose latest operation is
+    older than the others' are named as behind ("rank 2 is at op #1041 all_reduce(...),
+    entered 31.2 s ago; ranks 0, 1, 3 wait in op #1042 broadcast(...) for rank 2"); ranks
+    that reached the same sequence number with different calls are named as a mismatch.
+    ``world_size``: ranks expected (missing files are reported); default: the highest
+    rank seen + 1.
+    """
+    if not files:
+        return "no trace files"
+    now = max(float(f.get("dumped_s", 0.0)) for f in files)
+    seen = {int(f["rank"]) for f in files}
+    n = world_size if world_size is not None else max(seen) + 1
+    lines = [f"trace files of {_ranks(seen)} (newest dump at {time.ctime(now)})"]
+    missing = sorted(set(range(n)) - seen)
+    if missing:
+        lines.append(f"no trace file from {_ranks(missing)} (it did not time out, see a "
+                     "failure, get SIGUSR1 or end without close())")  # fmt: skip
+    for f in files:
+        lines.append(f"rank {f['rank']}: dumped because {f.get('reason', '?')}")
+    # group -> rank -> latest entry (by sequence number)
+    latest: dict[int, dict[int, dict[str, Any]]] = {}
+    for f in files:
+        for e in f["entries"]:
+            g = int(e["group"])
+            last = latest.setdefault(g, {}).get(int(f["rank"]))
+            if last is None or int(e["seq"]) >= int(last["seq"]):
+                latest[g][int(f["rank"])] = e
+    for g in sorted(latest):
+        by_rank = latest[g]
+        where = "the world group" if g == 0 else f"group {g}"
+        lines.append(f"{where}:")
+        for r in sorted(by_rank):
+            e = by_rank[r]
+            ago = now - float(e["start_s"])
+            state = e["state"]
+            state = str(state).replace("\n", "\n      ")  # a progress map, indented
+            lines.append(f"  rank {r}: op #{e['seq']} {_what(e)} via {e.get('algo')}, entered "
+                         f"{ago:.1f} s ago, {state}")  # fmt: skip
+        top = max(int(e["seq"]) for e in by_rank.values())
+        ahead = {r for r, e in by_rank.items() if int(e["seq"]) == top}
+        behind = {r for r in by_rank if r not in ahead}
+        waiting = [r for r in ahead if by_rank[r]["state"] != DONE]
+        for r in sorted(behind):
+            e = by_rank[r]
+            ago = now - float(e["start_s"])
+            text = f"  rank {r} is at op #{e['seq']} {_what(e)}, entered {ago:.1f} s ago"
+            if e["state"] == DONE:
+                text += " (finished; it has not entered the next collective)"
+            if waiting:
+                w = by_rank[waiting[0]]
+                text += f"; {_ranks(waiting)} wait in op #{top} {_what(w)} for rank {r}"
+            lines.append(text)
+        # Same sequence number, different calls: a mismatch.
+        calls = {(by_rank[r]["op"], by_rank[r]["dtype"], str(by_rank[r]["shape"])) for r in ahead}
+        if len(calls) > 1:
+            parts = [f"rank {r}: {_what(by_rank[r])}" for r in sorted(ahead)]
+            lines.append(f"  mismatch at op #{top}: " + "; ".join(parts))
+        if not behind and len(calls) == 1 and waiting:
+            lines.append(f"  {_ranks(waiting)} in op #{top} {_what(by_rank[waiting[0]])}; "
+                         "no rank is behind in this group")  # fmt: skip
+    return "\n".join(lines)
+
+
+def chrome_trace(files: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A Chrome/Perfetto trace (JSON object format) of the records: one process track per
+    rank, one complete slice per operation (a running one ends at its rank's dump)."""
+    events: list[dict[str, Any]] = []
+    origin = min((float(e["start_s"]) for f in files for e in f["entries"]), default=0.0)
+    for f in files:
+        rank = int(f["rank"])
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})  # fmt: skip
+        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})  # fmt: skip
+        for e in f["entries"]:
+            start = float(e["start_s"])
+            end = e["end_s"] if e["end_s"] is not None else f.get("dumped_s", start)
+            events.append({
+                "name": e["op"], "cat": "ringcomm", "ph": "X", "pid": rank, "tid": 0,
+                "ts": (start - origin) * 1e6, "dur": max(0.0, (float(end) - start) * 1e6),
+                "args": {"seq": e["seq"], "group": e["group"], "bytes": e["bytes"],
+                         "dtype": e["dtype"], "shape": e["shape"], "algo": e["algo"],
+                         "state": e["state"]},
+            })  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def summary_table(rows: Sequence[dict[str, Any]]) -> str:
+    """:meth:`FlightRecorder.summary` rows as a fixed-width table."""
+    head = f"{'op':<16}{'bucket':>10}{'count':>9}{'bytes':>14}{'total s':>10}{'median us':>11}{'busbw GB/s':>12}"
+    out = [head]
+    for r in rows:
+        out.append(f"{r['op']:<16}{_size(int(r['bucket_bytes'])):>10}{r['count']:>9}"
+                   f"{r['bytes']:>14}{r['total_s']:>10.3f}{r['median_s'] * 1e6:>11.1f}"
+                   f"{r['busbw_GBps']:>12.2f}")  # fmt: skip
+    return "\n".join(out)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift}{unit}"
+    return str(n)
