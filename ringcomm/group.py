@@ -15,11 +15,13 @@ collectives (tagged by their sequence number) and sub-groups never collide.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,8 @@ from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
 from .device.p2p import recv_op_class, send_op_class
-from .errors import GroupClosedError, RendezvousError, RingcommError
+from .elastic import SHRINK_SLICE_S, agree_survivors, dead_view, watch_members
+from .errors import CommTimeoutError, GroupClosedError, RendezvousError, RingcommError
 from .group_core import (
     CHECKOUT_MAX_S,
     WORLD_GROUP_ID,
@@ -354,6 +357,75 @@ class ProcessGroup:
         """Global ranks this process saw fail (empty while the group is healthy)."""
         return sorted(self.core.progress.failed_peers)
 
+    # -- after a failure ---------------------------------------------------------------
+    def shrink(self, *, timeout_s: float | None = None) -> ProcessGroup:
+        """A new, healthy world group of the survivors, with consecutive ranks in the old
+        order (NCCL's ``ncclCommShrink``); this group is closed. Every survivor calls it
+        after a peer failed (or left); they agree on who survived through the store
+        (:mod:`ringcomm.elastic`): the same member list everywhere. If the store's host
+        was among the dead (rank 0, no launcher serving the store), the lowest survivor
+        serves a new store at the old port + 1 on its own address. Sub-groups are not
+        carried over: make them again with ``new_group`` on the result. Survivors that
+        disagree, or a second failure during the shrink, raise ``PeerFailedError`` (or
+        ``CommTimeoutError`` for a survivor that never calls it) within ``timeout_s``
+        (default: the group's). Call it on the world group only.
+        """
+        core = self.core
+        if not core.is_world:
+            raise ValueError(f"rank {core.rank}: shrink: call it on the world group (this is "
+                             "a sub-group; make sub-groups again on the result)")  # fmt: skip
+        if core.closed or core.state.closed:
+            raise GroupClosedError(f"rank {core.rank}: shrink: the process group is closed")
+        t = core.timeout(timeout_s)
+        deadline = time.monotonic() + t
+        old = core.state
+        cfg = old.config
+        epoch = old.epoch + 1
+        dead = dead_view(core)
+        me = core.global_rank
+        store_host = None if cfg.store_external else 0
+        server: StoreServer | None = None
+        moved = False
+        if store_host is None or store_host not in dead:
+            addr, port = cfg.master_addr, old.store_port
+            server, moved = old.server, old.server is not None
+        else:  # the store died with its host: the lowest survivor serves a new one
+            leader = store_host = min(g for g in core.ranks if g not in dead)
+            addr, port = _address_of(old.peers[leader]), old.store_port + 1
+            if leader == me:
+                try:
+                    server = StoreServer(_bind_host(addr), port, token=cfg.token).start()
+                except Exception as exc:
+                    raise RendezvousError(f"rank {core.rank}: shrink: cannot serve the new "
+                                          f"store on {addr}:{port}: {exc}") from exc  # fmt: skip
+        store: Store | None = None
+        try:
+            store = Store(addr, port, token=cfg.token, timeout_s=max(0.1, deadline - time.monotonic()),
+                          label=f"rank {me}")  # fmt: skip
+            members = agree_survivors(core, store, epoch, deadline, t, dead, store_host)
+            new_cfg = dataclasses.replace(
+                cfg, rank=members.index(me), world_size=len(members), master_addr=addr,
+                master_port=port, timeout_s=core.timeout_s,
+            )  # fmt: skip
+            view = store.prefixed(f"epoch/{epoch}")
+            pg = _form(new_cfg, view, server, port, epoch, watch=watch_members(core, members))
+        except BaseException:
+            if store is not None:
+                store.close()
+            if server is not None and not moved:
+                server.close()
+            raise
+        new = pg.core.state
+        new.owned_store = store  # the connection under the view (closed with the group)
+        new.recorder = old.recorder  # the flight record goes on across the shrink
+        pg.barrier(timeout_s=max(0.1, deadline - time.monotonic()))  # all agreed and formed
+        if moved:
+            old.server = None  # the new group serves the store now
+        core.closed = True
+        old.shutdown(DEPART_CLOSE, checkout_s=0.0, linger_s=0.0)  # nobody waits on it now
+        core.close_workspace()
+        return pg
+
     # -- closing -----------------------------------------------------------------------
     def close(self) -> None:
         """Release the group. Closing the world group closes the process's transport:
@@ -435,6 +507,32 @@ def _enable_debug_log() -> None:
         logger.addHandler(handler)
 
 
+def _wait_all(
+    store: Store, keys: list[str], timeout_s: float, watch: Callable[[], None] | None
+) -> None:
+    """``store.wait(keys)``; with ``watch``, in slices with ``watch()`` between them."""
+    if watch is None:
+        store.wait(keys, timeout_s=timeout_s)
+        return
+    give_up = time.monotonic() + timeout_s
+    while True:
+        left = give_up - time.monotonic()
+        try:
+            store.wait(keys, timeout_s=max(0.001, min(SHRINK_SLICE_S * 5, left)))
+            return
+        except CommTimeoutError:
+            if left <= SHRINK_SLICE_S * 5:
+                raise
+        watch()
+
+
+def _address_of(info: EndpointInfo) -> str:
+    """The host address of a peer, from its tcp:// endpoint."""
+    tcp = info.tcp or ""
+    host = tcp.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host or "127.0.0.1"
+
+
 def _bind_host(addr: str) -> str:
     """Interface to bind the store on: the master address itself if it is local."""
     import socket
@@ -485,12 +583,9 @@ def init_process_group(
         transport=transport,
         env=env,
     )
-    mode = cfg.transport
     label = f"rank {cfg.rank}"
-
     server: StoreServer | None = None
     store: Store | None = None
-    net: ZmqTransport | None = None
     try:
         port = cfg.master_port
         if cfg.rank == 0 and not cfg.store_external and (cfg.world_size > 1 or port != 0):
@@ -503,6 +598,31 @@ def init_process_group(
                     f"{label}: cannot serve the rendezvous store on {cfg.master_addr}:{port}: {exc}"
                 ) from exc
             port = server.port
+        if cfg.world_size > 1 or cfg.store_external:
+            store = Store(
+                cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label
+            )
+        return _form(cfg, store, server, port)
+    except BaseException:
+        if store is not None:
+            store.close()
+        if server is not None:
+            server.close()
+        raise
+
+
+def _form(
+    cfg: InitConfig, store: Store | None, server: StoreServer | None, port: int, epoch: int = 0,
+    watch: Callable[[], None] | None = None,
+) -> ProcessGroup:  # fmt: skip
+    """Form the world group of ``cfg`` meeting through ``store`` (None: a singleton),
+    whose server listens on ``port`` (``server``: here). Steps 3-4 of the module
+    docstring; the caller closes ``store`` and ``server`` if this raises. ``watch``:
+    called between slices of the wait for the others (it raises to give up)."""
+    mode = cfg.transport
+    label = f"rank {cfg.rank}"
+    net: ZmqTransport | None = None
+    try:
         tcp_host = local_address_towards(cfg.master_addr, port or 9)
         net = ZmqTransport(
             cfg.rank,
@@ -525,13 +645,10 @@ def init_process_group(
             workspace=cfg.workspace and WORKSPACE_AVAILABLE,
         )
         infos = {cfg.rank: me}
-        if cfg.world_size > 1 or cfg.store_external:
-            store = Store(
-                cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label
-            )
+        if store is not None:
             store.set(f"rank/{cfg.rank}", json.dumps(me.to_dict()).encode())
             keys = [f"rank/{r}" for r in range(cfg.world_size)]
-            store.wait(keys, timeout_s=cfg.timeout_s)
+            _wait_all(store, keys, cfg.timeout_s, watch)
             for r in range(cfg.world_size):
                 infos[r] = EndpointInfo.from_dict(json.loads(store.get(keys[r])))
         for r, info in infos.items():
@@ -573,6 +690,8 @@ def init_process_group(
         )
         state = ProcessState(cfg, progress, store, server, cfg.effective_chunk_bytes)
         state.peers = infos
+        state.epoch = epoch
+        state.store_port = port
         lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
         install_trace_signal(state)  # RINGCOMM_TRACE_DIR: SIGUSR1 writes the flight record
         core = GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID)
@@ -581,8 +700,4 @@ def init_process_group(
     except BaseException:
         if net is not None:
             net.close(0.0)
-        if store is not None:
-            store.close()
-        if server is not None:
-            server.close()
         raise

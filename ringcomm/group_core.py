@@ -82,6 +82,13 @@ class ProcessState:
         #: Every rank's published endpoint info (pid, host), by global rank.
         self.peers: dict[int, EndpointInfo] = {}
         self.host_id = host_identity()
+        #: How many shrinks made this world group (0: the one init_process_group formed),
+        #: and the port its store listens on (ringcomm.elastic).
+        self.epoch = 0
+        self.store_port = config.master_port
+        #: The store connection under ``store`` when that is a prefixed view of it (a
+        #: shrunk group's): closed with the group.
+        self.owned_store: Store | None = None
         #: This process's last operations (ringcomm.flight; RINGCOMM_TRACE_*).
         self.recorder = FlightRecorder(
             config.trace_entries, config.rank, config.trace_dir, config.trace_at_close
@@ -168,6 +175,8 @@ class ProcessState:
             progress.close(0.0 if failed else linger_s, kind)
             if store is not None:
                 store.close()
+            if self.owned_store is not None:
+                self.owned_store.close()
             if server is not None:
                 server.close()
 
