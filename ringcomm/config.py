@@ -19,7 +19,8 @@ With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at 
 ``RINGCOMM_STORE_EXTERNAL``, ``RINGCOMM_TRANSPORT``, ``RINGCOMM_SECURITY``,
 ``RINGCOMM_MAX_UNEXPECTED_MESSAGES``/``_BYTES``, ``RINGCOMM_LOCAL_LANE``, ``RINGCOMM_SHM``,
 ``RINGCOMM_BIND``, ``RINGCOMM_TRACE_DIR``/``RINGCOMM_TRACE``/``RINGCOMM_TRACE_ENTRIES``
-(the flight recorder, ringcomm.flight). Every invalid value raises :class:`RendezvousError` naming the
+(the flight recorder, ringcomm.flight), ``RINGCOMM_RESTART`` (set by the launcher for a
+restarted rank). Every invalid value raises :class:`RendezvousError` naming the
 variable, its value and the convention it came from.
 
 Settings that belong to no group are small pure functions of the same mapping, each
@@ -214,6 +215,9 @@ class InitConfig:
     trace_entries: int = 4096
     trace_dir: str | None = None
     trace_at_close: bool = False
+    #: How many times the launcher restarted this rank (``RINGCOMM_RESTART``, set by
+    #: ``ringcomm run --max-restarts``): > 0 joins the running job (``ProcessGroup.grow``).
+    restart: int = 0
 
     @property
     def effective_chunk_bytes(self) -> int:
@@ -664,6 +668,9 @@ def resolve_init_config(
         trace_entries = parse_size(entries_text) if entries_text else 4096
     except ValueError as exc:
         raise RendezvousError(f"RINGCOMM_TRACE_ENTRIES={entries_text!r}: {exc}") from None
+    restart_text = (env.get("RINGCOMM_RESTART") or "").strip()
+    if restart_text and not restart_text.isdigit():
+        raise RendezvousError(f"RINGCOMM_RESTART must be a count >= 0, got {restart_text!r}")
     trace_f = _env_setting(env, "RINGCOMM_TRACE")
     trace_at_close = _parse_bool(trace_f) if trace_f is not None else False
 
@@ -698,6 +705,7 @@ def resolve_init_config(
         trace_entries=trace_entries,
         trace_dir=(env.get("RINGCOMM_TRACE_DIR") or "").strip() or None,
         trace_at_close=trace_at_close,
+        restart=int(restart_text or 0),
     )
 
 

@@ -403,21 +403,93 @@ class ProcessGroup:
             store = Store(addr, port, token=cfg.token, timeout_s=max(0.1, deadline - time.monotonic()),
                           label=f"rank {me}")  # fmt: skip
             members = agree_survivors(core, store, epoch, deadline, t, dead, store_host)
-            new_cfg = dataclasses.replace(
-                cfg, rank=members.index(me), world_size=len(members), master_addr=addr,
-                master_port=port, timeout_s=core.timeout_s,
-            )  # fmt: skip
-            view = store.prefixed(f"epoch/{epoch}")
-            pg = _form(new_cfg, view, server, port, epoch, watch=watch_members(core, members))
+            slots = [old.slots[g] for g in members]
+            pg = self._next_epoch(store, addr, port, server, moved, epoch, slots, deadline,
+                                  watch=watch_members(core, members))  # fmt: skip
         except BaseException:
             if store is not None:
                 store.close()
             if server is not None and not moved:
                 server.close()
             raise
+        return pg
+
+    def grow(self, *, timeout_s: float | None = None) -> ProcessGroup:
+        """Admit restarted ranks (``ringcomm run --max-restarts``) that wait to rejoin: a
+        collective of this world group, called at a step boundary. Returns this group if
+        nobody waits, else a new world group in which every rank slot present (the
+        original ranks, in order) has its rank again; this group is then closed. A
+        restarted process's ``init_process_group()`` returns once it is admitted
+        (``pg.rejoined`` is True there: it gets its state from a survivor, e.g. a
+        broadcast from rank 0). Needs a store the launcher serves."""
+        core = self.core
+        if not core.is_world:
+            raise ValueError(f"rank {core.rank}: grow: call it on the world group")
+        core.check_usable("grow")
+        t = core.timeout(timeout_s)
+        deadline = time.monotonic() + t
+        state = core.state
+        root = state.root_store
+        if root is None:
+            return self  # a singleton: nobody to admit
+        slots_total = state.slots_total
+        flags = np.zeros(slots_total, np.int64)  # per slot: 1 + the restart count waiting
+        if core.rank == 0:
+            for slot in range(slots_total):
+                if slot in state.slots:
+                    continue
+                raw = root.try_get(f"join/{slot}")
+                if raw is not None and not root.check([f"admit/{slot}/{int(raw)}"]):
+                    flags[slot] = int(raw) + 1
+        self.broadcast(flags, 0, timeout_s=t)
+        joiners = {int(s): int(f) - 1 for s, f in enumerate(flags) if f}
+        if not joiners:
+            return self
+        epoch = state.epoch + 1
+        slots = sorted([*state.slots, *joiners])
+        cfg = state.config
+        if core.rank == 0:
+            for slot, restart in joiners.items():
+                root.set(f"admit/{slot}/{restart}", json.dumps([epoch, slots]).encode())
+        addr, port = cfg.master_addr, state.store_port
+        store = Store(addr, port, token=cfg.token, timeout_s=max(0.1, deadline - time.monotonic()),
+                      label=f"rank {core.global_rank}")  # fmt: skip
+        try:
+            return self._next_epoch(store, addr, port, state.server, state.server is not None,
+                                    epoch, slots, deadline)  # fmt: skip
+        except BaseException:
+            store.close()
+            raise
+
+    @property
+    def rejoined(self) -> bool:
+        """True in a restarted process that joined a running job (``grow``)."""
+        return self.core.state.rejoined
+
+    @property
+    def epoch(self) -> int:
+        """How many shrinks and grows led to this world group (0: the first)."""
+        return self.core.state.epoch
+
+    def _next_epoch(
+        self, store: Store, addr: str, port: int, server: StoreServer | None, moved: bool,
+        epoch: int, slots: list[int], deadline: float, watch: Callable[[], None] | None = None,
+    ) -> ProcessGroup:  # fmt: skip
+        """Form the world group of ``slots`` (rank slots, in order) at ``epoch`` through
+        ``store`` (a connection of its own, owned by the new group), then close this one."""
+        core = self.core
+        old = core.state
+        cfg = old.config
+        me = old.slots[core.rank]
+        new_cfg = dataclasses.replace(
+            cfg, rank=slots.index(me), world_size=len(slots), master_addr=addr,
+            master_port=port, timeout_s=core.timeout_s,
+        )  # fmt: skip
+        pg = _form(new_cfg, store.prefixed(f"epoch/{epoch}"), server, port, epoch, watch=watch)
         new = pg.core.state
         new.owned_store = store  # the connection under the view (closed with the group)
-        new.recorder = old.recorder  # the flight record goes on across the shrink
+        new.recorder = old.recorder  # the flight record goes on across epochs
+        new.slots, new.slots_total = list(slots), old.slots_total
         pg.barrier(timeout_s=max(0.1, deadline - time.monotonic()))  # all agreed and formed
         if moved:
             old.server = None  # the new group serves the store now
@@ -505,6 +577,31 @@ def _enable_debug_log() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("ringcomm %(asctime)s %(message)s"))
         logger.addHandler(handler)
+
+
+def _rejoin(cfg: InitConfig, store: Store, port: int) -> ProcessGroup:
+    """A restarted rank (``RINGCOMM_RESTART`` > 0): ask to join the running job under
+    ``join/<slot>`` and wait until the survivors' ``grow()`` admits it
+    (``admit/<slot>/<restart>``: the epoch and its rank slots), then form that group."""
+    slot, restart = cfg.rank, cfg.restart
+    store.set(f"join/{slot}", str(restart).encode())
+    key = f"admit/{slot}/{restart}"
+    try:
+        store.wait([key], timeout_s=cfg.timeout_s)
+    except CommTimeoutError:
+        raise CommTimeoutError(
+            f"rank {slot} (restart {restart}): no survivor admitted it within "
+            f"{cfg.timeout_s:g} s (the running ranks admit restarted ones when they call "
+            "pg.grow(), e.g. at a step boundary)"
+        ) from None
+    epoch, slots = json.loads(store.get(key))
+    new_cfg = dataclasses.replace(cfg, rank=slots.index(slot), world_size=len(slots))
+    pg = _form(new_cfg, store.prefixed(f"epoch/{epoch}"), None, port, int(epoch))
+    state = pg.core.state
+    state.owned_store = store
+    state.slots, state.slots_total, state.rejoined = list(slots), cfg.world_size, True
+    pg.barrier()  # as the survivors' grow does
+    return pg
 
 
 def _wait_all(
@@ -602,6 +699,8 @@ def init_process_group(
             store = Store(
                 cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label
             )
+        if cfg.restart > 0 and store is not None and cfg.store_external:
+            return _rejoin(cfg, store, port)
         return _form(cfg, store, server, port)
     except BaseException:
         if store is not None:

@@ -89,10 +89,21 @@ class ProcessState:
         #: The store connection under ``store`` when that is a prefixed view of it (a
         #: shrunk group's): closed with the group.
         self.owned_store: Store | None = None
+        #: The rank slot of each rank of this world group (its rank in the first one),
+        #: how many slots the job has, and whether this process rejoined (``grow``).
+        self.slots: list[int] = list(range(config.world_size))
+        self.slots_total = config.world_size
+        self.rejoined = False
         #: This process's last operations (ringcomm.flight; RINGCOMM_TRACE_*).
         self.recorder = FlightRecorder(
             config.trace_entries, config.rank, config.trace_dir, config.trace_at_close
         )
+
+    @property
+    def root_store(self) -> Store | None:
+        """The store outside this world group's own key namespace (a shrunk or grown
+        group's ``store`` is a prefixed view of it)."""
+        return self.owned_store if self.owned_store is not None else self.store
 
     def dump_trace(self, reason: str) -> Path | None:
         """Write the flight record (if ``RINGCOMM_TRACE_DIR`` is set), with where the

@@ -91,6 +91,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default %(default)s)",
     )
     p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="start a failed rank again (its rank slot, RINGCOMM_RESTART=n) up to K times "
+        "instead of stopping the job; survivors shrink, and admit it with pg.grow()",
+    )
+    p.add_argument(
         "-m", "--module", action="store_true", help="run TARGET as a module (python -m TARGET)"
     )
     p.add_argument("target", metavar="script.py", help="the script (or module, with -m)")

@@ -31,7 +31,7 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ringcomm.config import UsageError
@@ -82,6 +82,7 @@ class RunConfig:
     grace_s: float = DEFAULT_GRACE_S
     python: str = sys.executable
     verbose: bool = False  # prefix output lines with the host name too
+    max_restarts: int = 0  # per rank slot: start a failed rank again this many times
 
 
 # --------------------------------------------------------------------------------------
@@ -117,6 +118,9 @@ def config_from_args(
         raise UsageError(f"--master-port must be in 0..65535, got {port}")
     if not args.grace_s >= 0:
         raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
+    max_restarts = getattr(args, "max_restarts", 0) or 0
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
     target_args = list(args.target_args)
     if target_args[:1] == ["--"]:
         target_args = target_args[1:]
@@ -134,6 +138,7 @@ def config_from_args(
         grace_s=args.grace_s,
         python=args.python or sys.executable,
         verbose=args.verbose,
+        max_restarts=max_restarts,
     )
 
 
@@ -230,24 +235,51 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
     try:
         with LauncherSignals() as signals:
             ranks = _start_ranks(config, int(store.port), token)
-            return supervise(ranks, signals, config.grace_s, poll_s)
+            restart = None
+            if config.max_restarts > 0:
+                restart = _restarter(config, int(store.port), token, ranks)
+            return supervise(ranks, signals, config.grace_s, poll_s, restart=restart)
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
         store.close()
 
 
+def _start_rank(config: RunConfig, rank: int, port: int, token: str, restart: int = 0) -> RankProcess:
+    env = dict(os.environ)
+    env.update(rank_env(config, rank, port, token))
+    if restart:
+        env["RINGCOMM_RESTART"] = str(restart)
+    popen = start_in_session(rank_command(config), pdeathsig_preexec(), env=env)
+    label = f"{rank} {socket.gethostname()}" if config.verbose else rank
+    return RankProcess(rank, popen, copy_output(popen, label))
+
+
+def _restarter(
+    config: RunConfig, port: int, token: str, ranks: list[RankProcess]
+) -> Callable[[RankProcess, int], RankProcess | None]:
+    """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
+    started again (``RINGCOMM_RESTART`` = how many times), at most K times per slot."""
+    counts: dict[int, int] = {}
+
+    def restart(failed: RankProcess, code: int) -> RankProcess | None:
+        n = counts.get(failed.rank, 0) + 1
+        if n > config.max_restarts:
+            return None
+        counts[failed.rank] = n
+        note(f"{failed.describe_exit(code)}; starting it again (restart {n} of "
+             f"{config.max_restarts})")  # fmt: skip
+        new = _start_rank(config, failed.rank, port, token, restart=n)
+        ranks.append(new)  # reaped with the others, whatever happens
+        return new
+
+    return restart
+
+
 def _start_ranks(config: RunConfig, port: int, token: str) -> list[RankProcess]:
-    command = rank_command(config)
-    preexec = pdeathsig_preexec()
-    host = socket.gethostname()
     ranks: list[RankProcess] = []
     try:
         for rank in range(config.nproc):
-            env = dict(os.environ)
-            env.update(rank_env(config, rank, port, token))
-            popen = start_in_session(command, preexec, env=env)
-            label = f"{rank} {host}" if config.verbose else rank
-            ranks.append(RankProcess(rank, popen, copy_output(popen, label)))
+            ranks.append(_start_rank(config, rank, port, token))
     except BaseException:
         for r in ranks:
             r.signal_group(signal.SIGKILL)

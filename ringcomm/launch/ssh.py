@@ -229,6 +229,9 @@ def config_from_args(
         raise UsageError(f"--ssh-port must be in 1..65535, got {args.ssh_port}")
     if not args.grace_s >= 0:
         raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
+    if getattr(args, "max_restarts", 0):
+        raise UsageError("--max-restarts: restarting ranks is done by the local launcher only "
+                         "(multi-host restarts are not implemented yet)")  # fmt: skip
     start_timeout_s = DEFAULT_START_TIMEOUT_S if args.start_timeout is None else args.start_timeout
     if not start_timeout_s > 0:
         raise UsageError(f"--start-timeout must be > 0, got {args.start_timeout}")

@@ -279,10 +279,13 @@ class LauncherSignals:
 
 
 def supervise(
-    ranks: Sequence[RankProcess], signals: LauncherSignals, grace_s: float, poll_s: float = 0.05
-) -> int:
+    ranks: Sequence[RankProcess], signals: LauncherSignals, grace_s: float, poll_s: float = 0.05,
+    restart: Callable[[RankProcess, int], RankProcess | None] | None = None,
+) -> int:  # fmt: skip
     """Wait for all ranks; on the first failure or signal stop the rest. Return the status:
-    0, the first failing rank's (:func:`exit_status`), or 128+N for the launcher's signal N."""
+    0, the first failing rank's (:func:`exit_status`), or 128+N for the launcher's signal N.
+    ``restart(rank, code)``: for a rank that failed, its replacement (started), or None
+    to stop the job as without it."""
     running = {r.rank: r for r in ranks}
     while running:
         if signals.received:
@@ -295,6 +298,10 @@ def supervise(
             if code is None:
                 continue
             del running[rank]
+            again = restart(r, code) if code != 0 and restart is not None else None
+            if again is not None:
+                running[rank] = again
+                continue
             if code != 0:
                 how = r.describe_exit(code)
                 if running:
