@@ -414,14 +414,16 @@ class ProcessGroup:
             raise
         return pg
 
-    def grow(self, *, timeout_s: float | None = None) -> ProcessGroup:
+    def grow(self, *, wait: bool = False, timeout_s: float | None = None) -> ProcessGroup:
         """Admit restarted ranks (``ringcomm run --max-restarts``) that wait to rejoin: a
         collective of this world group, called at a step boundary. Returns this group if
         nobody waits, else a new world group in which every rank slot present (the
         original ranks, in order) has its rank again; this group is then closed. A
         restarted process's ``init_process_group()`` returns once it is admitted
         (``pg.rejoined`` is True there: it gets its state from a survivor, e.g. a
-        broadcast from rank 0). Needs a store the launcher serves."""
+        broadcast from rank 0). Needs a store the launcher serves. ``wait=True``: first
+        wait (within ``timeout_s``) for the slots the launcher says it is starting again
+        (``restarting/<slot>`` in the store) to ask, e.g. before the job ends."""
         core = self.core
         if not core.is_world:
             raise ValueError(f"rank {core.rank}: grow: call it on the world group")
@@ -435,6 +437,8 @@ class ProcessGroup:
         slots_total = state.slots_total
         flags = np.zeros(slots_total, np.int64)  # per slot: 1 + the restart count waiting
         if core.rank == 0:
+            if wait:
+                _wait_for_restarts(root, state.slots, slots_total, deadline, core.rank)
             for slot in range(slots_total):
                 if slot in state.slots:
                     continue
@@ -460,6 +464,17 @@ class ProcessGroup:
         except BaseException:
             store.close()
             raise
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot: its rank in the first world group (ranks change with shrink
+        and grow; slots do not)."""
+        return self.core.state.slots[self.core.rank]
+
+    @property
+    def slots(self) -> list[int]:
+        """The slot of every rank of this world group, in rank order."""
+        return list(self.core.state.slots)
 
     @property
     def rejoined(self) -> bool:
@@ -602,6 +617,31 @@ def _rejoin(cfg: InitConfig, store: Store, port: int) -> ProcessGroup:
     state.slots, state.slots_total, state.rejoined = list(slots), cfg.world_size, True
     pg.barrier()  # as the survivors' grow does
     return pg
+
+
+def _wait_for_restarts(
+    root: Store, present: list[int], total: int, deadline: float, rank: int
+) -> None:
+    """Until every slot the launcher is starting again (``restarting/<slot>`` = n) has
+    asked to join (``join/<slot>`` = n), or ``deadline``."""
+    while True:
+        pending = []
+        for slot in range(total):
+            if slot in present:
+                continue
+            n = root.try_get(f"restarting/{slot}")
+            asked = root.try_get(f"join/{slot}")
+            if n is not None and (asked is None or int(asked) < int(n)):
+                pending.append(slot)
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise CommTimeoutError(f"rank {rank}: grow: slot(s) {pending} being restarted did "
+                                   "not ask to join in time")  # fmt: skip
+        try:
+            root.wait([f"join/{pending[0]}"], timeout_s=SHRINK_SLICE_S * 5)
+        except CommTimeoutError:
+            pass
 
 
 def _wait_all(

@@ -27,6 +27,7 @@ from ringcomm.errors import RingcommError
 from ringcomm.launch.spawn import spawn
 from ringcomm.schedule.pipeline import SCHEDULES
 
+from .elastic import summarize_elastic
 from .optim import OPTIMIZERS
 from .strategy import (
     DEVICES,
@@ -51,7 +52,8 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
     for k in _THREAD_VARS:
         os.environ.setdefault(k, "1")
     try:
-        return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s))
+        return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s,
+                          elastic=cfg.elastic, max_restarts=cfg.max_restarts))  # fmt: skip
     finally:
         for k, v in saved.items():
             if v is None:
@@ -131,6 +133,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    metavar="SIZE",
                    help="layers this big are split over every server "
                    f"({format_size(d.ps_split_min_bytes)})")  # fmt: skip
+    e = p.add_argument_group("elastic data parallel (--strategy dp --elastic)")
+    e.add_argument("--elastic", action="store_true",
+                   help="survive lost ranks: the survivors shrink and re-split the batch")
+    e.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="start a lost rank again up to K times; it rejoins (grow)")
+    e.add_argument("--fail-at", default="", metavar="SLOT:STEP[,SLOT:STEP]",
+                   help="fault injection: that rank's first process dies (SIGKILL) at that step")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="bound on the whole job")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
     p.set_defaults(main=main)
@@ -176,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             )
         if args.checkpoint_interval and not args.checkpoint_dir:
             raise UsageError("--checkpoint-interval needs --checkpoint-dir")
+    fail_at = _elastic_args(args, n)
     try:
         array_module(args.device)  # StrategyUnavailable without CuPy / a GPU
     except StrategyUnavailable as exc:
@@ -207,7 +217,35 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ps_checkpoint_dir=args.checkpoint_dir,
         ps_checkpoint_interval=args.checkpoint_interval,
         ps_split_min_bytes=args.ps_split_min_bytes,
+        elastic=args.elastic,
+        max_restarts=args.max_restarts,
+        fail_at=fail_at,
     )
+
+
+def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, int], ...]:
+    """Check --elastic, --max-restarts, --fail-at; the (slot, step) pairs of --fail-at."""
+    if not args.elastic:
+        if args.max_restarts or args.fail_at:
+            raise UsageError("--max-restarts and --fail-at need --elastic")
+        return ()
+    if args.strategy != "dp":
+        raise UsageError(f"--elastic runs --strategy dp (got {args.strategy})")
+    if args.device != "cpu":
+        raise UsageError("--elastic runs on --device cpu")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    pairs = []
+    for part in filter(None, (p.strip() for p in args.fail_at.split(","))):
+        slot, sep, step = part.partition(":")
+        if not sep or not slot.isdigit() or not step.isdigit():
+            raise UsageError(f"--fail-at takes SLOT:STEP pairs, got {part!r}")
+        if not 0 <= int(slot) < n or int(step) >= args.steps:
+            raise UsageError(f"--fail-at {part}: rank must be < -n {n}, step < --steps {args.steps}")
+        pairs.append((int(slot), int(step)))
+    if len({s for s, _ in pairs}) >= n:
+        raise UsageError("--fail-at: at least one rank must survive")
+    return tuple(pairs)
 
 
 def _mib(nbytes: float) -> str:
@@ -252,6 +290,18 @@ def format_summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_elastic(result: dict[str, Any]) -> str:
+    head = (f"strategy dp (elastic), {result['world_size']} rank slot(s); step time "
+            f"{result['step_time_s'] * 1e3:.1f} ms (median); final loss {result['losses'][-1]:.6f}")
+    lines = [head]
+    for c in result["membership"]:
+        lines.append(f"step {c['step']}: {c['event']} -> ranks (slots) {c['slots']}, "
+                     f"{c['time_lost_s'] * 1e3:.0f} ms lost")  # fmt: skip
+    if result["lost_slots"]:
+        lines.append(f"lost for good: slots {result['lost_slots']}")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     """``ringcomm train``: see the module docstring for the exit status."""
     cfg = config_from_args(args)
@@ -260,8 +310,12 @@ def main(args: argparse.Namespace) -> int:
     except RingcommError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)
         return 1
-    result = summarize(cfg, per_rank)
-    print(format_summary(result), flush=True)
+    if cfg.elastic:
+        result = summarize_elastic(cfg, per_rank)
+        print(format_elastic(result), flush=True)
+    else:
+        result = summarize(cfg, per_rank)
+        print(format_summary(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.schedule.partition import bucket_groups, flat_layout
+from ringcomm.schedule.partition import bucket_groups, flat_layout, split_rows
 
 from .optim import make_optimizer
 from .params import export_params, init_layer, layer_views, param_shapes
@@ -67,6 +67,31 @@ class DataParallel(Strategy):
         self.works.clear()
         self.opt.step([(self.params, self.grads, 0)])
         return self.global_loss(loss)
+
+    # -- elastic training (ringcomm.engine.elastic) ---------------------------------
+    def regroup(self, pg: Any) -> None:
+        """Go on over ``pg`` (the world group after a shrink or grow; every rank calls
+        it): this rank's rows of the global batch and the gradient buffer follow the new
+        group; parameters and optimizer state stay."""
+        self.pg, self.rank, self.n = pg, pg.rank, pg.world_size
+        self.rows = split_rows(self.cfg.batch_size, self.n)[self.rank]
+        self.symmetric_bytes = 0
+        self.grads = self.grad_buffer(self.layout.total)
+        self.gviews = [layer_views(self.layout, self.grads, i) for i in range(len(self.layers))]
+        self.works = []
+
+    def abandon(self) -> None:
+        """A step failed: let its outstanding all-reduces end (they fail too)."""
+        for w in self.works:
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001, S110 (they fail with the group; nothing to keep)
+                pass
+        self.works.clear()
+
+    def state_arrays(self) -> list[Any]:
+        """What a rank that joins needs from a survivor: parameters, optimizer state."""
+        return [self.params, *self.opt.state_arrays()]
 
     def state_nbytes(self) -> dict[str, int]:
         return state_bytes(self.params, self.grads, self.opt)

@@ -112,6 +112,10 @@ class TrainConfig:
     ps_checkpoint_dir: str | None = None
     ps_checkpoint_interval: int = 0  # steps between server checkpoints (0: only at the end)
     ps_split_min_bytes: int = 1 << 20  # layers this big are split over every server
+    # Elastic dp (ringcomm/engine/elastic.py): survive lost ranks; restart them; inject.
+    elastic: bool = False
+    max_restarts: int = 0
+    fail_at: tuple[tuple[int, int], ...] = ()  # (slot, step): that slot's first process dies
 
     def build_model(self) -> list[Layer]:
         return mlp(self.in_features, self.hidden, self.depth, self.classes, self.act)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ringcomm.schedule.pipeline import gpipe_bubble
 
+from .elastic import run_elastic
 from .memory import TracemallocMeter, make_meter, staging_stats
 from .strategy import TrainConfig, array_module, strategy_class
 
@@ -49,6 +50,16 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank (``pg`` None: single process); return its measurements."""
     meter = make_meter(cfg.device, array_module(cfg.device))
     meter.start()
+    if cfg.elastic:
+        try:
+            meter.begin_step(0)  # the peak over the whole run (steps may be taken again)
+            elastic = run_elastic(pg, cfg)
+            meter.end_step()
+            meter.stop()
+            elastic.update(peak_bytes=int(meter.peak), peak_bytes_source=meter.source)
+            return elastic
+        finally:
+            meter.stop()
     try:
         strat = strategy_class(cfg.strategy)(pg, cfg)
         if isinstance(meter, TracemallocMeter):

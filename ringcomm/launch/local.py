@@ -33,6 +33,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ringcomm.config import UsageError
 from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options
@@ -45,6 +46,7 @@ from ringcomm.launch.supervise import (
     pdeathsig_preexec,
     reap,
     start_in_session,
+    store_announcer,
     supervise,
 )
 
@@ -237,7 +239,7 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
             ranks = _start_ranks(config, int(store.port), token)
             restart = None
             if config.max_restarts > 0:
-                restart = _restarter(config, int(store.port), token, ranks)
+                restart = _restarter(config, store, token, ranks)
             return supervise(ranks, signals, config.grace_s, poll_s, restart=restart)
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
@@ -255,20 +257,22 @@ def _start_rank(config: RunConfig, rank: int, port: int, token: str, restart: in
 
 
 def _restarter(
-    config: RunConfig, port: int, token: str, ranks: list[RankProcess]
+    config: RunConfig, store: Any, token: str, ranks: list[RankProcess]
 ) -> Callable[[RankProcess, int], RankProcess | None]:
     """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
     started again (``RINGCOMM_RESTART`` = how many times), at most K times per slot."""
     counts: dict[int, int] = {}
+    announce = store_announcer(config.master_addr, int(store.port), token)
 
     def restart(failed: RankProcess, code: int) -> RankProcess | None:
         n = counts.get(failed.rank, 0) + 1
         if n > config.max_restarts:
             return None
         counts[failed.rank] = n
+        announce(f"restarting/{failed.rank}", str(n))  # grow(wait=True) waits for it
         note(f"{failed.describe_exit(code)}; starting it again (restart {n} of "
              f"{config.max_restarts})")  # fmt: skip
-        new = _start_rank(config, failed.rank, port, token, restart=n)
+        new = _start_rank(config, failed.rank, int(store.port), token, restart=n)
         ranks.append(new)  # reaped with the others, whatever happens
         return new
 

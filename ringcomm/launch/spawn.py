@@ -40,7 +40,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ringcomm.errors import RankFailedError
-from ringcomm.launch.supervise import DEFAULT_GRACE_S, describe_exit
+from ringcomm.launch.supervise import DEFAULT_GRACE_S, describe_exit, store_announcer
 
 __all__ = ["spawn"]
 
@@ -54,6 +54,9 @@ def spawn(
     world_size: int,
     args: Sequence[Any] = (),
     timeout_s: float | None = None,
+    *,
+    elastic: bool = False,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(pg, *args)`` on ``world_size`` local ranks; return the results in rank order.
 
@@ -81,9 +84,19 @@ def spawn(
     at the moment of expiry, as dumped by :mod:`faulthandler` (on ``SIGUSR1``).
 
     If the calling process dies, even by SIGKILL, every rank exits within moments.
+
+    ``elastic=True``: a rank that dies without a result (killed, crashed) does not stop
+    the others, which may go on without it (``pg.shrink()``); its slot is started again,
+    up to ``max_restarts`` times (the new process's ``init_process_group`` then waits
+    until the running ranks admit it with ``pg.grow()``). A slot that stays dead returns
+    None. A rank whose ``fn`` raises still fails the job as above.
     """
     _check_world_size(world_size)
     _check_timeout(timeout_s)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"spawn: max_restarts must be an int >= 0, got {max_restarts!r}")
+    if max_restarts and not elastic:
+        raise ValueError("spawn: max_restarts needs elastic=True (survivors must go on)")
     args = tuple(args)
     _check_picklable(fn, args)
 
@@ -100,7 +113,9 @@ def spawn(
             timeout_s=timeout_s,
             token=token,
         )
-        return _run_ranks(entry, world_size, timeout_s=timeout_s)
+        announce = store_announcer(_LOCALHOST, int(store.port), token) if elastic else None
+        return _run_ranks(entry, world_size, timeout_s=timeout_s, elastic=elastic,
+                          max_restarts=max_restarts, announce=announce)  # fmt: skip
     finally:
         store.close()
 
@@ -196,7 +211,10 @@ def _child_main(
     result: Connection,
     watch: Connection,
     stack_path: str,
+    restart: int = 0,
 ) -> None:
+    if restart:  # a slot started again (elastic): init_process_group joins the running job
+        os.environ["RINGCOMM_RESTART"] = str(restart)
     threading.Thread(
         target=_exit_when_parent_dies, args=(watch,), name="ringcomm-parent-watch", daemon=True
     ).start()
@@ -256,7 +274,7 @@ class _Rank:
     result_open: bool = True  # False once the report pipe hit EOF
     reported: bool = False  # its ("ok"|"err", ...) report was read
     signalled: bool = False  # stopped by us: its exit code says nothing
-    outcome: str | None = None  # None while running, then "ok" | "failed" | "stopped"
+    outcome: str | None = None  # None while running, then "ok" | "failed" | "stopped" | "lost"
     failed_at: float = math.inf  # when its failure was seen (the first one is reported)
     value: Any = None
     error: str | None = None
@@ -272,6 +290,9 @@ def _run_ranks(
     *,
     timeout_s: float | None = None,
     grace_s: float = DEFAULT_GRACE_S,
+    elastic: bool = False,
+    max_restarts: int = 0,
+    announce: Callable[[str, str], None] | None = None,
 ) -> list[Any]:
     """Run ``entry(rank, world_size)`` in ``world_size`` spawned processes; supervise them.
 
@@ -283,29 +304,48 @@ def _run_ranks(
     ctx = get_context("spawn")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     ranks: list[_Rank] = []
+    retired: list[_Rank] = []  # processes of slots started again (elastic)
+    restarts: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="ringcomm-spawn-") as stack_dir:
+
+        def start(rank: int, restart: int = 0) -> _Rank:
+            result_r, result_w = ctx.Pipe(duplex=False)
+            watch_r, watch_w = ctx.Pipe(duplex=False)
+            stack_path = os.path.join(stack_dir, f"rank{rank}.{restart}.stack")
+            process = ctx.Process(
+                target=_child_main,
+                args=(rank, world_size, entry, result_w, watch_r, stack_path, restart),
+                name=f"ringcomm-rank-{rank}",
+            )
+            r = _Rank(rank, process, result_r, watch_w, stack_path)
+            try:
+                process.start()
+            finally:
+                result_w.close()  # the child holds its own copies now
+                watch_r.close()
+            return r
+
+        def lost(r: _Rank) -> _Rank | None:
+            """Elastic: a slot whose process died without a report; its replacement."""
+            n = restarts.get(r.rank, 0) + 1
+            retired.append(r)
+            if n > max_restarts:
+                r.outcome = "lost"
+                return None
+            restarts[r.rank] = n
+            if announce is not None:  # grow(wait=True) waits for it to ask
+                announce(f"restarting/{r.rank}", str(n))
+            return start(r.rank, n)
+
         try:
             for rank in range(world_size):
-                result_r, result_w = ctx.Pipe(duplex=False)
-                watch_r, watch_w = ctx.Pipe(duplex=False)
-                stack_path = os.path.join(stack_dir, f"rank{rank}.stack")
-                process = ctx.Process(
-                    target=_child_main,
-                    args=(rank, world_size, entry, result_w, watch_r, stack_path),
-                    name=f"ringcomm-rank-{rank}",
-                )
-                ranks.append(_Rank(rank, process, result_r, watch_w, stack_path))
-                try:
-                    process.start()
-                finally:
-                    result_w.close()  # the child holds its own copies now
-                    watch_r.close()
-            _supervise(ranks, deadline)
+                ranks.append(start(rank))
+            _supervise(ranks, deadline, lost if elastic else None)
             if any(r.running for r in ranks) and not any(r.outcome == "failed" for r in ranks):
                 _record_timeout(ranks, timeout_s)
         finally:
             _stop_all(ranks, grace_s)
-            for r in ranks:
+            for r in ranks + retired:
                 r.result.close()
                 r.watch.close()
     failed = [r for r in ranks if r.outcome == "failed"]
@@ -322,8 +362,12 @@ def _run_ranks(
     return [r.value for r in ranks]
 
 
-def _supervise(ranks: list[_Rank], deadline: float | None) -> None:
-    """Wait until every rank has an outcome, a rank fails, or the deadline passes."""
+def _supervise(
+    ranks: list[_Rank], deadline: float | None, lost: Callable[[_Rank], _Rank | None] | None = None
+) -> None:
+    """Wait until every rank has an outcome, a rank fails, or the deadline passes.
+    ``lost(rank)`` (elastic): for a rank that died without a report, its replacement
+    (put in its place in ``ranks``) or None (the rank's outcome is then ``"lost"``)."""
     while any(r.running for r in ranks):
         by_handle: dict[Any, _Rank] = {}
         for r in ranks:
@@ -338,6 +382,10 @@ def _supervise(ranks: list[_Rank], deadline: float | None) -> None:
         for handle in ready:
             r = by_handle[handle]
             _settle(r, exited=handle == r.process.sentinel)
+            if lost is not None and r.outcome == "failed" and not r.reported:
+                again = lost(r)
+                if again is not None:
+                    ranks[ranks.index(r)] = again
         if any(r.outcome == "failed" for r in ranks):
             return
 

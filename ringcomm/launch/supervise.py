@@ -54,6 +54,7 @@ __all__ = [
     "signal_name",
     "start_in_session",
     "stop_ranks",
+    "store_announcer",
     "supervise",
     "wait_for_exits",
 ]
@@ -276,6 +277,25 @@ class LauncherSignals:
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, str], None]:
+    """``announce(key, value)``: set a key in the job's store, from the launcher (a client
+    connection made at the first call; best effort: a lost store is no launcher error)."""
+    held: list[Any] = []
+
+    def announce(key: str, value: str) -> None:
+        from ringcomm.errors import RingcommError
+        from ringcomm.rendezvous import Store
+
+        try:
+            if not held:
+                held.append(Store(host, port, token=token, timeout_s=5.0, label="launcher"))
+            held[0].set(key, value.encode())
+        except RingcommError as exc:
+            note(f"could not tell the ranks ({key}): {exc}")
+
+    return announce
 
 
 def supervise(

@@ -1,0 +1,177 @@
+"""Elastic data parallel training: ``ringcomm train --strategy dp --elastic``.
+
+The ``dp`` strategy, driven so that it survives a lost rank:
+
+* every step starts from a snapshot of the parameters and optimizer state; a step that
+  fails because a peer failed (``PeerFailedError``) is undone on every survivor (the
+  snapshot is restored: a survivor may or may not have applied the update when it saw the
+  failure), the survivors ``shrink()``, re-split the *same* global batch over themselves
+  (:meth:`~ringcomm.engine.dp.DataParallel.regroup`) and run the step again, so its loss is
+  still the mean over the whole global batch and every later step equals ``single``'s;
+* with ``--max-restarts K`` the launcher (``rc.spawn(elastic=True)``) starts the lost slot
+  again and says so in the store; the survivors wait for it at the next step boundary and
+  admit it (``grow(wait=True)``: the time it takes to start is time lost, as a torchrun
+  restart's is), the batch is split over all again, and the newcomer gets the step
+  number, parameters and optimizer state from a survivor.
+
+Fault injection for tests and demonstrations: ``cfg.fail_at`` = ((slot, step), ...) —
+that slot's first process kills itself (SIGKILL) at the start of that step.
+Each membership change is recorded: the step, the event (``shrink``/``grow``), the slots
+after it, and the time lost (from the failure seen to the new group ready).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ringcomm.errors import PeerFailedError
+
+from .dp import DataParallel
+from .strategy import TrainConfig
+
+__all__ = ["run_elastic", "summarize_elastic"]
+
+
+def _snapshot(strat: DataParallel) -> tuple[list[Any], int]:
+    return [a.copy() for a in strat.state_arrays()], strat.opt.t
+
+
+def _restore(strat: DataParallel, snap: tuple[list[Any], int]) -> None:
+    arrays, t = snap
+    for dst, src in zip(strat.state_arrays(), arrays, strict=True):
+        dst[...] = src
+    strat.opt.t = t
+
+
+def _share_state(pg: Any, strat: DataParallel, step: int, have: bool) -> int:
+    """After a grow: the lowest-ranked survivor (``have``) sends the step number, the
+    parameters and the optimizer state to everyone; returns the step."""
+    flags = pg.all_gather(np.array([1 if have else 0], np.int8)).ravel()
+    root = int(np.flatnonzero(flags)[0])
+    meta = np.array([step, strat.opt.t], np.int64)
+    pg.broadcast(meta, root)
+    for a in strat.state_arrays():
+        pg.broadcast(strat.as_comm(a), root)
+    strat.opt.t = int(meta[1])
+    return int(meta[0])
+
+
+def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps of ``dp`` on ``pg`` through failures (module docstring).
+    Returns per step index the loss and the time (this process's steps only), the
+    membership changes, and the state bytes at the end."""
+    strat = DataParallel(pg, cfg)
+    losses: dict[int, float] = {}
+    times: dict[int, float] = {}
+    changes: list[dict[str, Any]] = []
+    step = 0
+    fresh = bool(pg.rejoined)
+    # A restarted process always rejoined: only a slot's first process injects its failure.
+    kills = {int(s) for slot, s in cfg.fail_at if int(slot) == pg.slot} if not fresh else set()
+    sent0, steps_in_group = pg.stats()["sent_bytes"], 0
+    while True:
+        if fresh:  # a restarted rank, just admitted: where the others are
+            step = _share_state(pg, strat, step, have=False)
+            fresh = False
+        elif cfg.max_restarts:
+            t0 = time.perf_counter()
+            grown = pg.grow(wait=True)  # a slot being started again: wait for it here
+            if grown is not pg:
+                pg = grown
+                strat.regroup(pg)
+                step = _share_state(pg, strat, step, have=True)
+                sent0, steps_in_group = pg.stats()["sent_bytes"], 0
+                changes.append({"step": step, "event": "grow", "slots": pg.slots,
+                                "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
+        if step >= cfg.steps:
+            break
+        if step in kills:
+            os.kill(os.getpid(), signal.SIGKILL)
+        snap = _snapshot(strat)
+        t0 = time.perf_counter()
+        try:
+            loss = strat.step(step)
+        except PeerFailedError:
+            strat.abandon()
+            _restore(strat, snap)
+            pg = pg.shrink()
+            strat.regroup(pg)
+            sent0, steps_in_group = pg.stats()["sent_bytes"], 0
+            changes.append({"step": step, "event": "shrink", "slots": pg.slots,
+                            "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
+            continue  # the same step again, on the survivors
+        times[step] = time.perf_counter() - t0
+        losses[step] = loss
+        steps_in_group += 1
+        if cfg.verbose and pg.rank == 0:
+            print(f"[slot {pg.slot}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  "
+                  f"{times[step] * 1e3:.1f} ms  ({pg.world_size} ranks)", flush=True)  # fmt: skip
+        step += 1
+    return {
+        "slot": pg.slot,
+        "rank": pg.rank,
+        "rejoined": bool(pg.rejoined),
+        "losses_by_step": {str(k): v for k, v in sorted(losses.items())},
+        "times_by_step": {str(k): v for k, v in sorted(times.items())},
+        "membership": changes,
+        "final_slots": pg.slots,
+        "numel": strat.numel,
+        # (the last group's: each shrink or grow makes a new transport)
+        "sent_bytes_per_step": (pg.stats()["sent_bytes"] - sent0) / max(steps_in_group, 1),
+        "params": strat.export_params() if cfg.export else None,
+        **strat.state_nbytes(),
+    }
+
+
+def summarize_elastic(
+    cfg: TrainConfig, per_rank: Sequence[dict[str, Any] | None]
+) -> dict[str, Any]:
+    """The ``train --json`` object of an elastic run: per step the loss (every rank that
+    took the step has the same, all-reduced) and the slowest rank's time; the membership
+    changes; per slot (its last process) the state bytes."""
+    results = [r for r in per_rank if r is not None]
+    losses, step_times = [], []
+    for k in range(cfg.steps):
+        got = [r["losses_by_step"][str(k)] for r in results if str(k) in r["losses_by_step"]]
+        losses.append(got[0] if got else None)
+        step_times.append(max((r["times_by_step"].get(str(k), 0.0) for r in results), default=0.0))
+    changes: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in results:
+        for c in r["membership"]:
+            key = (c["step"], c["event"])
+            if key not in changes or c["time_lost_s"] > changes[key]["time_lost_s"]:
+                changes[key] = c
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    return {
+        "strategy": cfg.strategy,
+        "elastic": True,
+        "world_size": cfg.world_size,
+        "steps": cfg.steps,
+        "losses": losses,
+        "step_time_s": statistics.median(timed) if timed else 0.0,
+        "step_times_s": step_times,
+        "membership": sorted(changes.values(), key=lambda c: float(c["at_s"])),
+        "final_slots": max((r["final_slots"] for r in results), key=len, default=[]),
+        "per_rank": [
+            {"rank": r["slot"], "rejoined": r["rejoined"], "param_bytes": r["param_bytes"],
+             "grad_bytes": r["grad_bytes"], "optim_bytes": r["optim_bytes"],
+             "peak_bytes": r["peak_bytes"], "sent_bytes_per_step": r["sent_bytes_per_step"]}
+            for r in sorted(results, key=lambda r: int(r["slot"]))
+        ],
+        "lost_slots": [slot for slot, r in enumerate(per_rank) if r is None],
+        "peak_bytes_source": results[0]["peak_bytes_source"] if results else None,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "optimizer": cfg.optimizer,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "model": {"params": results[0]["numel"] if results else 0},
+    }
