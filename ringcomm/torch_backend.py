@@ -50,7 +50,8 @@ p2p) moves any other dtype as raw bytes. Reduce ops: SUM, AVG, PRODUCT, MIN, MAX
 ringcomm's; PREMUL_SUM (``dist._make_nccl_premul_sum(f)``, used by FSDP2) multiplies the
 input by ``f`` (on a copy where the input is not the output) and sums; BAND and BOR work on
 bool tensors (logical AND, OR); other bitwise uses (BXOR, integer BAND/BOR) raise
-``ValueError``. ``recv_anysource`` is not supported.
+``ValueError``. ``recv_anysource`` (``dist.recv(t)`` without ``src``) is ringcomm's
+``ANY_SOURCE`` receive; the work's ``_source_rank()`` names the sender.
 
 Coalesced calls (``all_gather_coalesced``, ``all_reduce_coalesced``, and what the coalescing
 manager ``with dist._coalescing_manager(): ...`` batches: all-reduces, all-gathers into
@@ -101,6 +102,7 @@ from .config import env_master_addr, env_token
 from .errors import CommTimeoutError, RingcommError
 from .group import ProcessGroup as RcGroup
 from .group import init_process_group
+from .p2p import ANY_SOURCE
 from .rendezvous import StoreServer
 from .work import Work as RcWork
 
@@ -361,6 +363,18 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
 
     def is_success(self) -> bool:
         return self._settled and self._error is None
+
+    def _source_rank(self) -> int:
+        """The sender's group rank of a receive (torch's ``Work._source_rank``; what
+        ``dist.recv`` without ``src`` returns). Waits for the receive first."""
+        self.wait()
+        for w in self._works:
+            src = w._source_rank() if isinstance(w, RingcommWork) else w.source
+            if src is not None:
+                return int(src)
+        raise RuntimeError(f"ringcomm backend: {self._desc}: not a receive, no source rank")
+
+    source_rank = _source_rank
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -1206,9 +1220,16 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._issue([w], [t], post, f"recv from {src} tag {tag}", None, p2p=True)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> RingcommWork:
-        raise NotImplementedError(
-            f"{self._what('recv')}: receiving from any source is not supported by ringcomm"
-        )
+        """``dist.recv(t)`` / ``dist.irecv(t)`` without ``src``: the next message with
+        ``tag`` from any rank (ringcomm's ``ANY_SOURCE``); the work's ``_source_rank()``
+        is the sender's group rank (what ``dist.recv`` returns)."""
+        what = self._what("recv")
+        self._check_usable(what)
+        t = self._one(tensors, what)
+        c, copied = _contig(t)
+        w = self._call(self._rc.irecv, _move_view(c), src=ANY_SOURCE, tag=tag)
+        post = (lambda: t.detach().copy_(c)) if copied else None
+        return self._issue([w], [t], post, f"recv from any source tag {tag}", None, p2p=True)
 
     # -- shutting down -------------------------------------------------------------------
     def shutdown(self) -> None:
