@@ -290,6 +290,51 @@ class ProcessGroup:
         """``out[j]`` is rank ``j``'s ``x[rank]``."""
         return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s)
 
+    # Uneven collectives: rows of different counts per rank (README "Uneven collectives").
+    def all_gather_v(
+        self,
+        x: Any,
+        sizes: Any = None,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Every rank's rows (``x.shape[0]`` may differ) concatenated in rank order:
+        ``(sum(sizes), *x.shape[1:])``. ``sizes`` None: the counts are exchanged first."""
+        return _collectives.all_gather_v(self.core, x, sizes, out, async_op, timeout_s=timeout_s)
+
+    def reduce_scatter_v(
+        self,
+        x: Any,
+        splits: Any,
+        out: Any = None,
+        op: Any = "sum",
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """This rank's ``splits[rank]`` rows of the reduction of ``x`` (``sum(splits)`` rows)."""
+        return _collectives.reduce_scatter_v(
+            self.core, x, splits, out, op, async_op, timeout_s=timeout_s
+        )
+
+    def all_to_all_v(
+        self,
+        x: Any,
+        input_splits: Any,
+        output_splits: Any,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Rows ``input_splits[j]`` of ``x`` go to rank ``j``; ``out`` holds
+        ``output_splits[j]`` rows from each rank ``j``, in rank order."""
+        return _collectives.all_to_all_v(
+            self.core, x, input_splits, output_splits, out, async_op, timeout_s=timeout_s
+        )
+
     def barrier(self, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
         """Return once every rank of the group has entered the barrier."""
         return _collectives.barrier(self.core, async_op, timeout_s=timeout_s)
