@@ -13,8 +13,10 @@ dtype (the call comes with ``Call.shape == (*input_splits, *output_splits,
 *x.shape[1:])``; the op keeps the row shape for the fingerprint); what one rank sends another must expect:
 a message whose size is not what ``output_splits`` says (``input_splits[j]`` of rank
 ``r`` against ``output_splits[r]`` of rank ``j``) raises ``CollectiveMismatchError`` on
-the receiving rank at its first piece, before that peer's rows are written, and the abort
-it sends fails the call on every rank.
+the receiving rank at its first piece, before that peer's rows are written; and every
+piece's header carries (``Header.shape``) how many rows its sender expects back from the
+receiver, so the sending rank of the pair raises too. (Ranks outside the pair complete:
+what they received is what they expected.)
 """
 
 from __future__ import annotations
@@ -64,17 +66,32 @@ class AllToAllVDirect(CollectiveOp):
         chunk = self.comm.chunk_bytes
         self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.expect_nbytes]
         data = byte_view(x)
+        dtype = x.dtype.str
         for k in range(1, n):
             peer = (r + k) % n
             nbytes = in_base[peer + 1] - in_base[peer]
             self.will_send(peer, 1)
-            self.send_message(peer, 0, data, chunk_spans(nbytes, chunk, x.itemsize),
-                              in_base[peer], x.dtype.str)  # fmt: skip
+            spans = chunk_spans(nbytes, chunk, x.itemsize)
+            # Every piece's header says how many rows we expect back from that peer, so
+            # a mismatched pair fails on both sides (each checks what the other expects).
+            expects = (output_splits[peer],)
+            base = in_base[peer]
+            for j, (off, length) in enumerate(spans):
+                self.send_piece(peer, 0, j, len(spans), nbytes, off,
+                                data[base + off : base + off + length], dtype,
+                                shape=expects)  # fmt: skip
         for k in range(1, n):
             self.expect((r - k) % n, 1)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        sent = self.splits[0][peer]
+        if header.shape != (sent,):
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: rank {peer} expects {header.shape!r:.40} rows "
+                f"from this rank but input_splits[{peer}] sends it {sent} (its output_splits"
+                f"[{self.rank}] and this rank's input_splits[{peer}] differ)"
+            )
         if header.nbytes != self.expect_nbytes[peer]:
             raise CollectiveMismatchError(
                 f"rank {self.rank}: {self.desc}: rank {peer} sends {header.nbytes} bytes but "
