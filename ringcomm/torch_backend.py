@@ -796,10 +796,43 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"{what}: expected one list of world-size tensors as input")
         parts = [_check_cpu(p, what) for p in inputs[0]]
         for p in parts:
-            if p.shape != out.shape or p.dtype != out.dtype:
-                raise ValueError(f"{what}: every input must match the output's shape and dtype")
+            if p.dtype != out.dtype:
+                raise ValueError(f"{what}: every input must have the output's dtype")
+        if any(p.shape != out.shape for p in parts):
+            return self._reduce_scatter_uneven(out, parts, opts.reduceOp, what, opts)
         stacked = torch.stack([p.detach() for p in parts])  # one copy: a contiguous (n, ...)
         w, post = self._reduce_scatter_into(out, stacked, opts.reduceOp, what, opts)
+        return self._issue([w], [out], post, "reduce_scatter", opts)
+
+    def _reduce_scatter_uneven(
+        self, out: torch.Tensor, parts: list[torch.Tensor], op: Any, what: str, opts: Any
+    ) -> RingcommWork:
+        """``dist.reduce_scatter`` with inputs of different sizes (input ``j`` is rank
+        ``j``'s share, as large as rank ``j``'s output): ringcomm's reduce_scatter_v."""
+        me = self._rc.rank
+        if parts[me].numel() != out.numel():
+            raise ValueError(
+                f"{what}: input {me} (this rank's share) has {parts[me].numel()} elements, "
+                f"the output {out.numel()}"
+            )
+        splits = [p.numel() for p in parts]
+        flat = torch.cat([p.detach().reshape(-1) for p in parts])
+        red = _Reduction(flat, op, what, in_place=False)
+        rows = red.array.reshape(flat.numel(), -1)  # complex: a row is (real, imag)
+        o, o_copied = _contig(out)
+        if out.dtype == torch.bfloat16:
+            o, o_copied = torch.empty(o.shape, dtype=torch.float32), True
+        o_arr = torch.view_as_real(o).numpy() if o.dtype.is_complex else o.numpy()
+        w = self._call(
+            self._rc.reduce_scatter_v,
+            rows,
+            splits,
+            out=o_arr.reshape(out.numel(), rows.shape[1]),
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        post = (lambda: out.detach().copy_(o.reshape(out.shape))) if o_copied else None
         return self._issue([w], [out], post, "reduce_scatter", opts)
 
     # -- data movement ----------------------------------------------------------------
@@ -903,14 +936,48 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"{what}: expected one list of world-size output tensors")
         outs = [_check_cpu(o, what) for o in outputs[0]]
         for o in outs:
-            if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise ValueError(f"{what}: every output must match the input's size and dtype")
+            if o.dtype != inp.dtype:
+                raise ValueError(f"{what}: every output must have the input's dtype")
+        if any(o.numel() != inp.numel() for o in outs):
+            return self._allgather_uneven(outs, inp, what, opts)
         gathered = torch.empty((self._rc.world_size, *inp.shape), dtype=inp.dtype)
         w, _ = self._all_gather_into(gathered, inp, what, opts)
 
         def post() -> None:
             for o, g in zip(outs, gathered, strict=True):
                 o.detach().copy_(g.reshape(o.shape))
+
+        return self._issue([w], outs, post, "allgather", opts)
+
+    def _allgather_uneven(
+        self, outs: list[torch.Tensor], inp: torch.Tensor, what: str, opts: Any
+    ) -> RingcommWork:
+        """``dist.all_gather`` into outputs of different sizes (NCCL's uneven all_gather;
+        Gloo refuses it): ringcomm's all_gather_v on the bytes, each rank's count taken
+        from its output tensor (ranks that disagree raise CollectiveMismatchError)."""
+        me = self._rc.rank
+        if outs[me].numel() != inp.numel():
+            raise ValueError(
+                f"{what}: output {me} (this rank's) has {outs[me].numel()} elements, the "
+                f"input {inp.numel()}"
+            )
+        i, _ = _contig(inp)
+        x = _move_view(i).reshape(-1).view(np.uint8)
+        size = inp.element_size()
+        sizes = [o.numel() * size for o in outs]
+        gathered = torch.empty(sum(sizes), dtype=torch.uint8)
+        w = self._call(
+            self._rc.all_gather_v,
+            x,
+            sizes,
+            out=gathered.numpy(),
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+
+        def post() -> None:
+            for o, part in zip(outs, torch.split(gathered, sizes), strict=True):
+                o.detach().copy_(part.view(inp.dtype).reshape(o.shape))
 
         return self._issue([w], outs, post, "allgather", opts)
 
@@ -1062,36 +1129,27 @@ class RingcommProcessGroup(dist.ProcessGroup):
             )
             post = (lambda: out.detach().copy_(o)) if copied else None
             return self._issue([w], [out], post, "all_to_all_single", opts)
-        # Uneven splits: one message to and from each peer, in our own tag space.
+        # Uneven splits: ringcomm's all_to_all_v on rows of dim 0.
         in_rows = _splits(input_split_sizes, inp.shape[0], n, what, "input")
         out_rows = _splits(output_split_sizes, out.shape[0], n, what, "output")
+        if inp.shape[1:] != out.shape[1:]:
+            raise ValueError(
+                f"{what}: input rows {tuple(inp.shape[1:])} and output rows "
+                f"{tuple(out.shape[1:])} differ"
+            )
         i, _ = _contig(inp)
         o, copied = _contig(out)
-        row_in = i.reshape(i.shape[0], -1) if i.dim() else i.reshape(1, 1)
-        row_out = o.reshape(o.shape[0], -1) if o.dim() else o.reshape(1, 1)
-        self._p2p_seq += 1
-        tag = self._p2p_seq
-        me = self._rc.rank
-        works: list[RcWork] = []
-        for j in range(n):
-            a, b = out_rows[j]
-            c, d = in_rows[j]
-            if j == me:
-                if b - a != d - c:
-                    raise ValueError(
-                        f"{what}: rank {me} sends itself {d - c} rows, expects {b - a}"
-                    )
-                row_out[a:b].copy_(row_in[c:d])
-                continue
-            works.append(self._call(self._rc_p2p.irecv, _move_view(row_out[a:b]), src=j, tag=tag))
-        for j in range(n):
-            c, d = in_rows[j]
-            if j != me:
-                works.append(
-                    self._call(self._rc_p2p.isend, _move_view(row_in[c:d]), dst=j, tag=tag)
-                )
+        w = self._call(
+            self._rc.all_to_all_v,
+            _rows_view(i),
+            [b - a for a, b in in_rows],
+            [b - a for a, b in out_rows],
+            out=_rows_view(o),
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         post = (lambda: out.detach().copy_(o)) if copied else None
-        return self._issue(works, [out], post, "all_to_all_single", opts, p2p=True)
+        return self._issue([w], [out], post, "all_to_all_single", opts)
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -1131,7 +1189,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             for o, part in zip(outs, torch.split(flat_out, [t.numel() for t in outs]), strict=True):
                 o.detach().copy_(part.reshape(o.shape))
 
-        return self._issue([inner], outs, post_uneven, "all_to_all", opts, p2p=True)
+        return self._issue([inner], outs, post_uneven, "all_to_all", opts)
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         what = self._what("barrier")
@@ -1314,6 +1372,19 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     return list(groups.values())
+
+
+def _rows_view(t: torch.Tensor) -> np.ndarray:
+    """:func:`_move_view` of contiguous ``t`` as rows: ``(t.shape[0], elements per row)``
+    (also with no rows, so every rank agrees on the row shape)."""
+    if t.dtype in _NUMPY_DTYPES or t.dtype == torch.bfloat16 or t.element_size() == 2:
+        factor = 1
+    elif t.dtype.is_complex:
+        factor = 2
+    else:
+        factor = t.element_size()
+    per_row = factor * int(np.prod(t.shape[1:], dtype=np.int64))
+    return _move_view(t).reshape(t.shape[0], per_row)
 
 
 def _from_move_view(row: np.ndarray, like: torch.Tensor) -> torch.Tensor:
