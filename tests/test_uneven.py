@@ -274,3 +274,24 @@ def test_bad_arguments_fail_before_sending() -> None:
                 fn()
             assert "rank 0" in str(info.value), str(info.value)
         assert pg.stats()["sent_messages"] == before, "a rejected call sent something"
+
+
+def test_registry() -> None:
+    from ringcomm.collectives import (
+        ALGORITHMS,
+        UNEVEN_ALGORITHMS,
+        choose_algorithm,
+        get_algorithm,
+    )
+    from ringcomm.schedule.partition import split_offsets
+
+    for coll, table in UNEVEN_ALGORITHMS.items():
+        assert coll not in ALGORITHMS
+        for name, cls in table.items():
+            assert get_algorithm(coll, name) is cls and (cls.name, cls.algo) == (coll, name)
+        # no workspace algorithm: RINGCOMM_ALGO=shm or another collective's name picks the default
+        assert choose_algorithm(coll, None, "shm", 8, 4) == next(iter(table))
+        assert choose_algorithm(coll, None, "rd", 8, 4) == next(iter(table))
+    assert split_offsets([2, 0, 3]) == [0, 2, 2, 5] and split_offsets([]) == [0]
+    with pytest.raises(ValueError):
+        split_offsets([1, -1])

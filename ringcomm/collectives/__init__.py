@@ -69,6 +69,7 @@ __all__ = [
     "ALL_REDUCE_DIRECT_MAX_WORLD",
     "ALL_REDUCE_RD_MAX_BYTES",
     "BROADCAST_TREE_MAX_BYTES",
+    "UNEVEN_ALGORITHMS",
     "WORKSPACE_ALGO",
     "Call",
     "CollectiveOp",
@@ -93,6 +94,11 @@ ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
     "scatter": {"direct": ScatterDirect},
     "all_to_all": {"direct": AllToAllDirect},
     "barrier": {"dissemination": BarrierDissemination},
+}
+
+#: The uneven collectives (rows of different counts per rank), apart: they have no shared
+#: workspace algorithm (every collective of :data:`ALGORITHMS` has ``shm``).
+UNEVEN_ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
     "all_gather_v": {"ring": AllGatherVRing},
     "reduce_scatter_v": {"ring": ReduceScatterVRing},
     "all_to_all_v": {"direct": AllToAllVDirect},
@@ -130,9 +136,10 @@ WORKSPACE_ALGO = "shm"
 
 def get_algorithm(collective: str, algo: str) -> type[CollectiveOp]:
     """The class implementing ``collective`` with ``algo``; ValueError if there is none."""
-    table = ALGORITHMS.get(collective)
+    table = ALGORITHMS.get(collective) or UNEVEN_ALGORITHMS.get(collective)
     if table is None:
-        raise ValueError(f"unknown collective {collective!r}; known: {', '.join(ALGORITHMS)}")
+        known = ", ".join([*ALGORITHMS, *UNEVEN_ALGORITHMS])
+        raise ValueError(f"unknown collective {collective!r}; known: {known}")
     try:
         return table[algo]
     except KeyError:
@@ -158,7 +165,7 @@ def choose_algorithm(
     without a workspace too); so does a ``RINGCOMM_ALGO`` that names no algorithm of any
     collective.
     """
-    table = ALGORITHMS[collective]
+    table = ALGORITHMS.get(collective) or UNEVEN_ALGORITHMS[collective]
     if requested is not None:
         if requested == WORKSPACE_ALGO:
             if world_size == 1 and not local:
