@@ -53,6 +53,12 @@ bool tensors (logical AND, OR); other bitwise uses (BXOR, integer BAND/BOR) rais
 ``ValueError``. ``recv_anysource`` (``dist.recv(t)`` without ``src``) is ringcomm's
 ``ANY_SOURCE`` receive; the work's ``_source_rank()`` names the sender.
 
+Uneven calls: ``all_gather`` into outputs of different sizes (NCCL's semantics; Gloo
+refuses them), ``reduce_scatter`` with inputs of different sizes, ``all_to_all_single`` with
+split sizes and ``all_to_all`` with lists of different sizes run on ringcomm's
+``all_gather_v`` / ``reduce_scatter_v`` / ``all_to_all_v`` (one collective each, so ranks
+whose sizes disagree get ``CollectiveMismatchError`` rather than a hang).
+
 Coalesced calls (``all_gather_coalesced``, ``all_reduce_coalesced``, and what the coalescing
 manager ``with dist._coalescing_manager(): ...`` batches: all-reduces, all-gathers into
 tensors) run one ringcomm operation per dtype, on the tensors' concatenation. Sparse COO
