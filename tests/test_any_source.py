@@ -345,3 +345,19 @@ def test_all_senders_leave_over_sockets(no_child_processes: None) -> None:
     text, took = rc.spawn(leavers_job, 3, timeout_s=90)[0]
     assert text.startswith("PeerFailedError") and "left the group" in text, text
     assert took < 10.0
+
+
+def test_device_buffer_any_source() -> None:
+    """A device receive buffer (the host stand-in) takes an any-source message too."""
+    from ringcomm.device.standin import StandinArray
+
+    def body(pg: rc.ProcessGroup) -> Any:
+        if pg.rank == 0:
+            x = StandinArray(np.zeros(6, np.int64))
+            src = pg.recv(x, rc.ANY_SOURCE, tag=TAG)
+            return src, x.get().tolist()
+        pg.send(payload(1, 2), dst=0, tag=TAG)
+        return None
+
+    with memory_world(2, chunk_bytes=16) as groups:
+        assert run_ranks(groups, body)[0] == (1, payload(1, 2).tolist())

@@ -295,3 +295,26 @@ def test_registry() -> None:
     assert split_offsets([2, 0, 3]) == [0, 2, 2, 5] and split_offsets([]) == [0]
     with pytest.raises(ValueError):
         split_offsets([1, -1])
+
+
+def test_device_arrays_through_the_stand_in() -> None:
+    """Device arrays (the host stand-in for CuPy) go through whole-buffer staging."""
+    from ringcomm.device.standin import StandinArray
+
+    sizes = [2, 0, 3]
+
+    def body(pg: rc.ProcessGroup) -> Any:
+        r = pg.rank
+        a = pg.all_gather_v(StandinArray(np.full((sizes[r], 2), r, np.float32)), sizes)
+        b = pg.reduce_scatter_v(StandinArray(np.ones((5, 2), np.int32) * (r + 1)), sizes)
+        c = pg.all_to_all_v(StandinArray(np.full(3, r, np.int64)), [1, 1, 1], [1, 1, 1])
+        assert all(type(v) is StandinArray for v in (a, b, c))
+        return a.get(), b.get(), c.get()
+
+    with memory_world(3, chunk_bytes=16) as groups:
+        results = run_ranks(groups, body, timeout_s=30)
+    exp = np.concatenate([np.full((s, 2), r, np.float32) for r, s in enumerate(sizes)])
+    for r, (a, b, c) in enumerate(results):
+        assert np.array_equal(a, exp)
+        assert np.array_equal(b, np.full((sizes[r], 2), 6, np.int32))
+        assert np.array_equal(c, np.arange(3))
