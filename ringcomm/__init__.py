@@ -26,9 +26,11 @@ from .errors import (
 from .group import ProcessGroup, init_process_group
 from .launch import spawn
 from .ops import ReduceOp
+from .p2p import ANY_SOURCE
 from .work import Work
 
 __all__ = [
+    "ANY_SOURCE",
     "AuthenticationError",
     "CollectiveMismatchError",
     "CommTimeoutError",

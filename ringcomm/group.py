@@ -43,7 +43,7 @@ from .group_core import (
     setup_workspace,
     workspace_possible,
 )
-from .p2p import RecvOp, SendOp
+from .p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
 from .progress import (
     DEPART_CLOSE,
     DEPART_ERROR,
@@ -156,18 +156,21 @@ class ProcessGroup:
         core = self.core
         what = f"rank {core.rank}: recv"
         x = check_array(x, what, writeable=True, device=True)
-        src = check_peer(src, core.world_size, what, "src")
+        any_source = src is None or src is ANY_SOURCE
+        if not any_source:
+            src = check_peer(src, core.world_size, what, "src")
         tag = check_tag(tag, what)
         core.check_usable("recv")
         return recv_op_class(x)(
             core.progress,
             x,
-            src_global=core.ranks[src],
-            src=src,
+            src_global=None if any_source else core.ranks[src],
+            src=None if any_source else src,
             group_id=core.group_id,
             tag=tag,
             rank=core.rank,
             async_op=async_op,
+            ranks=core.ranks if any_source else (),
         )
 
     def send(
@@ -177,17 +180,31 @@ class ProcessGroup:
         self.core.run(self._send_op(x, dst, tag, False), timeout_s, False)
 
     def recv(
-        self, x: np.ndarray, src: int, tag: int = 0, *, timeout_s: float | None = None
-    ) -> np.ndarray:
-        """Receive the next message from ``src`` with ``tag`` into ``x`` (in place)."""
-        return self.core.run(self._recv_op(x, src, tag, False), timeout_s, False)  # type: ignore[no-any-return]
+        self,
+        x: np.ndarray,
+        src: int | AnySource | None = ANY_SOURCE,
+        tag: int = 0,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Receive the next message from ``src`` with ``tag`` into ``x`` (in place);
+        return ``x``.
+
+        ``src`` :data:`ringcomm.ANY_SOURCE` (the default) or None: the next message with
+        ``tag`` from any rank of the group (the earliest arrived; messages from one sender
+        still match in the order sent); returns the sender's rank instead of ``x``. Raises
+        ``PeerFailedError`` once every other rank of the group left or one failed.
+        """
+        return self.core.run(self._recv_op(x, src, tag, False), timeout_s, False)
 
     def isend(self, x: np.ndarray, dst: int, tag: int = 0) -> Work:
         """Start a send; do not modify ``x`` until the returned Work is done."""
         return self.core.run(self._send_op(x, dst, tag, True), None, True)  # type: ignore[no-any-return]
 
-    def irecv(self, x: np.ndarray, src: int, tag: int = 0) -> Work:
-        """Start a receive into ``x``; ``Work.wait()`` returns ``x``."""
+    def irecv(self, x: np.ndarray, src: int | AnySource | None = ANY_SOURCE, tag: int = 0) -> Work:
+        """Start a receive into ``x``; ``Work.wait()`` returns what :meth:`recv` returns
+        (``x``; the sender's rank for :data:`ringcomm.ANY_SOURCE`) and ``Work.source`` is
+        the sender's rank once done."""
         return self.core.run(self._recv_op(x, src, tag, True), None, True)  # type: ignore[no-any-return]
 
     # -- collectives -------------------------------------------------------------------
@@ -276,6 +293,51 @@ class ProcessGroup:
     ) -> Any:
         """``out[j]`` is rank ``j``'s ``x[rank]``."""
         return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s)
+
+    # Uneven collectives: rows of different counts per rank (README "Uneven collectives").
+    def all_gather_v(
+        self,
+        x: Any,
+        sizes: Any = None,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Every rank's rows (``x.shape[0]`` may differ) concatenated in rank order:
+        ``(sum(sizes), *x.shape[1:])``. ``sizes`` None: the counts are exchanged first."""
+        return _collectives.all_gather_v(self.core, x, sizes, out, async_op, timeout_s=timeout_s)
+
+    def reduce_scatter_v(
+        self,
+        x: Any,
+        splits: Any,
+        out: Any = None,
+        op: Any = "sum",
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """This rank's ``splits[rank]`` rows of the reduction of ``x`` (``sum(splits)`` rows)."""
+        return _collectives.reduce_scatter_v(
+            self.core, x, splits, out, op, async_op, timeout_s=timeout_s
+        )
+
+    def all_to_all_v(
+        self,
+        x: Any,
+        input_splits: Any,
+        output_splits: Any,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Rows ``input_splits[j]`` of ``x`` go to rank ``j``; ``out`` holds
+        ``output_splits[j]`` rows from each rank ``j``, in rank order."""
+        return _collectives.all_to_all_v(
+            self.core, x, input_splits, output_splits, out, async_op, timeout_s=timeout_s
+        )
 
     def barrier(self, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
         """Return once every rank of the group has entered the barrier."""

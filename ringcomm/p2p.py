@@ -8,9 +8,17 @@ when libzmq has released every piece (the caller may then reuse its buffer).
 Matching: messages with the same (source, group, tag) are received in the order sent (no
 overtaking, as in MPI); a receive posted before its message arrives is fed pieces as they
 come, otherwise the pieces wait in the engine's unexpected queue.
+
+Any source (:data:`ANY_SOURCE`): the receive matches the first message with its tag from
+any rank of the group (the earliest arrived, or the first to arrive; a receive naming the
+sender that was posted earlier matches first) and is then bound to that sender
+(:meth:`Progress.post_any`), so the rule above still holds per sender. Its result is the
+sender's group rank (also ``Work.source``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +27,22 @@ from .progress import Op, Progress
 from .schedule.chunks import chunk_spans
 from .transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 
-__all__ = ["RecvOp", "SendOp"]
+__all__ = ["ANY_SOURCE", "AnySource", "RecvOp", "SendOp"]
+
+class AnySource:
+    """The type of :data:`ANY_SOURCE` (use that one instance). Not an int, so that a negative rank
+    passed by mistake is still refused at the call."""
+
+    def __repr__(self) -> str:
+        return "ringcomm.ANY_SOURCE"
+
+    def __reduce__(self) -> str:
+        return "ANY_SOURCE"  # pickled as the module's constant: stays the one instance
+
+
+#: ``recv(x, src=ANY_SOURCE)``: take the next message with the tag from any rank (MPI's
+#: ``MPI_ANY_SOURCE``; ``src=None`` means the same).
+ANY_SOURCE = AnySource()
 
 
 class SendOp(Op):
@@ -92,17 +115,23 @@ class RecvOp(Op):
         progress: Progress,
         x: np.ndarray,
         *,
-        src_global: int,
-        src: int,
+        src_global: int | None,
+        src: int | None,
         group_id: int,
         tag: int,
         rank: int,
         async_op: bool = False,
+        ranks: tuple[int, ...] = (),
     ) -> None:
+        """``src``/``src_global`` None: any source among ``ranks`` (the group's global
+        ranks, in group-rank order); the result is then the sender's group rank."""
         super().__init__(progress, async_op=async_op)
         self.x = x
         self.data = x.reshape(-1).view(np.uint8)
-        self.key = (src_global, group_id, KIND_P2P, tag)
+        self.any_source = src_global is None
+        self.key = (-1 if src_global is None else src_global, group_id, KIND_P2P, tag)
+        #: The sender's group rank (None until an any-source receive is bound).
+        self.source = src
         self.src = src
         self.tag = tag
         self.rank = rank
@@ -110,13 +139,32 @@ class RecvOp(Op):
         self.got = 0
         self.npieces = 0
         self.mismatch: MessageMismatchError | None = None
-        self.result = x
+        self.result: Any = x
+        self.order = 0
+        self.sources = frozenset(ranks) if self.any_source else frozenset()
+        self._group_rank = {g: r for r, g in enumerate(ranks)} if self.any_source else {}
 
     def describe(self) -> str:
-        return f"recv from peer {self.src} (op recv, tag {self.tag}, {self.x.dtype}[{self.x.size}])"
+        if self.any_source:
+            bound = "" if self.source is None else f", matched peer {self.source}"
+            peer = f"any peer{bound}"
+        else:
+            peer = f"peer {self.src}"
+        return f"recv from {peer} (op recv, tag {self.tag}, {self.x.dtype}[{self.x.size}])"
 
     def start(self) -> None:
-        self.progress.post(self.key, self)
+        self.order = self.progress.next_order()
+        if self.any_source:
+            self.progress.post_any(self.group_id, self.tag, self)
+        else:
+            self.progress.post(self.key, self)
+
+    def bind(self, src: int) -> None:
+        """An any-source receive takes its message from global rank ``src``."""
+        self.key = (src, self.group_id, KIND_P2P, self.tag)
+        self.source = self.src = self._group_rank[src]
+        self.result = self.source
+        self._desc = ""  # describe() names the sender from now on
 
     def on_piece(self, header: Header, payload: memoryview) -> bool:
         if self.done:  # finished by a timeout while pieces were in flight: discard them
@@ -160,7 +208,10 @@ class RecvOp(Op):
     def on_timeout(self, error: RingcommError) -> bool:
         if self.got == 0:
             # Nothing consumed yet: withdraw cleanly, later messages match later receives.
-            self.progress.unpost(self.key, self)
+            if self.any_source and self.key[0] == -1:
+                self.progress.unpost_any(self.group_id, self.tag, self)
+            else:
+                self.progress.unpost(self.key, self)
             return True
         # Part of the message was consumed: keep discarding the rest (on_piece checks
         # ``done``), but the caller's buffer holds a partial message.

@@ -70,6 +70,7 @@ from .transport.base import (
 )
 from .transport.wire import (
     KIND_CTRL,
+    KIND_P2P,
     Header,
     WireError,
     pack_header,
@@ -87,6 +88,7 @@ __all__ = [
     "SUSPECT_GRACE_S",
     "WAIT_SLICE_S",
     "ZERO_COPY_MIN_BYTES",
+    "AnyReceiver",
     "Op",
     "Progress",
     "Receiver",
@@ -150,6 +152,18 @@ class Receiver(Protocol):
 
     def on_piece(self, header: Header, payload: memoryview) -> bool:
         """Consume one piece; return True when this receiver wants no more pieces."""
+
+
+class AnyReceiver(Receiver, Protocol):
+    """A point-to-point receiver that takes the next message from any of ``sources``
+    (:meth:`Progress.post_any`). ``order``: when it was posted
+    (:meth:`Progress.next_order`), against receivers for one sender posted meanwhile."""
+
+    order: int
+    sources: frozenset[int]
+
+    def bind(self, src: int) -> None:
+        """Its message comes from global rank ``src`` (called once, before its first piece)."""
 
 
 class SerialQueue:
@@ -288,6 +302,12 @@ class Progress:
         self._lock = threading.Lock()
         self._submitted: collections.deque[Op] = collections.deque()
         self._posted: dict[Key, collections.deque[Receiver]] = {}
+        # Any-source point-to-point receives (post_any), per (group, tag), in posting
+        # order; and the senders of the unexpected point-to-point messages per (group,
+        # tag), in arrival order (what an any-source receive takes first).
+        self._posted_any: dict[tuple[int, int], collections.deque[AnyReceiver]] = {}
+        self._arrivals: dict[tuple[int, int], collections.deque[int]] = {}
+        self._orders = itertools.count()
         self._unexpected: dict[Key, collections.deque[tuple[Header, memoryview]]] = {}
         self._loopback: collections.deque[tuple[Header, memoryview]] = collections.deque()
         self._tracking: list[Op] = []
@@ -641,6 +661,8 @@ class Progress:
             self._unaccount(header.src, payload)
             if not waiting:
                 del self._unexpected[key]
+            if header.kind == KIND_P2P and header.piece == 0:
+                self._arrived_taken(header)
             if receiver.on_piece(header, payload):
                 return
         q = self._posted.get(key)
@@ -649,6 +671,89 @@ class Progress:
         q.append(receiver)
         if key[0] in self._departed and _needs_more(receiver):  # nothing more can come
             self._orphaned.add(key[0])
+
+    def next_order(self) -> int:
+        """A number for a point-to-point receive being posted (``AnyReceiver.order``)."""
+        return next(self._orders)
+
+    def post_any(self, group: int, tag: int, receiver: AnyReceiver) -> None:
+        """Post a receiver for the next point-to-point message on ``group`` with ``tag``
+        from any of ``receiver.sources`` (global ranks), MPI's ``MPI_ANY_SOURCE``.
+
+        It is bound (``receiver.bind(src)``, then posted as for ``src`` alone) to the
+        sender of the earliest-arrived such message waiting, else of the first one to
+        arrive for which no receive naming its sender was posted earlier. A message is
+        never split between receivers, and messages from one sender still match receives
+        in the order sent (no overtaking): binding happens only at a message's first piece.
+        """
+        arrivals = self._arrivals.get((group, tag))
+        src = next((s for s in arrivals if s in receiver.sources), None) if arrivals else None
+        if src is not None:
+            receiver.bind(src)
+            self.post((src, group, KIND_P2P, tag), receiver)
+            return
+        q = self._posted_any.get((group, tag))
+        if q is None:
+            self._posted_any[(group, tag)] = q = collections.deque()
+        q.append(receiver)
+        peer = self._all_departed(receiver.sources)
+        if peer is not None:  # nobody left who could send it
+            self._orphaned.add(peer)
+
+    def unpost_any(self, group: int, tag: int, receiver: AnyReceiver) -> bool:
+        """Withdraw an any-source receiver not bound yet; False if it was not posted."""
+        q = self._posted_any.get((group, tag))
+        if q is None:
+            return False
+        try:
+            q.remove(receiver)
+        except ValueError:
+            return False
+        if not q:
+            del self._posted_any[(group, tag)]
+        return True
+
+    def _all_departed(self, sources: frozenset[int]) -> int | None:
+        """A departed peer among ``sources`` if every one of them but this rank departed
+        (an any-source receive then waits for nothing that can come), else None. A
+        group of this rank alone never counts as departed."""
+        others = [s for s in sources if s != self.rank]
+        if others and all(s in self._departed for s in others):
+            return max(others)
+        return None
+
+    def _arrived_taken(self, header: Header) -> None:
+        """The first piece of unexpected point-to-point message ``header`` was taken."""
+        where = (header.group, header.tag)
+        arrivals = self._arrivals.get(where)
+        if arrivals is not None:
+            try:
+                arrivals.remove(header.src)  # its first entry: per sender in order sent
+            except ValueError:
+                pass
+            if not arrivals:
+                del self._arrivals[where]
+
+    def _bind_any(
+        self, header: Header, q: collections.deque[Receiver] | None
+    ) -> collections.deque[Receiver] | None:
+        """At the first piece of a point-to-point message: if an any-source receive
+        posted before any receive naming the sender waits, bind it and put it first."""
+        anyq = self._posted_any.get((header.group, header.tag))
+        if not anyq or header.src not in anyq[0].sources:
+            return q
+        first = anyq[0]
+        if q and getattr(q[0], "order", -1) < first.order:
+            return q  # a receive naming the sender was posted earlier: it matches first
+        anyq.popleft()
+        if not anyq:
+            del self._posted_any[(header.group, header.tag)]
+        first.bind(header.src)
+        key = (header.src, header.group, header.kind, header.tag)
+        if q is None:
+            self._posted[key] = q = collections.deque()
+        q.appendleft(first)
+        return q
 
     def unpost(self, key: Key, receiver: Receiver) -> bool:
         q = self._posted.get(key)
@@ -668,6 +773,8 @@ class Progress:
     def dispatch(self, header: Header, payload: memoryview) -> None:
         key = (header.src, header.group, header.kind, header.tag)  # header.key, inlined
         q = self._posted.get(key)
+        if self._posted_any and header.kind == KIND_P2P and header.piece == 0:
+            q = self._bind_any(header, q)
         if q:
             receiver = q[0]
             if receiver.on_piece(header, payload):
@@ -689,6 +796,12 @@ class Progress:
             self._unexpected[key] = waiting = collections.deque()
         waiting.append((header, payload))
         self.unexpected_count += 1
+        if header.kind == KIND_P2P and header.piece == 0:
+            where = (header.group, header.tag)
+            arrivals = self._arrivals.get(where)
+            if arrivals is None:
+                self._arrivals[where] = arrivals = collections.deque()
+            arrivals.append(header.src)
         for listener in self.listeners:
             listener(header)
 
@@ -778,6 +891,12 @@ class Progress:
         if any(key[0] == src and any(map(_needs_more, q)) for key, q in self._posted.items()):
             self._orphaned.add(src)
             self._fail_orphaned()
+            return
+        for q in list(self._posted_any.values()):  # every possible sender of one gone
+            if any(map(_needs_more, q)) and self._all_departed(q[0].sources) is not None:
+                self._orphaned.add(src)
+                self._fail_orphaned()
+                return
 
     def _fail_orphaned(self) -> None:
         """Fail the engine for a departed peer that something here still needs."""
@@ -1278,6 +1397,8 @@ class Progress:
                     )
                 self.transport.close(GOODBYE_MIN_S, abandon=self.failed_peers | self._departed)
             self._posted.clear()
+            self._posted_any.clear()
+            self._arrivals.clear()
             self._unexpected.clear()
             self._loopback.clear()
 

@@ -50,7 +50,14 @@ p2p) moves any other dtype as raw bytes. Reduce ops: SUM, AVG, PRODUCT, MIN, MAX
 ringcomm's; PREMUL_SUM (``dist._make_nccl_premul_sum(f)``, used by FSDP2) multiplies the
 input by ``f`` (on a copy where the input is not the output) and sums; BAND and BOR work on
 bool tensors (logical AND, OR); other bitwise uses (BXOR, integer BAND/BOR) raise
-``ValueError``. ``recv_anysource`` is not supported.
+``ValueError``. ``recv_anysource`` (``dist.recv(t)`` without ``src``) is ringcomm's
+``ANY_SOURCE`` receive; the work's ``_source_rank()`` names the sender.
+
+Uneven calls: ``all_gather`` into outputs of different sizes (NCCL's semantics; Gloo
+refuses them), ``reduce_scatter`` with inputs of different sizes, ``all_to_all_single`` with
+split sizes and ``all_to_all`` with lists of different sizes run on ringcomm's
+``all_gather_v`` / ``reduce_scatter_v`` / ``all_to_all_v`` (one collective each, so ranks
+whose sizes disagree get ``CollectiveMismatchError`` rather than a hang).
 
 Coalesced calls (``all_gather_coalesced``, ``all_reduce_coalesced``, and what the coalescing
 manager ``with dist._coalescing_manager(): ...`` batches: all-reduces, all-gathers into
@@ -101,6 +108,7 @@ from .config import env_master_addr, env_token
 from .errors import CommTimeoutError, RingcommError
 from .group import ProcessGroup as RcGroup
 from .group import init_process_group
+from .p2p import ANY_SOURCE
 from .rendezvous import StoreServer
 from .work import Work as RcWork
 
@@ -361,6 +369,18 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
 
     def is_success(self) -> bool:
         return self._settled and self._error is None
+
+    def _source_rank(self) -> int:
+        """The sender's group rank of a receive (torch's ``Work._source_rank``; what
+        ``dist.recv`` without ``src`` returns). Waits for the receive first."""
+        self.wait()
+        for w in self._works:
+            src = w._source_rank() if isinstance(w, RingcommWork) else w.source
+            if src is not None:
+                return int(src)
+        raise RuntimeError(f"ringcomm backend: {self._desc}: not a receive, no source rank")
+
+    source_rank = _source_rank
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -782,10 +802,43 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"{what}: expected one list of world-size tensors as input")
         parts = [_check_cpu(p, what) for p in inputs[0]]
         for p in parts:
-            if p.shape != out.shape or p.dtype != out.dtype:
-                raise ValueError(f"{what}: every input must match the output's shape and dtype")
+            if p.dtype != out.dtype:
+                raise ValueError(f"{what}: every input must have the output's dtype")
+        if any(p.shape != out.shape for p in parts):
+            return self._reduce_scatter_uneven(out, parts, opts.reduceOp, what, opts)
         stacked = torch.stack([p.detach() for p in parts])  # one copy: a contiguous (n, ...)
         w, post = self._reduce_scatter_into(out, stacked, opts.reduceOp, what, opts)
+        return self._issue([w], [out], post, "reduce_scatter", opts)
+
+    def _reduce_scatter_uneven(
+        self, out: torch.Tensor, parts: list[torch.Tensor], op: Any, what: str, opts: Any
+    ) -> RingcommWork:
+        """``dist.reduce_scatter`` with inputs of different sizes (input ``j`` is rank
+        ``j``'s share, as large as rank ``j``'s output): ringcomm's reduce_scatter_v."""
+        me = self._rc.rank
+        if parts[me].numel() != out.numel():
+            raise ValueError(
+                f"{what}: input {me} (this rank's share) has {parts[me].numel()} elements, "
+                f"the output {out.numel()}"
+            )
+        splits = [p.numel() for p in parts]
+        flat = torch.cat([p.detach().reshape(-1) for p in parts])
+        red = _Reduction(flat, op, what, in_place=False)
+        rows = red.array.reshape(flat.numel(), -1)  # complex: a row is (real, imag)
+        o, o_copied = _contig(out)
+        if out.dtype == torch.bfloat16:
+            o, o_copied = torch.empty(o.shape, dtype=torch.float32), True
+        o_arr = torch.view_as_real(o).numpy() if o.dtype.is_complex else o.numpy()
+        w = self._call(
+            self._rc.reduce_scatter_v,
+            rows,
+            splits,
+            out=o_arr.reshape(out.numel(), rows.shape[1]),
+            op=red.op,
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+        post = (lambda: out.detach().copy_(o.reshape(out.shape))) if o_copied else None
         return self._issue([w], [out], post, "reduce_scatter", opts)
 
     # -- data movement ----------------------------------------------------------------
@@ -889,14 +942,48 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"{what}: expected one list of world-size output tensors")
         outs = [_check_cpu(o, what) for o in outputs[0]]
         for o in outs:
-            if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise ValueError(f"{what}: every output must match the input's size and dtype")
+            if o.dtype != inp.dtype:
+                raise ValueError(f"{what}: every output must have the input's dtype")
+        if any(o.numel() != inp.numel() for o in outs):
+            return self._allgather_uneven(outs, inp, what, opts)
         gathered = torch.empty((self._rc.world_size, *inp.shape), dtype=inp.dtype)
         w, _ = self._all_gather_into(gathered, inp, what, opts)
 
         def post() -> None:
             for o, g in zip(outs, gathered, strict=True):
                 o.detach().copy_(g.reshape(o.shape))
+
+        return self._issue([w], outs, post, "allgather", opts)
+
+    def _allgather_uneven(
+        self, outs: list[torch.Tensor], inp: torch.Tensor, what: str, opts: Any
+    ) -> RingcommWork:
+        """``dist.all_gather`` into outputs of different sizes (NCCL's uneven all_gather;
+        Gloo refuses it): ringcomm's all_gather_v on the bytes, each rank's count taken
+        from its output tensor (ranks that disagree raise CollectiveMismatchError)."""
+        me = self._rc.rank
+        if outs[me].numel() != inp.numel():
+            raise ValueError(
+                f"{what}: output {me} (this rank's) has {outs[me].numel()} elements, the "
+                f"input {inp.numel()}"
+            )
+        i, _ = _contig(inp)
+        x = _move_view(i).reshape(-1).view(np.uint8)
+        size = inp.element_size()
+        sizes = [o.numel() * size for o in outs]
+        gathered = torch.empty(sum(sizes), dtype=torch.uint8)
+        w = self._call(
+            self._rc.all_gather_v,
+            x,
+            sizes,
+            out=gathered.numpy(),
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
+
+        def post() -> None:
+            for o, part in zip(outs, torch.split(gathered, sizes), strict=True):
+                o.detach().copy_(part.view(inp.dtype).reshape(o.shape))
 
         return self._issue([w], outs, post, "allgather", opts)
 
@@ -1048,36 +1135,27 @@ class RingcommProcessGroup(dist.ProcessGroup):
             )
             post = (lambda: out.detach().copy_(o)) if copied else None
             return self._issue([w], [out], post, "all_to_all_single", opts)
-        # Uneven splits: one message to and from each peer, in our own tag space.
+        # Uneven splits: ringcomm's all_to_all_v on rows of dim 0.
         in_rows = _splits(input_split_sizes, inp.shape[0], n, what, "input")
         out_rows = _splits(output_split_sizes, out.shape[0], n, what, "output")
+        if inp.shape[1:] != out.shape[1:]:
+            raise ValueError(
+                f"{what}: input rows {tuple(inp.shape[1:])} and output rows "
+                f"{tuple(out.shape[1:])} differ"
+            )
         i, _ = _contig(inp)
         o, copied = _contig(out)
-        row_in = i.reshape(i.shape[0], -1) if i.dim() else i.reshape(1, 1)
-        row_out = o.reshape(o.shape[0], -1) if o.dim() else o.reshape(1, 1)
-        self._p2p_seq += 1
-        tag = self._p2p_seq
-        me = self._rc.rank
-        works: list[RcWork] = []
-        for j in range(n):
-            a, b = out_rows[j]
-            c, d = in_rows[j]
-            if j == me:
-                if b - a != d - c:
-                    raise ValueError(
-                        f"{what}: rank {me} sends itself {d - c} rows, expects {b - a}"
-                    )
-                row_out[a:b].copy_(row_in[c:d])
-                continue
-            works.append(self._call(self._rc_p2p.irecv, _move_view(row_out[a:b]), src=j, tag=tag))
-        for j in range(n):
-            c, d = in_rows[j]
-            if j != me:
-                works.append(
-                    self._call(self._rc_p2p.isend, _move_view(row_in[c:d]), dst=j, tag=tag)
-                )
+        w = self._call(
+            self._rc.all_to_all_v,
+            _rows_view(i),
+            [b - a for a, b in in_rows],
+            [b - a for a, b in out_rows],
+            out=_rows_view(o),
+            async_op=_async(opts),
+            timeout_s=_timeout_s(opts, self._timeout_s),
+        )
         post = (lambda: out.detach().copy_(o)) if copied else None
-        return self._issue(works, [out], post, "all_to_all_single", opts, p2p=True)
+        return self._issue([w], [out], post, "all_to_all_single", opts)
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -1117,7 +1195,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             for o, part in zip(outs, torch.split(flat_out, [t.numel() for t in outs]), strict=True):
                 o.detach().copy_(part.reshape(o.shape))
 
-        return self._issue([inner], outs, post_uneven, "all_to_all", opts, p2p=True)
+        return self._issue([inner], outs, post_uneven, "all_to_all", opts)
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         what = self._what("barrier")
@@ -1206,9 +1284,16 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._issue([w], [t], post, f"recv from {src} tag {tag}", None, p2p=True)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> RingcommWork:
-        raise NotImplementedError(
-            f"{self._what('recv')}: receiving from any source is not supported by ringcomm"
-        )
+        """``dist.recv(t)`` / ``dist.irecv(t)`` without ``src``: the next message with
+        ``tag`` from any rank (ringcomm's ``ANY_SOURCE``); the work's ``_source_rank()``
+        is the sender's group rank (what ``dist.recv`` returns)."""
+        what = self._what("recv")
+        self._check_usable(what)
+        t = self._one(tensors, what)
+        c, copied = _contig(t)
+        w = self._call(self._rc.irecv, _move_view(c), src=ANY_SOURCE, tag=tag)
+        post = (lambda: t.detach().copy_(c)) if copied else None
+        return self._issue([w], [t], post, f"recv from any source tag {tag}", None, p2p=True)
 
     # -- shutting down -------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -1293,6 +1378,19 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     return list(groups.values())
+
+
+def _rows_view(t: torch.Tensor) -> np.ndarray:
+    """:func:`_move_view` of contiguous ``t`` as rows: ``(t.shape[0], elements per row)``
+    (also with no rows, so every rank agrees on the row shape)."""
+    if t.dtype in _NUMPY_DTYPES or t.dtype == torch.bfloat16 or t.element_size() == 2:
+        factor = 1
+    elif t.dtype.is_complex:
+        factor = 2
+    else:
+        factor = t.element_size()
+    per_row = factor * int(np.prod(t.shape[1:], dtype=np.int64))
+    return _move_view(t).reshape(t.shape[0], per_row)
 
 
 def _from_move_view(row: np.ndarray, like: torch.Tensor) -> torch.Tensor:

@@ -20,19 +20,23 @@ class Work:
     and lets the operation go, so nothing else of the call stays referenced.
     """
 
-    __slots__ = ("_default_timeout_s", "_engine", "_error", "_label", "_op", "_result")
+    __slots__ = (
+        "_default_timeout_s", "_engine", "_error", "_label", "_op", "_result", "_source",
+    )  # fmt: skip
 
     def __init__(self, progress: Progress, op: Op, default_timeout_s: float | None) -> None:
         self._engine = progress
         self._op: Op | None = op
         self._default_timeout_s = default_timeout_s
         self._result: Any = None
+        self._source: int | None = None
         self._error: BaseException | None = None
         self._label = ""
 
     def _take(self, op: Op) -> None:
         """The op is done: keep its result and error, drop the op."""
         self._result = op.result
+        self._source = getattr(op, "source", None)
         self._error = op.error
         self._label = type(op).__name__
         self._op = None
@@ -50,6 +54,19 @@ class Work:
         if self._error is not None:
             raise self._error
         return self._result
+
+    @property
+    def source(self) -> int | None:
+        """The group rank a receive's message came from (``irecv``; with
+        :data:`ringcomm.ANY_SOURCE`, known once the message matched); None for other
+        operations. Never blocks."""
+        op = self._op
+        if op is None:
+            return self._source
+        if op.done:
+            self._take(op)
+            return self._source
+        return getattr(op, "source", None)
 
     def done(self) -> bool:
         """True once the operation completed or failed (never blocks; makes progress)."""

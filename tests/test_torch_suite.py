@@ -2,7 +2,7 @@
 
 By default a subset at world size 2 (about a minute on 2 cores): the calls whose layouts
 or wording ringcomm once got wrong (coalesced gathers and all-reduces, the timeout
-wording, sparse all_reduce, monitored barrier; the suite runs its coalescing-manager tests
+wording, sparse all_reduce, monitored barrier, any-source receive; the suite runs its coalescing-manager tests
 on NCCL only: tests/test_torch_conformance.py covers the manager), a sample of each family (reductions,
 data movement, point-to-point, DDP, objects), and the exclusion list's entries, which must
 still fail (else the entry is stale). ``RINGCOMM_TORCH_SUITE=full`` runs the whole suite at
@@ -49,6 +49,9 @@ SUBSET = [
     "test_barrier_timeout_full_group",
     "test_sparse_all_reduce_sum",
     "test_monitored_barrier_gloo_rank_0_timeout",
+    "test_send_recv_any_source",
+    "test_send_recv_any_source_autograd_profiler",
+    "test_send_recv_any_source_torch_profiler",
     # a sample of each family
     "test_all_reduce_sum_async",
     "test_all_reduce_sum_complex",

@@ -22,7 +22,13 @@ gather             ``direct``
 scatter            ``direct``
 all_to_all         ``direct``
 barrier            ``dissemination``
+all_gather_v       ``ring`` (rows of different counts per rank)
+reduce_scatter_v   ``ring``
+all_to_all_v       ``direct``
 =================  =========================================================
+
+The uneven (``_v``) collectives have no ``shm`` algorithm: on a group with a workspace
+they run over the engine like elsewhere (after the group's earlier workspace calls).
 
 A group whose ranks share one host and a workspace (``ringcomm.transport.workspace``)
 runs every collective on host arrays as ``shm`` (:mod:`ringcomm.collectives.workspace`)
@@ -40,7 +46,9 @@ format only.
 from __future__ import annotations
 
 from .all_gather_ring import AllGatherRing
+from .all_gather_v_ring import AllGatherVRing
 from .all_to_all_direct import AllToAllDirect
+from .all_to_all_v_direct import AllToAllVDirect
 from .allreduce_direct import AllReduceDirect
 from .allreduce_rd import AllReduceRd
 from .allreduce_ring import AllReduceRing
@@ -51,6 +59,7 @@ from .broadcast_chain import BroadcastChain
 from .broadcast_tree import BroadcastTree
 from .gather_direct import GatherDirect
 from .reduce_scatter_ring import ReduceScatterRing
+from .reduce_scatter_v_ring import ReduceScatterVRing
 from .reduce_tree import ReduceTree
 from .scatter_direct import ScatterDirect
 
@@ -60,6 +69,7 @@ __all__ = [
     "ALL_REDUCE_DIRECT_MAX_WORLD",
     "ALL_REDUCE_RD_MAX_BYTES",
     "BROADCAST_TREE_MAX_BYTES",
+    "UNEVEN_ALGORITHMS",
     "WORKSPACE_ALGO",
     "Call",
     "CollectiveOp",
@@ -84,6 +94,14 @@ ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
     "scatter": {"direct": ScatterDirect},
     "all_to_all": {"direct": AllToAllDirect},
     "barrier": {"dissemination": BarrierDissemination},
+}
+
+#: The uneven collectives (rows of different counts per rank), apart: they have no shared
+#: workspace algorithm (every collective of :data:`ALGORITHMS` has ``shm``).
+UNEVEN_ALGORITHMS: dict[str, dict[str, type[CollectiveOp]]] = {
+    "all_gather_v": {"ring": AllGatherVRing},
+    "reduce_scatter_v": {"ring": ReduceScatterVRing},
+    "all_to_all_v": {"direct": AllToAllVDirect},
 }
 
 #: all_reduce takes recursive doubling up to this many bytes, the ring above. Measured
@@ -118,9 +136,10 @@ WORKSPACE_ALGO = "shm"
 
 def get_algorithm(collective: str, algo: str) -> type[CollectiveOp]:
     """The class implementing ``collective`` with ``algo``; ValueError if there is none."""
-    table = ALGORITHMS.get(collective)
+    table = ALGORITHMS.get(collective) or UNEVEN_ALGORITHMS.get(collective)
     if table is None:
-        raise ValueError(f"unknown collective {collective!r}; known: {', '.join(ALGORITHMS)}")
+        known = ", ".join([*ALGORITHMS, *UNEVEN_ALGORITHMS])
+        raise ValueError(f"unknown collective {collective!r}; known: {known}")
     try:
         return table[algo]
     except KeyError:
@@ -146,7 +165,7 @@ def choose_algorithm(
     without a workspace too); so does a ``RINGCOMM_ALGO`` that names no algorithm of any
     collective.
     """
-    table = ALGORITHMS[collective]
+    table = ALGORITHMS.get(collective) or UNEVEN_ALGORITHMS[collective]
     if requested is not None:
         if requested == WORKSPACE_ALGO:
             if world_size == 1 and not local:

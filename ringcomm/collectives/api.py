@@ -39,14 +39,17 @@ from .workspace import WorkspaceCollectives
 
 __all__ = [
     "all_gather",
+    "all_gather_v",
     "all_reduce",
     "all_to_all",
+    "all_to_all_v",
     "alloc",
     "barrier",
     "broadcast",
     "gather",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_v",
     "scatter",
 ]
 
@@ -547,3 +550,159 @@ def barrier(group: GroupCore, async_op: bool = False, *, timeout_s: float | None
     async_op = _check_flag(async_op, what)
     algo = _pick(group, "barrier", None, 0, True, what)
     return _run(group, Call("barrier", algo), timeout_s, async_op)
+
+
+# -- uneven collectives (rows of different counts per rank) ------------------------------
+def _check_counts(value: Any, n: int, what: str, name: str) -> tuple[int, ...]:
+    """``n`` row counts (ints >= 0) from a sequence (list, tuple, 1-d integer array)."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise TypeError(f"{what}: {name} must be a sequence of ints, got an array {value.dtype}[{value.shape}]")
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"{what}: {name} must be a sequence of {n} ints, got {type(value).__name__}")
+    counts = []
+    for c in value:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+            raise TypeError(f"{what}: {name} must hold ints, got {type(c).__name__} in {list(value)!r}")
+        counts.append(int(c))
+    if len(counts) != n:
+        raise ValueError(f"{what}: {name} must have one count per rank ({n}), got {len(counts)}: {counts}")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"{what}: {name} must be >= 0, got {counts}")
+    return tuple(counts)
+
+
+def _check_row_array(x: Any, what: str, *, writeable: bool = False) -> Any:
+    x = check_array(x, what, writeable=writeable, device=True)
+    if x.ndim == 0:
+        raise ValueError(f"{what}: x must have at least one dimension (rows), got a 0-d array")
+    return x
+
+
+def _pick_v(group: GroupCore, collective: str, nbytes: int, what: str) -> str:
+    """The algorithm of an uneven collective (none has a workspace algorithm)."""
+    try:
+        return choose_algorithm(collective, None, _env_algo(group), nbytes, group.world_size)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def all_gather_v(
+    group: GroupCore,
+    x: Any,
+    sizes: Any = None,
+    out: Any = None,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Every rank's rows (``x.shape[0]`` may differ per rank) concatenated in rank order:
+    ``(sum(sizes), *x.shape[1:])``, in ``out`` if given.
+
+    ``sizes``: every rank's row count (the same list on every rank; ``sizes[rank] ==
+    x.shape[0]``). None: the counts are exchanged first (a small all_gather, blocking
+    even with ``async_op``). Ranks that disagree on ``sizes``, the dtype or the row shape
+    raise ``CollectiveMismatchError``.
+    """
+    what = _what(group, "all_gather_v")
+    x = _check_row_array(x, what)
+    async_op = _check_flag(async_op, what)
+    n = group.world_size
+    if sizes is None:
+        counts = all_gather(group, np.array([x.shape[0]], np.int64), timeout_s=timeout_s)
+        sizes = tuple(int(c) for c in counts.reshape(-1))
+    else:
+        sizes = _check_counts(sizes, n, what, "sizes")
+        if sizes[group.rank] != x.shape[0]:
+            raise ValueError(
+                f"{what}: sizes[{group.rank}] is {sizes[group.rank]} but x has "
+                f"{x.shape[0]} rows (shape {x.shape})"
+            )
+    shape = (sum(sizes), *x.shape[1:])
+    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    algo = _pick_v(group, "all_gather_v", out.nbytes, what)
+    call = Call("all_gather_v", algo, x=x, out=out, dtype=x.dtype, shape=(*sizes, *x.shape[1:]))
+    return _run(group, call, timeout_s, async_op)
+
+
+def reduce_scatter_v(
+    group: GroupCore,
+    x: Any,
+    splits: Any,
+    out: Any = None,
+    op: ReduceOp | str = "sum",
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Reduce ``x`` (``sum(splits)`` rows, the same ``splits`` on every rank) and return
+    this rank's rows of the result, ``splits[rank]`` of them from row
+    ``sum(splits[:rank])`` on (shape ``(splits[rank], *x.shape[1:])``, in ``out`` if given;
+    ``out`` may not overlap ``x``). ``x`` is not modified."""
+    what = _what(group, "reduce_scatter_v")
+    x = _check_row_array(x, what)
+    splits = _check_counts(splits, group.world_size, what, "splits")
+    if sum(splits) != x.shape[0]:
+        raise ValueError(
+            f"{what}: splits {list(splits)} add up to {sum(splits)} rows but x has "
+            f"{x.shape[0]} (shape {x.shape})"
+        )
+    rop = _check_op(op, x.dtype, what)
+    async_op = _check_flag(async_op, what)
+    shape = (splits[group.rank], *x.shape[1:])
+    if out is None:
+        out = _empty(x, shape)
+    else:
+        out = _check_out(out, shape, x.dtype, what, x)
+        if _may_share_memory(out, x):
+            raise ValueError(f"{what}: out must not overlap x (reduce_scatter_v is not in place)")
+    algo = _pick_v(group, "reduce_scatter_v", x.nbytes, what)
+    call = Call("reduce_scatter_v", algo, x=x, out=out, op=rop, dtype=x.dtype,
+                shape=(*splits, *x.shape[1:]))  # fmt: skip
+    return _run(group, call, timeout_s, async_op)
+
+
+def all_to_all_v(
+    group: GroupCore,
+    x: Any,
+    input_splits: Any,
+    output_splits: Any,
+    out: Any = None,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Rows ``input_splits[j]`` of ``x`` (in order: the first ``input_splits[0]`` rows go to
+    rank 0, the next to rank 1, ...) go to rank ``j``; ``out`` holds ``output_splits[j]``
+    rows from each rank ``j`` in rank order (shape ``(sum(output_splits), *x.shape[1:])``;
+    ``out`` may not overlap ``x``). Rank ``r``'s ``input_splits[j]`` must equal rank
+    ``j``'s ``output_splits[r]``: a rank that receives another count than it expects
+    raises ``CollectiveMismatchError`` (and so does every rank of the call)."""
+    what = _what(group, "all_to_all_v")
+    x = _check_row_array(x, what)
+    n, r = group.world_size, group.rank
+    ins = _check_counts(input_splits, n, what, "input_splits")
+    outs = _check_counts(output_splits, n, what, "output_splits")
+    if sum(ins) != x.shape[0]:
+        raise ValueError(
+            f"{what}: input_splits {list(ins)} add up to {sum(ins)} rows but x has "
+            f"{x.shape[0]} (shape {x.shape})"
+        )
+    if ins[r] != outs[r]:
+        raise ValueError(
+            f"{what}: this rank sends itself input_splits[{r}] = {ins[r]} rows but expects "
+            f"output_splits[{r}] = {outs[r]}"
+        )
+    async_op = _check_flag(async_op, what)
+    shape = (sum(outs), *x.shape[1:])
+    if out is None:
+        out = _empty(x, shape)
+    else:
+        out = _check_out(out, shape, x.dtype, what, x)
+        if _may_share_memory(out, x):
+            raise ValueError(f"{what}: out must not overlap x (all_to_all_v is not in place)")
+    algo = _pick_v(group, "all_to_all_v", x.nbytes, what)
+    call = Call("all_to_all_v", algo, x=x, out=out, dtype=x.dtype,
+                shape=(*ins, *outs, *x.shape[1:]))  # fmt: skip
+    return _run(group, call, timeout_s, async_op)

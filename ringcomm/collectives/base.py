@@ -482,13 +482,22 @@ class CollectiveOp(Op):
         dtype: str,
         *,
         track: bool = True,
+        shape: tuple[int, ...] | None = None,
     ) -> Any:
         """Queue one piece to group rank ``peer``; return its tracker (None if copied).
 
         ``track=False``: ``payload`` is a private copy nobody writes, so the op need not
-        wait for libzmq to release it before it completes.
+        wait for libzmq to release it before it completes. ``shape``: put in the header
+        (collective pieces carry none otherwise; all_to_all_v says there what it expects
+        back from ``peer``); such headers are not cached.
         """
-        template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
+        if shape is None:
+            template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
+        else:
+            template = HeaderTemplate(
+                Header(KIND_COLL, self._me_global, self.group_id, 0, step, piece, npieces, dtype,
+                       msg_nbytes, offset, shape, self.fp)
+            )  # fmt: skip
         nbytes = len(payload)
         tracker = self.progress.send(
             self.comm.ranks[peer], self.stream, template.pack(self.seq), payload, nbytes

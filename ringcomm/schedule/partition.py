@@ -26,8 +26,20 @@ __all__ = [
     "bucket_groups",
     "flat_layout",
     "shard_pieces",
+    "split_offsets",
     "split_rows",
 ]
+
+
+def split_offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each of the concatenated parts of ``sizes`` starts, and the total last:
+    ``split_offsets([2, 0, 3]) == [0, 2, 2, 5]`` (the uneven collectives' segments)."""
+    offsets = [0]
+    for s in sizes:
+        if s < 0:
+            raise ValueError(f"sizes must be >= 0, got {list(sizes)}")
+        offsets.append(offsets[-1] + s)
+    return offsets
 
 
 def split_rows(n: int, parts: int) -> list[tuple[int, int]]:

@@ -26,14 +26,4 @@ EXCLUDED: dict[str, str] = {
     "test_monitored_barrier_gloo_subgroup": _MONITORED,
 }
 
-_ANY_SOURCE = (
-    "NotImplementedError: ringcomm backend rank N: recv: receiving from any source is not "
-    "supported by ringcomm (recv_anysource needs ANY_SOURCE in ringcomm's core: issue 21, "
-    "another change)"
-)
-
-KNOWN_GAPS: dict[str, str] = {
-    "test_send_recv_any_source": _ANY_SOURCE,
-    "test_send_recv_any_source_autograd_profiler": _ANY_SOURCE,
-    "test_send_recv_any_source_torch_profiler": _ANY_SOURCE,
-}
+KNOWN_GAPS: dict[str, str] = {}

@@ -1,0 +1,107 @@
+"""All-gather of rows of different counts as a ring (``all_gather_v``).
+
+Rank ``s`` contributes ``sizes[s]`` rows (any count, 0 included); the result is every
+rank's rows concatenated in rank order, ``out.shape == (sum(sizes), *x.shape[1:])``;
+segment ``s`` is ``out[offsets[s] : offsets[s] + sizes[s]]`` (:func:`schedule.partition.
+split_offsets`). The same ring as :mod:`all_gather_ring`, steps ``k = 0 .. n-2`` on rank
+``r`` (``schedule.ring.all_gather_steps``)::
+
+    send segment (r-k) right            # our own rows, from x, at k = 0
+    recv segment (r-k-1) from the left: out[segment] = incoming
+
+and the segment received at step ``k`` is the one sent at step ``k+1``: pipelined per
+piece (each segment cut into ``chunk_bytes`` pieces of its own), piece ``j`` is copied into
+``out`` and sent on from there at once. An empty segment still travels as one empty piece
+(every step has a message, so every inbox knows what to expect).
+
+The call's fingerprint carries every rank's size (``Call.shape`` is ``(*sizes,
+*x.shape[1:])``), so ranks that disagree on the sizes or the row shape raise
+``CollectiveMismatchError`` before anything is written.
+
+Copies and zero-copy safety as in :mod:`all_gather_ring`: ``x`` is never written (sent
+from a private copy if it overlaps a segment we receive into), every other region of
+``out`` is written once, before it is sent on, and never again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..schedule.chunks import chunk_spans
+from ..schedule.partition import split_offsets
+from ..schedule.ring import all_gather_steps, ring_neighbors
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["AllGatherVRing"]
+
+
+class AllGatherVRing(CollectiveOp):
+    name = "all_gather_v"
+    algo = "ring"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 (our rows) goes right at once
+
+    def step_text(self, step: int) -> str:
+        return f"all-gather-v step {step + 1}/{self.n - 1}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans[self.recv_seg[step]])
+
+    def start(self) -> None:
+        x, out, shape = self.call.x, self.call.out, self.call.shape
+        assert x is not None and out is not None and shape is not None
+        n, r = self.n, self.rank
+        self.result = out
+        sizes = shape[:n]
+        row_nbytes = x.itemsize * int(np.prod(shape[n:], dtype=np.int64))
+        offsets = split_offsets(sizes)
+        self.seg_base = [o * row_nbytes for o in offsets]  # byte offset of segment s
+        self.seg_nbytes = [s * row_nbytes for s in sizes]
+        self.out_u8 = out.reshape(-1).view(np.uint8)
+        self.data = byte_view(out)
+        self.own = self.out_u8[self.seg_base[r] : self.seg_base[r] + self.seg_nbytes[r]]
+        src = x.reshape(-1).view(np.uint8)
+        if n == 1:
+            self.own[...] = src
+            self.post_inboxes()
+            return
+        if np.may_share_memory(x, out) and src.__array_interface__["data"][0] != self.own.__array_interface__["data"][0]:  # x overlaps segments we receive into: send from a private copy
+            src = src.copy()
+        self.src = src
+        chunk = self.comm.chunk_bytes
+        self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
+        self.dtype_str = x.dtype.str
+        self.right, self.left = ring_neighbors(r, n)
+        self.recv_seg = [rs for _, rs in all_gather_steps(r, n)]
+        self.will_send(self.right, n - 1)
+        self.expect(self.left, n - 1)
+        # Step 0 goes out from x itself; our segment of out is filled once the left
+        # neighbour's first piece proved its call matches ours.
+        self.send_message(self.right, 0, byte_view(src), self.spans[r], 0, self.dtype_str)
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        k, j = header.step, header.piece
+        if k >= self.n - 1:
+            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
+        seg = self.recv_seg[k]
+        spans = self.spans[seg]
+        off, length = self.piece_span(peer, header, payload, spans, f"segment {seg}")
+        if header.nbytes != self.seg_nbytes[seg]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: segment {seg} from rank {peer} has "
+                f"{header.nbytes} bytes, expected {self.seg_nbytes[seg]}"
+            )
+        if not self.touched:
+            self.touched = True
+            self.own[...] = self.src
+        at = self.seg_base[seg] + off
+        if length:
+            self.out_u8[at : at + length] = np.frombuffer(payload, np.uint8)
+        if k < self.n - 2:  # send it on, zero-copy from out
+            self.send_piece(self.right, k + 1, j, len(spans), self.seg_nbytes[seg], off,
+                            self.data[at : at + length], self.dtype_str)  # fmt: skip

@@ -1,0 +1,107 @@
+"""All-to-all with rows of different counts per peer, directly (``all_to_all_v``).
+
+Rank ``r`` sends rows ``x[in_off[j] : in_off[j] + input_splits[j]]`` to each rank ``j`` and
+receives ``output_splits[j]`` rows from it into ``out[out_off[j] : ...]`` (counts may be 0:
+an empty message still goes, so every rank hears from every peer at start). As
+:mod:`all_to_all_direct`: sends go to ``r+1, r+2, ...`` in turn, zero-copy from ``x`` when
+large; ``x`` is never written (``out`` may not overlap it); our own rows are copied into
+``out`` when the first matching piece arrives; every received piece is copied once from
+its frame.
+
+The splits differ from rank to rank, so the fingerprint carries only the row shape and
+dtype (the call comes with ``Call.shape == (*input_splits, *output_splits,
+*x.shape[1:])``; the op keeps the row shape for the fingerprint); what one rank sends another must expect:
+a message whose size is not what ``output_splits`` says (``input_splits[j]`` of rank
+``r`` against ``output_splits[r]`` of rank ``j``) raises ``CollectiveMismatchError`` on
+the receiving rank at its first piece, before that peer's rows are written; and every
+piece's header carries (``Header.shape``) how many rows its sender expects back from the
+receiver, so the sending rank of the pair raises too. (Ranks outside the pair complete:
+what they received is what they expected.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..schedule.chunks import chunk_spans
+from ..schedule.partition import split_offsets
+from ..transport.wire import Header
+from .base import Call, CollectiveOp, Comm, byte_view
+
+__all__ = ["AllToAllVDirect"]
+
+
+class AllToAllVDirect(CollectiveOp):
+    name = "all_to_all_v"
+    algo = "direct"
+    fp_messages = False  # every rank hears from every peer at start
+
+    def __init__(self, comm: Comm, call: Call, *, async_op: bool = False) -> None:
+        # call.shape is (*input_splits, *output_splits, *row shape) (see collectives.api);
+        # the fingerprint gets the row shape alone, the one thing ranks share.
+        n = comm.world_size
+        shape = call.shape
+        assert shape is not None and len(shape) >= 2 * n
+        self.splits = (tuple(shape[:n]), tuple(shape[n : 2 * n]))
+        super().__init__(comm, call._replace(shape=tuple(shape[2 * n :])), async_op=async_op)
+
+    def start(self) -> None:
+        x, out = self.call.x, self.call.out
+        assert x is not None and out is not None
+        n, r = self.n, self.rank
+        self.result = out
+        input_splits, output_splits = self.splits
+        row_nbytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
+        in_base = [o * row_nbytes for o in split_offsets(input_splits)]
+        out_base = [o * row_nbytes for o in split_offsets(output_splits)]
+        self.out_base = out_base
+        self.expect_nbytes = [s * row_nbytes for s in output_splits]
+        self.out_u8 = out.reshape(-1).view(np.uint8)
+        x_u8 = x.reshape(-1).view(np.uint8)
+        self.own_src = x_u8[in_base[r] : in_base[r + 1]]
+        self.own_dst = self.out_u8[out_base[r] : out_base[r + 1]]
+        if n == 1:
+            self.own_dst[...] = self.own_src
+        chunk = self.comm.chunk_bytes
+        self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.expect_nbytes]
+        data = byte_view(x)
+        dtype = x.dtype.str
+        for k in range(1, n):
+            peer = (r + k) % n
+            nbytes = in_base[peer + 1] - in_base[peer]
+            self.will_send(peer, 1)
+            spans = chunk_spans(nbytes, chunk, x.itemsize)
+            # Every piece's header says how many rows we expect back from that peer, so
+            # a mismatched pair fails on both sides (each checks what the other expects).
+            expects = (output_splits[peer],)
+            base = in_base[peer]
+            for j, (off, length) in enumerate(spans):
+                self.send_piece(peer, 0, j, len(spans), nbytes, off,
+                                data[base + off : base + off + length], dtype,
+                                shape=expects)  # fmt: skip
+        for k in range(1, n):
+            self.expect((r - k) % n, 1)
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        sent = self.splits[0][peer]
+        if header.shape != (sent,):
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: rank {peer} expects {header.shape!r:.40} rows "
+                f"from this rank but input_splits[{peer}] sends it {sent} (its output_splits"
+                f"[{self.rank}] and this rank's input_splits[{peer}] differ)"
+            )
+        if header.nbytes != self.expect_nbytes[peer]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: rank {peer} sends {header.nbytes} bytes but "
+                f"output_splits[{peer}] says {self.expect_nbytes[peer]} (its input_splits"
+                f"[{self.rank}] and this rank's output_splits[{peer}] differ)"
+            )
+        off, length = self.piece_span(peer, header, payload, self.spans[peer])
+        if not self.touched:  # the first matching piece: now out may be written
+            self.touched = True
+            self.own_dst[...] = self.own_src
+        if length:
+            at = self.out_base[peer] + off
+            self.out_u8[at : at + length] = np.frombuffer(payload, np.uint8)

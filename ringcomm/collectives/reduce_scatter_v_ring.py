@@ -1,0 +1,124 @@
+"""Reduce-scatter into rows of different counts as a ring (``reduce_scatter_v``).
+
+Every rank passes ``x`` of ``sum(splits)`` rows and the same ``splits``; rank ``r`` gets
+the reduction of rows ``offsets[r] : offsets[r] + splits[r]`` (``splits[r]`` may be 0).
+Segment ``s`` is those rows of ``splits[s]``. The ring of :mod:`reduce_scatter_ring`, steps
+``k = 0 .. n-2`` on rank ``r`` (``schedule.ring.reduce_scatter_steps``)::
+
+    send the partial result of segment (r-k-1) right      # x's own rows at k = 0
+    recv segment (r-k-2) from the left; partial = x[segment] op incoming, out of place
+
+and the segment received at step ``k`` is the one sent at step ``k+1``; at the last step
+the segment is ``r`` itself and the result goes into ``out``. Pipelined per piece: piece
+``j`` of step ``k`` is combined and sent on as piece ``j`` of step ``k+1`` at once. ``x`` is
+never written (``out`` may not overlap it, checked at the call).
+
+Partial results alternate between two scratch buffers of the largest segment (by step
+parity). A buffer written at step ``k`` and sent at ``k+1`` is written again at ``k+2``:
+:meth:`wait_released` checks the tracker of the piece sent from that region first (every
+segment is cut alike, so piece ``j`` always covers the same bytes of a buffer).
+
+The fingerprint carries ``splits`` (``Call.shape`` is ``(*splits, *x.shape[1:])``): ranks
+that disagree raise ``CollectiveMismatchError`` before anything is reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..ops import finalize, reduce_out
+from ..schedule.chunks import chunk_spans
+from ..schedule.partition import split_offsets
+from ..schedule.ring import reduce_scatter_steps, ring_neighbors
+from ..transport.wire import Header
+from .base import CollectiveOp, byte_view
+
+__all__ = ["ReduceScatterVRing"]
+
+
+class ReduceScatterVRing(CollectiveOp):
+    name = "reduce_scatter_v"
+    algo = "ring"
+    maps_steps = True
+
+    def start_peers(self, rank: int) -> tuple[int, ...]:
+        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+
+    def step_text(self, step: int) -> str:
+        return f"reduce-scatter-v step {step + 1}/{self.n - 1}"
+
+    def message_pieces(self, step: int) -> int | None:
+        return len(self.spans[self.recv_seg[step]])
+
+    def start(self) -> None:
+        x, out, op, shape = self.call.x, self.call.out, self.call.op, self.call.shape
+        assert x is not None and out is not None and op is not None and shape is not None
+        n, r = self.n, self.rank
+        self.result = out
+        splits = shape[:n]
+        row_size = int(np.prod(shape[n:], dtype=np.int64))
+        offsets = split_offsets(splits)
+        flat = x.reshape(-1)
+        #: segment s of x, flat
+        self.segs = [flat[offsets[s] * row_size : offsets[s + 1] * row_size] for s in range(n)]
+        self.out_flat = out.reshape(-1)
+        if n == 1:
+            self.out_flat[...] = self.segs[0]
+            finalize(op, self.out_flat, 1)
+            self.post_inboxes()
+            return
+        self.itemsize = x.itemsize
+        self.dtype_str = x.dtype.str
+        self.seg_nbytes = [s * row_size * x.itemsize for s in splits]
+        chunk = self.comm.chunk_bytes
+        self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
+        self.right, self.left = ring_neighbors(r, n)
+        steps = reduce_scatter_steps(r, n)
+        self.recv_seg = [rs for _, rs in steps]
+        most = max(splits[s] for s in self.recv_seg[:-1]) * row_size if n > 2 else 0
+        self.partial = [np.empty(most, x.dtype) for _ in range(2 if n > 3 else 1)]
+        self.partial_u8 = [byte_view(b) for b in self.partial]
+        self.trackers: dict[tuple[int, int], Any] = {}
+        self.will_send(self.right, n - 1)
+        self.expect(self.left, n - 1)
+        first = steps[0][0]
+        self.send_message(self.right, 0, byte_view(self.segs[first]), self.spans[first], 0,
+                          self.dtype_str)  # fmt: skip
+        self.post_inboxes()
+
+    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
+        k, j = header.step, header.piece
+        if k >= self.n - 1:
+            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
+        seg = self.recv_seg[k]
+        spans = self.spans[seg]
+        off, length = self.piece_span(peer, header, payload, spans, f"segment {seg}")
+        if header.nbytes != self.seg_nbytes[seg]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: segment {seg} from rank {peer} has "
+                f"{header.nbytes} bytes, expected {self.seg_nbytes[seg]}"
+            )
+        op = self.call.op
+        assert op is not None
+        a = off // self.itemsize
+        b = a + length // self.itemsize
+        self.touched = True
+        last = k == self.n - 2
+        if last:
+            target = self.out_flat[a:b]
+            reduce_out(op, self.segs[seg][a:b], np.frombuffer(payload, target.dtype), target)
+            finalize(op, target, self.n)
+            return
+        parity = k % len(self.partial)
+        # This region of the buffer was sent two steps ago: libzmq must be done with it.
+        self.wait_released(self.trackers.pop((parity, j), None))
+        target = self.partial[parity][a:b]
+        reduce_out(op, self.segs[seg][a:b], np.frombuffer(payload, target.dtype), target)
+        tracker = self.send_piece(self.right, k + 1, j, len(spans), self.seg_nbytes[seg], off,
+                                  self.partial_u8[parity][off : off + length],
+                                  self.dtype_str)  # fmt: skip
+        if tracker is not None:
+            self.trackers[(parity, j)] = tracker
