@@ -47,12 +47,15 @@ from ringcomm.device.standin import StandinArray
 from ringcomm.device.xp import cupy_or_none
 from ringcomm.schedule.partition import split_rows
 
-from .data import SyntheticClassification
+from .data import SyntheticClassification, SyntheticNextToken
 from .nn import Layer, SoftmaxCrossEntropy, backward_layers, forward_layers, mlp
+from .tp import TPContext
+from .transformer import VocabParallelCrossEntropy, transformer
 
 __all__ = [
     "DEVICES",
     "STRATEGIES",
+    "TRANSFORMER_STRATEGIES",
     "Strategy",
     "StrategyUnavailable",
     "TrainConfig",
@@ -71,9 +74,13 @@ STRATEGIES: dict[str, str] = {
     "zero2": "ringcomm.engine.zero:Zero2",
     "zero3": "ringcomm.engine.zero:Zero3",
     "pipeline": "ringcomm.engine.pipeline:Pipeline",
+    "tp": "ringcomm.engine.parallel:TensorParallel",
+    "3d": "ringcomm.engine.parallel:Parallel3D",
 }
 #: Every name ``--strategy`` accepts (DESIGN.md §2), registered or not.
-STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline")
+STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline", "tp", "3d")
+#: The strategies that run ``--model transformer``.
+TRANSFORMER_STRATEGIES = ("single", "dp", "zero1", "zero2", "zero3", "tp", "3d")
 #: What ``--device`` accepts: NumPy, CuPy on a GPU, NumPy through the staged device path.
 DEVICES = ("cpu", "cuda", "host-staged")
 
@@ -112,9 +119,40 @@ class TrainConfig:
     ps_checkpoint_dir: str | None = None
     ps_checkpoint_interval: int = 0  # steps between server checkpoints (0: only at the end)
     ps_split_min_bytes: int = 1 << 20  # layers this big are split over every server
+    # The transformer (--model transformer; ``depth`` is its number of blocks).
+    model: str = "mlp"
+    vocab: int = 64
+    seq_len: int = 16
+    d_model: int = 32
+    heads: int = 4
+    # The mesh (strategies tp and 3d, ringcomm/engine/parallel.py): dp x pp x tp ranks.
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0  # ZeRO stage over the dp axis (3d): 0, 1 or 2
 
-    def build_model(self) -> list[Layer]:
+    def build_model(self, tp: TPContext | None = None) -> list[Layer]:
+        """The model's layers (the transformer's over the tp group ``tp``; None: one rank)."""
+        if self.model == "transformer":
+            return transformer(
+                self.vocab, self.seq_len, self.d_model, self.heads, self.depth, tp, self.act
+            )
         return mlp(self.in_features, self.hidden, self.depth, self.classes, self.act)
+
+    def build_data(self) -> Any:
+        """The seeded task: next tokens (transformer) or classes (MLP)."""
+        if self.model == "transformer":
+            return SyntheticNextToken(self.vocab, self.seq_len, self.batch_size, self.seed)
+        return SyntheticClassification(
+            self.in_features, self.classes, self.batch_size, self.seed, np.dtype(self.dtype)
+        )
+
+    def build_loss(self, tp: TPContext | None = None) -> Any:
+        """The loss head, divided by the global batch (in tokens for the transformer)."""
+        if self.model == "transformer":
+            return VocabParallelCrossEntropy(self.batch_size * self.seq_len, tp)
+        return SoftmaxCrossEntropy(scale=self.batch_size)
 
 
 def array_module(device: str) -> ModuleType:
@@ -188,10 +226,8 @@ class Strategy:
         self.as_comm: Any = StandinArray if cfg.device == "host-staged" else _as_is
         self.dtype = np.dtype(cfg.dtype)
         self.layers = cfg.build_model()
-        self.data = SyntheticClassification(
-            cfg.in_features, cfg.classes, cfg.batch_size, cfg.seed, self.dtype
-        )
-        self.loss = SoftmaxCrossEntropy(scale=cfg.batch_size)
+        self.data = cfg.build_data()
+        self.loss = cfg.build_loss()
         if self.splits_batch:
             self.rows = split_rows(cfg.batch_size, self.n)[self.rank]
         else:
