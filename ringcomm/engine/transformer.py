@@ -7,8 +7,8 @@ Model (pre-norm, no dropout, untied LM head)::
     logits = LNf(x) @ W_head                              FinalNorm, LMHead
     loss = sum over tokens of -log softmax(logits)[next token] / (batch * seq)
 
-Attention is causal multi-head self-attention (fused QKV projection, softmax over earlier
-positions, output projection); the MLP is ``d -> 4d -> d`` with GELU (tanh approximation,
+Attention is causal multi-head self-attention (fused QKV projection without bias, softmax
+over earlier positions, output projection with bias); the MLP is ``d -> 4d -> d`` with GELU (tanh approximation,
 :class:`~ringcomm.engine.nn.GELU`; ``act="relu"`` for ReLU). Activations are
 ``(batch, seq, d_model)``.
 
@@ -38,7 +38,9 @@ parallel) must divide by T (:func:`check_tp_sizes`; the CLI exits 2 before any r
 
 Parameters are :class:`~ringcomm.engine.tp.ParamSpec` s: ``init`` draws the *master*
 weights from the layer's seeded generator on every rank (the same draws as ``single``) and
-keeps this rank's slice.
+keeps this rank's slice. The QKV projection has no bias: the key's bias adds the same
+``q . b_k`` to every score of a query, so softmax cancels it and its gradient is zero up to
+rounding, which Adam would turn into full ``lr``-sized steps of noise (float32).
 """
 
 from __future__ import annotations
@@ -191,7 +193,6 @@ class Block(TPLayer):
             ParamSpec("ln1.beta", (d,), sp_reduce=True),
             # column-parallel: rank t keeps its heads' q, k and v columns
             ParamSpec("attn.Wqkv", (d, 3 * d), dim=1, view=(d, 3, h, hd), split=2),
-            ParamSpec("attn.bqkv", (3 * d,), dim=0, view=(3, h, hd), split=1),
             # row-parallel: the rows of its heads; the bias is added after g (replicated)
             ParamSpec("attn.Wo", (d, d), dim=0),
             ParamSpec("attn.bo", (d,), sp_reduce=True),
@@ -209,7 +210,6 @@ class Block(TPLayer):
             "ln1.gamma": np.ones(d),
             "ln1.beta": np.zeros(d),
             "attn.Wqkv": _normal(rng, (d, 3 * d), 1 / math.sqrt(d)),
-            "attn.bqkv": _normal(rng, (3 * d,), 0.02),
             "attn.Wo": _normal(rng, (d, d), 1 / math.sqrt(d)),
             "attn.bo": _normal(rng, (d,), 0.02),
             "ln2.gamma": np.ones(d),
@@ -230,7 +230,7 @@ class Block(TPLayer):
         xp = get_xp(a)
         b, S, _ = a.shape
         hl, hd = self.local_heads, self.hd
-        qkv = a @ p["attn.Wqkv"] + p["attn.bqkv"]  # (b, S, 3*hl*hd)
+        qkv = a @ p["attn.Wqkv"]  # (b, S, 3*hl*hd); no bias (see the module docstring)
         q, k, v = qkv.reshape(b, S, 3, hl, hd).transpose(2, 0, 3, 1, 4)  # each (b, hl, S, hd)
         scale = 1.0 / math.sqrt(hd)
         scores = (q @ k.swapaxes(-1, -2)) * scale  # (b, hl, S, S)
@@ -256,7 +256,6 @@ class Block(TPLayer):
         dk = (dscores.swapaxes(-1, -2) @ q) * scale
         dqkv = get_xp(dq).stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(b, S, 3 * hl * hd)
         g["attn.Wqkv"] += _flat(a).T @ _flat(dqkv)
-        g["attn.bqkv"] += _flat(dqkv).sum(axis=0)
         return dqkv @ p["attn.Wqkv"].T
 
     # -- the block ------------------------------------------------------------------------
