@@ -17,8 +17,11 @@ and is registered by name in :data:`STRATEGIES` (``name -> "module:Class"``, imp
 use). A strategy talks only to its ``ProcessGroup``; it may split it (``pg.new_group``),
 as the parameter-server strategy (:mod:`~ringcomm.engine.ps`, ``ps``) does for its
 servers and workers from ``cfg.ps_servers``, ``cfg.consistency``, ``cfg.staleness`` and
-``cfg.ps_update``. Every strategy must reproduce ``single``: the same
-global batch per step (:class:`~ringcomm.engine.data.SyntheticClassification`), the same
+``cfg.ps_update``, and as ``tp``/``3d`` (:mod:`~ringcomm.engine.parallel`) do for their
+mesh (``cfg.dp``, ``cfg.pp``, ``cfg.tp``). Every strategy must reproduce ``single``: the same
+global batch per step (:meth:`TrainConfig.build_data`: the MLP's
+:class:`~ringcomm.engine.data.SyntheticClassification` or the transformer's
+:class:`~ringcomm.engine.data.SyntheticNextToken`, ``cfg.model``), the same
 seeded initialisation (:func:`~ringcomm.engine.params.init_layer`), the loss summed over
 the global batch and divided by its size.
 
