@@ -253,6 +253,8 @@ def _mesh_from_args(args: argparse.Namespace, n: int) -> dict[str, Any]:
             f"--model transformer runs with --strategy {', '.join(TRANSFORMER_STRATEGIES)} "
             "(pipeline stages of blocks: --strategy 3d --pp P)"
         )
+    if model == "transformer" and args.device == "cuda":
+        raise UsageError("--model transformer runs on --device cpu or host-staged (not yet cuda)")
     if parallel and model != "transformer":
         raise UsageError(f"--strategy {strategy} trains --model transformer")
     if not parallel:

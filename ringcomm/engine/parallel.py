@@ -27,6 +27,7 @@ replicas' gradients is the full-batch gradient, and the run reproduces ``single`
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,11 @@ class Parallel3D(Strategy):
             if s.sp_reduce
         ]
         self.steps_done = 0
+        #: Of the last step (the first one also sets up groups lazily): the most traced
+        #: bytes held right after a forward action (the caches kept for backward) and the
+        #: traced peak within the schedule, above the step's start (tracemalloc only).
+        self.act_held_bytes = 0
+        self.act_peak_bytes = 0
 
     @property
     def numel(self) -> int:
@@ -134,6 +140,11 @@ class Parallel3D(Strategy):
         caches: dict[int, Any] = {}
         sends: list[Any] = []
         total = 0.0
+        tracing = tracemalloc.is_tracing()
+        if tracing:  # activation memory: traced bytes above the step's start
+            self.act_held_bytes = 0
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
         for act in self.order:
             i = act.micro
             r0, r1 = self.micro[i]
@@ -153,6 +164,10 @@ class Parallel3D(Strategy):
                 else:
                     sends.append(pp.isend(y, dst=s + 1, tag=2 * i))
                 caches[i] = (layer_caches, loss_cache)
+                del x, y, layer_caches, loss_cache
+                if tracing:
+                    held = tracemalloc.get_traced_memory()[0] - base
+                    self.act_held_bytes = max(self.act_held_bytes, held)
             else:
                 assert act.kind == BACKWARD
                 layer_caches, loss_cache = caches.pop(i)
@@ -174,6 +189,9 @@ class Parallel3D(Strategy):
             sends = [w for w in sends if not w.done()]
         for w in sends:
             w.wait()
+        if tracing:
+            peak = tracemalloc.get_traced_memory()[1] - base
+            self.act_peak_bytes = peak
         if self.tpc.sequence_parallel:
             self._reduce_sp_grads(gviews)
         self._update(grads)
@@ -252,6 +270,8 @@ class Parallel3D(Strategy):
             "mesh_shape": dict(self.mesh.shape),
             "stage_layers": list(self.span),
             "sequence_parallel": self.tpc.sequence_parallel,
+            "activation_held_bytes": self.act_held_bytes,
+            "activation_peak_bytes": self.act_peak_bytes,
             "sent_bytes_per_step_by_axis": {a: g.sent_bytes / steps for a, g in axes.items()},
             "collective_bytes_per_step_by_axis": {
                 a: g.payload_bytes / steps for a, g in axes.items()
