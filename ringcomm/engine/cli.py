@@ -1,4 +1,7 @@
-"""``ringcomm train --strategy S -n N``: train the synthetic MLP with one strategy.
+"""``ringcomm train --strategy S -n N``: train the synthetic MLP, or with ``--model
+transformer`` the small transformer, with one strategy (``tp``/``3d``: over the mesh
+``--dp x --pp x --tp``, which must multiply to ``-n``; :func:`_mesh_from_args` checks it
+and the tp splits before any rank starts).
 
 Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :class:`~ringcomm.engine.strategy.TrainConfig`; ``UsageError`` for what cannot run) ->

@@ -72,7 +72,7 @@ class Parallel3D(Strategy):
         c = self.mesh.coords
         self.stage, self.first, self.last = c["pp"], c["pp"] == 0, c["pp"] == pp - 1
         self.tpc = TPContext.of(self.mesh.tp, cfg.sequence_parallel)
-        self.full_numel = self.numel  # (of the unsplit model built by the base class)
+        self.full_numel = super().numel  # of the unsplit model the base class built
         self.layers = cfg.build_model(self.tpc)
         self.loss = cfg.build_loss(self.tpc)
         self.loss_rank = self.mesh.rank_of(dp=0, pp=pp - 1, tp=0)
@@ -124,7 +124,8 @@ class Parallel3D(Strategy):
 
     @property
     def numel(self) -> int:
-        return getattr(self, "full_numel", None) or super().numel
+        """Parameters of the whole (unsplit) model, as ``single`` reports."""
+        return self.full_numel
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> float | None:
