@@ -334,3 +334,29 @@ def test_sequence_parallel_shards_the_norm_activations(no_child_processes: None)
         # (tracemalloc also sees the progress thread's few-KiB message objects: 3%)
         assert saved == pytest.approx(norm_bytes * (1 - 1 / T), rel=0.03), (saved, norm_bytes)
         assert sp["activation_peak_bytes"] < plain["activation_peak_bytes"]
+
+
+def wire_job(pg: Any, cases: list[TrainConfig]) -> list[float]:
+    out = []
+    for cfg in cases:
+        sub = pg.new_group(range(pg.world_size))
+        try:
+            out.append(train_rank(sub, cfg)["sent_bytes_per_step"])
+        finally:
+            sub.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_tp_bytes_on_the_wire_are_megatrons(no_child_processes: None, no_workspace: None) -> None:
+    """Measured by the transport (off the shared workspace, every collective a message): at
+    T = 2 the only traffic of ``tp`` is the tp axis, and every all_reduce algorithm sends its
+    buffer once, so the socket counter equals the formula (plain and sequence parallel).
+    (At T > 2 the tiny buffers here take latency-bound algorithms that send more than the
+    ring's 2(T-1)/T; the per-axis counter stays the ring's.)"""
+    cases = [_tp(2, export=False), _tp(2, export=False, sequence_parallel=True)]
+    per_rank = rc.spawn(wire_job, 2, args=(cases,), timeout_s=150)
+    for k, cfg in enumerate(cases):
+        _, sent = _tp_bytes(cfg, 8)
+        for rank in range(2):
+            assert per_rank[rank][k] == pytest.approx(sent, rel=1e-12), (_label(cfg), rank)
