@@ -240,6 +240,7 @@ TINY = ["--vocab", "8", "--seq-len", "4", "--d-model", "8", "--heads", "2", "--l
         (["--strategy", "dp", "-n", "2", "--sequence-parallel"], "needs --strategy"),
         (["--strategy", "pipeline", "-n", "2", "--model", "transformer"], "3d --pp"),
         (["--strategy", "3d", "-n", "2", "--dp", "2", "--batch-size", "1"], "micro-batch"),
+        (["--strategy", "3d", "-n", "2", "--tp", "2", "--zero", "1"], "--dp > 1"),
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], message: str, capsys) -> None:

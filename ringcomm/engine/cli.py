@@ -282,6 +282,8 @@ def _mesh_from_args(args: argparse.Namespace, n: int) -> dict[str, Any]:
                 f"mesh --dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} does not multiply "
                 f"to -n {n}"
             )
+        if args.zero is not None and dp == 1:
+            raise UsageError("--zero shards over the dp axis: it needs --dp > 1")
         if pp > args.depth:
             raise UsageError(
                 f"--pp {pp} stages need at least {pp} --layers (blocks), got {args.depth}"
