@@ -86,6 +86,7 @@ CASES = {
         _3d(2, 1, 2),
         _3d(2, 1, 2, zero=1),
         _3d(2, 2, 1, zero=2),
+        _3d(2, 1, 2, zero=2, device="host-staged"),  # every buffer through the staged path
         _3d(4, 1, 1),
     ],
     8: [
@@ -125,6 +126,8 @@ def _label(cfg: TrainConfig) -> str:
         s += "-sp"
     if cfg.zero:
         s += f"-zero{cfg.zero}"
+    if cfg.device != "cpu":
+        s += f"-{cfg.device}"
     return s + (f"-{cfg.schedule}" if cfg.pp > 1 else "")
 
 

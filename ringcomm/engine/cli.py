@@ -288,8 +288,6 @@ def _mesh_from_args(args: argparse.Namespace, n: int) -> dict[str, Any]:
             raise UsageError(
                 f"--pp {pp} stages need at least {pp} --layers (blocks), got {args.depth}"
             )
-        if args.device != "cpu":
-            raise UsageError(f"--strategy {strategy} runs on --device cpu")
         if pp > 1 and args.micro_batches < 1:
             raise UsageError("--micro-batches must be >= 1")
     if model == "transformer":
