@@ -84,6 +84,7 @@ CASES = {
         _3d(2, 2, 1),
         _3d(1, 2, 2, sequence_parallel=True, schedule="1f1b"),
         _3d(2, 1, 2),
+        _3d(2, 1, 2, sequence_parallel=True),  # dp overlapped, then the sp gradient sums
         _3d(2, 1, 2, zero=1),
         _3d(2, 2, 1, zero=2),
         _3d(2, 1, 2, zero=2, device="host-staged"),  # every buffer through the staged path

@@ -61,14 +61,16 @@ class AxisGroup:
         self.payload_bytes = 0
         self.sent_bytes = 0.0
 
-    def all_reduce(self, x: Any, op: str = "sum") -> Any:
-        """Reduce ``x`` in place over the axis; returns ``x``."""
-        if self.size > 1:
-            n = self.size
-            self.payload_bytes += int(x.nbytes)
-            self.sent_bytes += 2 * (n - 1) / n * x.nbytes
-            self.pg.all_reduce(self.as_comm(x), op=op)
-        return x
+    def all_reduce(self, x: Any, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``x`` in place over the axis; returns ``x`` (``async_op``: a Work, or
+        None for a group of one)."""
+        if self.size == 1:
+            return None if async_op else x
+        n = self.size
+        self.payload_bytes += int(x.nbytes)
+        self.sent_bytes += 2 * (n - 1) / n * x.nbytes
+        work = self.pg.all_reduce(self.as_comm(x), op=op, async_op=async_op)
+        return work if async_op else x
 
     def reduce_scatter(self, x: Any, out: Any) -> Any:
         """``out`` = this rank's row of the sum of ``x`` (``x.shape[0] == size``)."""

@@ -11,13 +11,16 @@
   ``cfg.micro_batches`` micro-batches run by the pipeline schedule of
   :func:`~ringcomm.schedule.pipeline.stage_orders` (``gpipe`` or ``1f1b``; with ``P = 1``
   one micro-batch). Activations go stage to stage between the ranks of equal tp index
-  (with sequence parallel each sends only its sequence shard). After the schedule:
-  under sequence parallel the gradients of the replicated parameters of the sequence
-  regions are all-reduced over tp (one packed buffer); then the gradients are summed over
-  dp: one all_reduce of the stage's flat gradient buffer, or with ``--zero 1|2`` a
-  reduce_scatter into each rank's shard, the optimizer step on the owned shard (its state
-  only) and an all_gather of the parameters (ZeRO-1 keeps the full gradient buffer; ZeRO-2
-  keeps a gradient shard and takes the accumulation buffer from a work pool each step).
+  (with sequence parallel each sends only its sequence shard).
+* Gradients: summed over dp by an async all_reduce of each layer's slice of the stage's
+  flat gradient buffer, started as soon as the stage's last backward action has passed the
+  layer (it overlaps the backward of the layers below, as Megatron's DDP does); under
+  sequence parallel the replicated parameters' gradients of the sequence regions are then
+  all-reduced over tp (one packed buffer; the two sums commute). With ``--zero 1|2`` the dp
+  sum is instead, after the schedule, a reduce_scatter into each rank's shard, the
+  optimizer step on the owned shard (its state only) and an all_gather of the parameters
+  (ZeRO-1 keeps the full gradient buffer; ZeRO-2 a gradient shard, the accumulation
+  buffer coming from a work pool each step).
 
 The loss is divided by the global number of tokens everywhere, so the sum over dp of the
 replicas' gradients is the full-batch gradient, and the run reproduces ``single``.
@@ -116,6 +119,13 @@ class Parallel3D(Strategy):
             if s.sp_reduce
         ]
         self.steps_done = 0
+        # dp without ZeRO: each layer's gradients are all-reduced (async) as soon as the
+        # stage's last backward action has passed the layer, overlapping the rest of it.
+        self.overlap_dp = not self.zero and self.mesh.dp.size > 1
+        self.last_backward = max(
+            (k for k, act in enumerate(self.order) if act.kind == BACKWARD), default=-1
+        )
+        self.dp_works: list[Any] = []
         #: Of the last step (the first one also sets up groups lazily): the most traced
         #: bytes held right after a forward action (the caches kept for backward) and the
         #: traced peak within the schedule, above the step's start (tracemalloc only).
@@ -146,7 +156,7 @@ class Parallel3D(Strategy):
             self.act_held_bytes = 0
             base = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
-        for act in self.order:
+        for k, act in enumerate(self.order):
             i = act.micro
             r0, r1 = self.micro[i]
             if act.kind == FORWARD:
@@ -184,6 +194,7 @@ class Parallel3D(Strategy):
                     dy,
                     self.pviews.__getitem__,
                     gviews.__getitem__,
+                    done=self._launch_dp(grads) if k == self.last_backward else None,
                 )
                 if not self.first:
                     sends.append(pp.isend(dx, dst=s - 1, tag=2 * i + 1))
@@ -193,8 +204,11 @@ class Parallel3D(Strategy):
         if tracing:
             peak = tracemalloc.get_traced_memory()[1] - base
             self.act_peak_bytes = peak
+        for w in self.dp_works:  # the dp sums are done before tp reads the buffer
+            w.wait()
+        self.dp_works.clear()
         if self.tpc.sequence_parallel:
-            self._reduce_sp_grads(gviews)
+            self._reduce_sp_grads(gviews)  # (sums commute: over dp, then over tp)
         self._update(grads)
         if self.pool is not None:
             self.pool.release(grads)
@@ -204,6 +218,19 @@ class Parallel3D(Strategy):
         buf = np.array([total], dtype=np.float64)
         self.mesh.dp.all_reduce(buf)  # the replicas' partial losses
         return float(buf[0])
+
+    def _launch_dp(self, grads: Any) -> Any:
+        """The ``done`` hook of the last backward: start layer ``i``'s dp all_reduce."""
+        if not self.overlap_dp:
+            return None
+
+        def done(i: int) -> None:
+            slots = self.layout.layer_slots(i - self.span[0])
+            if slots:
+                a, b = slots[0].offset, slots[-1].offset + slots[-1].size
+                self.dp_works.append(self.mesh.dp.all_reduce(grads[a:b], async_op=True))
+
+        return done
 
     def _reduce_sp_grads(self, gviews: dict[int, Any]) -> None:
         """Sum over tp the gradients each rank computed from its sequence shard only."""
@@ -219,8 +246,9 @@ class Parallel3D(Strategy):
 
     def _update(self, grads: Any) -> None:
         dp = self.mesh.dp
-        if not self.zero:
-            dp.all_reduce(grads)
+        if not self.zero:  # the dp all_reduces ran during the last backward (waited)
+            if not self.overlap_dp:
+                dp.all_reduce(grads)
             self.opt.step([(self.params, grads, 0)])
             return
         # ZeRO over dp: reduce-scatter the gradients, update the owned rows, gather params.
