@@ -8,9 +8,10 @@ Model (pre-norm, no dropout, untied LM head)::
     loss = sum over tokens of -log softmax(logits)[next token] / (batch * seq)
 
 Attention is causal multi-head self-attention (fused QKV projection without bias, softmax
-over earlier positions, output projection with bias); the MLP is ``d -> 4d -> d`` with GELU (tanh approximation,
-:class:`~ringcomm.engine.nn.GELU`; ``act="relu"`` for ReLU). Activations are
-``(batch, seq, d_model)``.
+over earlier positions, output projection with bias); the MLP is ``d -> 4d -> d`` with
+GELU (tanh approximation, :class:`~ringcomm.engine.nn.GELU`; ``act="relu"`` for ReLU).
+Activations are ``(batch, seq, d_model)``. The vocab-parallel loss is summed over tokens
+and divided by the *global* token count, so partial batches' gradients add up.
 
 Every layer takes a :class:`~ringcomm.engine.tp.TPContext`. With one rank (``single``, and
 ``dp``/``zero*``) every conjugate pair is the identity and the layers are the plain model.
