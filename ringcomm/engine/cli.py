@@ -1,4 +1,7 @@
-"""``ringcomm train --strategy S -n N``: train the synthetic MLP with one strategy.
+"""``ringcomm train --strategy S -n N``: train the synthetic MLP, or with ``--model
+transformer`` the small transformer, with one strategy (``tp``/``3d``: over the mesh
+``--dp x --pp x --tp``, which must multiply to ``-n``; :func:`_mesh_from_args` checks it
+and the tp splits before any rank starts).
 
 Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :class:`~ringcomm.engine.strategy.TrainConfig`; ``UsageError`` for what cannot run) ->
@@ -32,11 +35,13 @@ from .optim import OPTIMIZERS
 from .strategy import (
     DEVICES,
     STRATEGY_NAMES,
+    TRANSFORMER_STRATEGIES,
     StrategyUnavailable,
     TrainConfig,
     array_module,
 )
 from .train import summarize, train_rank
+from .transformer import check_tp_sizes
 
 #: Thread pools capped at one per rank (ranks share the cores).
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -71,9 +76,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``train`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "train",
-        help="train a small MLP with a parallel strategy (dp, ps, zero1/2/3, pipeline)",
-        description="Train an MLP on a seeded synthetic classification task with one "
-        "strategy over N local ranks. Every strategy computes the same losses as "
+        help="train a small MLP or transformer with a parallel strategy "
+        "(dp, ps, zero1/2/3, pipeline, tp, 3d)",
+        description="Train an MLP on a seeded synthetic classification task, or a small "
+        "transformer on a seeded next-token task, with one strategy over N local ranks. Every strategy computes the same losses as "
         "--strategy single for the same seed and global batch.",
     )
     d = TrainConfig  # the defaults, written once
@@ -111,6 +117,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     g.add_argument("--classes", type=int, default=d.classes)
     g.add_argument("--act", choices=("gelu", "relu"), default=d.act)
+    g.add_argument(
+        "--model",
+        choices=("mlp", "transformer"),
+        default=None,
+        help="mlp (default; tp and 3d: transformer)",
+    )
+    t = p.add_argument_group("transformer (--model transformer; --layers is its blocks)")
+    t.add_argument("--vocab", type=int, default=d.vocab)
+    t.add_argument("--seq-len", type=int, default=d.seq_len)
+    t.add_argument("--d-model", type=int, default=d.d_model)
+    t.add_argument("--heads", type=int, default=d.heads)
+    m = p.add_argument_group("mesh (--strategy tp | 3d): dp x pp x tp = -n")
+    m.add_argument("--tp", type=int, default=None, metavar="T", help="tensor-parallel ranks")
+    m.add_argument("--pp", type=int, default=None, metavar="P", help="pipeline stages (3d)")
+    m.add_argument("--dp", type=int, default=None, metavar="D", help="data-parallel replicas (3d)")
+    m.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="LayerNorm regions on sequence shards (all_gather / reduce_scatter for f / g)",
+    )
+    m.add_argument("--zero", type=int, choices=(1, 2), default=None, help="ZeRO over dp (3d)")
     b = p.add_argument_group("gradient buckets (dp, zero1, zero2)")
     bx = b.add_mutually_exclusive_group()
     bx.add_argument(
@@ -159,12 +186,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.classes < 2:
         raise UsageError("--classes must be >= 2")
-    if args.strategy == "pipeline":
+    mesh = _mesh_from_args(args, n)
+    if args.strategy == "3d":
+        if args.batch_size < mesh["dp"] * (args.micro_batches if mesh["pp"] > 1 else 1):
+            raise UsageError(
+                f"--batch-size {args.batch_size} leaves a replica a micro-batch without rows "
+                f"(--dp {mesh['dp']}, --micro-batches {args.micro_batches})"
+            )
+    elif args.strategy == "pipeline":
         if not 1 <= args.micro_batches <= args.batch_size:
             raise UsageError(f"--micro-batches must be in [1, --batch-size {args.batch_size}]")
         if 3 * args.depth + 1 < n:
             raise UsageError(f"pipeline: {3 * args.depth + 1} layers cannot fill {n} stages")
-    elif args.batch_size < n:
+    elif args.strategy != "tp" and args.batch_size < n:
         raise UsageError(f"--batch-size {args.batch_size} leaves ranks without rows at -n {n}")
     if args.bucket_bytes is not None:
         bucket = args.bucket_bytes
@@ -220,6 +254,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         elastic=args.elastic,
         max_restarts=args.max_restarts,
         fail_at=fail_at,
+        **mesh,
     )
 
 
@@ -246,6 +281,73 @@ def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, int], ..
     if len({s for s, _ in pairs}) >= n:
         raise UsageError("--fail-at: at least one rank must survive")
     return tuple(pairs)
+
+
+def _mesh_from_args(args: argparse.Namespace, n: int) -> dict[str, Any]:
+    """The model and mesh fields of the config; UsageError for a mesh that does not
+    multiply to ``n``, sizes that do not split over tp, options of the wrong strategy."""
+    strategy = args.strategy
+    parallel = strategy in ("tp", "3d")
+    model = args.model or ("transformer" if parallel else "mlp")
+    if model == "transformer" and strategy not in TRANSFORMER_STRATEGIES:
+        raise UsageError(
+            f"--model transformer runs with --strategy {', '.join(TRANSFORMER_STRATEGIES)} "
+            "(pipeline stages of blocks: --strategy 3d --pp P)"
+        )
+    if model == "transformer" and args.device == "cuda":
+        raise UsageError("--model transformer runs on --device cpu or host-staged (not yet cuda)")
+    if parallel and model != "transformer":
+        raise UsageError(f"--strategy {strategy} trains --model transformer")
+    if not parallel:
+        for flag in ("tp", "pp", "dp", "zero"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag} needs --strategy tp or 3d")
+        if args.sequence_parallel:
+            raise UsageError("--sequence-parallel needs --strategy tp or 3d")
+    if strategy == "tp":
+        if args.pp not in (None, 1) or args.dp not in (None, 1) or args.zero is not None:
+            raise UsageError("--strategy tp is tensor parallel only: use 3d for --pp/--dp/--zero")
+        tp, pp, dp = args.tp if args.tp is not None else n, 1, 1
+    else:
+        tp, pp, dp = (
+            getattr(args, a) if getattr(args, a) is not None else 1 for a in ("tp", "pp", "dp")
+        )
+    if parallel:
+        if min(tp, pp, dp) < 1:
+            raise UsageError("--tp, --pp and --dp must be >= 1")
+        if tp * pp * dp != n:
+            raise UsageError(
+                f"mesh --dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} does not multiply "
+                f"to -n {n}"
+            )
+        if args.zero is not None and dp == 1:
+            raise UsageError("--zero shards over the dp axis: it needs --dp > 1")
+        if pp > args.depth:
+            raise UsageError(
+                f"--pp {pp} stages need at least {pp} --layers (blocks), got {args.depth}"
+            )
+        if pp > 1 and args.micro_batches < 1:
+            raise UsageError("--micro-batches must be >= 1")
+    if model == "transformer":
+        problem = check_tp_sizes(
+            args.vocab, args.seq_len, args.d_model, args.heads, tp, args.sequence_parallel
+        )
+        if problem is not None:
+            raise UsageError(problem)
+        if args.vocab < 2:
+            raise UsageError("--vocab must be >= 2")
+    return {
+        "model": model,
+        "vocab": args.vocab,
+        "seq_len": args.seq_len,
+        "d_model": args.d_model,
+        "heads": args.heads,
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "sequence_parallel": bool(args.sequence_parallel and parallel),
+        "zero": args.zero or 0,
+    }
 
 
 def _mib(nbytes: float) -> str:
@@ -278,6 +380,20 @@ def format_summary(result: dict[str, Any]) -> str:
             f"{result['bubble_fraction']:.3f} measured, {result['bubble_fraction_theory']:.3f} "
             "= (p-1)/(m+p-1)"
         )
+    if "mesh_shape" in result:
+        ms = result["mesh_shape"]
+        lines.append(
+            f"mesh dp {ms['dp']} x pp {ms['pp']} x tp {ms['tp']}"
+            + (", sequence parallel" if result.get("sequence_parallel") else "")
+            + (f", ZeRO-{result['zero']} over dp" if result.get("zero") else "")
+            + "; sent MiB/step by axis (ring count):"
+        )
+        for r in result["per_rank"]:
+            c, by = r["mesh"], r["sent_bytes_per_step_by_axis"]
+            lines.append(
+                f"{r['rank']:5d} (dp {c['dp']}, pp {c['pp']}, tp {c['tp']})  "
+                + "  ".join(f"{a} {by[a] / 2**20:.3f}" for a in ("dp", "pp", "tp"))
+            )
     if "ps" in result:
         ps = result["ps"]
         lines.append(

@@ -30,6 +30,8 @@ __all__ = [
     "SoftmaxCrossEntropy",
     "backward_layers",
     "forward_layers",
+    "layer_norm_backward",
+    "layer_norm_forward",
     "mlp",
 ]
 
@@ -142,23 +144,36 @@ class LayerNorm(Layer):
         p["beta"][...] = 0
 
     def forward(self, p: Params, x: Any) -> tuple[Any, Any]:
-        xp = get_xp(x)
-        mu = x.mean(axis=1, keepdims=True)
-        xc = x - mu
-        rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=1, keepdims=True) + self.eps)
-        xhat = xc * rstd
-        return xhat * p["gamma"] + p["beta"], (xhat, rstd)
+        return layer_norm_forward(x, p["gamma"], p["beta"], self.eps)
 
     def backward(self, p: Params, g: Params, cache: Any, dy: Any) -> Any:
-        xhat, rstd = cache
-        g["gamma"] += (dy * xhat).sum(axis=0)
-        g["beta"] += dy.sum(axis=0)
-        dxhat = dy * p["gamma"]
-        return rstd * (
-            dxhat
-            - dxhat.mean(axis=1, keepdims=True)
-            - xhat * (dxhat * xhat).mean(axis=1, keepdims=True)
-        )
+        dx, dgamma, dbeta = layer_norm_backward(p["gamma"], cache, dy)
+        g["gamma"] += dgamma
+        g["beta"] += dbeta
+        return dx
+
+
+def layer_norm_forward(x: Any, gamma: Any, beta: Any, eps: float = 1e-5) -> tuple[Any, Any]:
+    """Normalise over the last axis (features), then ``* gamma + beta``."""
+    xp = get_xp(x)
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc * rstd
+    return xhat * gamma + beta, (xhat, rstd)
+
+
+def layer_norm_backward(gamma: Any, cache: Any, dy: Any) -> tuple[Any, Any, Any]:
+    """``(dx, dgamma, dbeta)``; the parameter gradients summed over every leading axis."""
+    xhat, rstd = cache
+    lead = tuple(range(dy.ndim - 1))
+    dxhat = dy * gamma
+    dx = rstd * (
+        dxhat
+        - dxhat.mean(axis=-1, keepdims=True)
+        - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    )
+    return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead)
 
 
 class SoftmaxCrossEntropy:

@@ -17,8 +17,11 @@ and is registered by name in :data:`STRATEGIES` (``name -> "module:Class"``, imp
 use). A strategy talks only to its ``ProcessGroup``; it may split it (``pg.new_group``),
 as the parameter-server strategy (:mod:`~ringcomm.engine.ps`, ``ps``) does for its
 servers and workers from ``cfg.ps_servers``, ``cfg.consistency``, ``cfg.staleness`` and
-``cfg.ps_update``. Every strategy must reproduce ``single``: the same
-global batch per step (:class:`~ringcomm.engine.data.SyntheticClassification`), the same
+``cfg.ps_update``, and as ``tp``/``3d`` (:mod:`~ringcomm.engine.parallel`) do for their
+mesh (``cfg.dp``, ``cfg.pp``, ``cfg.tp``). Every strategy must reproduce ``single``: the same
+global batch per step (:meth:`TrainConfig.build_data`: the MLP's
+:class:`~ringcomm.engine.data.SyntheticClassification` or the transformer's
+:class:`~ringcomm.engine.data.SyntheticNextToken`, ``cfg.model``), the same
 seeded initialisation (:func:`~ringcomm.engine.params.init_layer`), the loss summed over
 the global batch and divided by its size.
 
@@ -47,12 +50,15 @@ from ringcomm.device.standin import StandinArray
 from ringcomm.device.xp import cupy_or_none
 from ringcomm.schedule.partition import split_rows
 
-from .data import SyntheticClassification
+from .data import SyntheticClassification, SyntheticNextToken
 from .nn import Layer, SoftmaxCrossEntropy, backward_layers, forward_layers, mlp
+from .tp import TPContext
+from .transformer import VocabParallelCrossEntropy, transformer
 
 __all__ = [
     "DEVICES",
     "STRATEGIES",
+    "TRANSFORMER_STRATEGIES",
     "Strategy",
     "StrategyUnavailable",
     "TrainConfig",
@@ -71,9 +77,13 @@ STRATEGIES: dict[str, str] = {
     "zero2": "ringcomm.engine.zero:Zero2",
     "zero3": "ringcomm.engine.zero:Zero3",
     "pipeline": "ringcomm.engine.pipeline:Pipeline",
+    "tp": "ringcomm.engine.parallel:TensorParallel",
+    "3d": "ringcomm.engine.parallel:Parallel3D",
 }
 #: Every name ``--strategy`` accepts (DESIGN.md §2), registered or not.
-STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline")
+STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline", "tp", "3d")
+#: The strategies that run ``--model transformer``.
+TRANSFORMER_STRATEGIES = ("single", "dp", "zero1", "zero2", "zero3", "tp", "3d")
 #: What ``--device`` accepts: NumPy, CuPy on a GPU, NumPy through the staged device path.
 DEVICES = ("cpu", "cuda", "host-staged")
 
@@ -116,9 +126,40 @@ class TrainConfig:
     elastic: bool = False
     max_restarts: int = 0
     fail_at: tuple[tuple[int, int], ...] = ()  # (slot, step): that slot's first process dies
+    # The transformer (--model transformer; ``depth`` is its number of blocks).
+    model: str = "mlp"
+    vocab: int = 64
+    seq_len: int = 16
+    d_model: int = 32
+    heads: int = 4
+    # The mesh (strategies tp and 3d, ringcomm/engine/parallel.py): dp x pp x tp ranks.
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0  # ZeRO stage over the dp axis (3d): 0, 1 or 2
 
-    def build_model(self) -> list[Layer]:
+    def build_model(self, tp: TPContext | None = None) -> list[Layer]:
+        """The model's layers (the transformer's over the tp group ``tp``; None: one rank)."""
+        if self.model == "transformer":
+            return transformer(
+                self.vocab, self.seq_len, self.d_model, self.heads, self.depth, tp, self.act
+            )
         return mlp(self.in_features, self.hidden, self.depth, self.classes, self.act)
+
+    def build_data(self) -> Any:
+        """The seeded task: next tokens (transformer) or classes (MLP)."""
+        if self.model == "transformer":
+            return SyntheticNextToken(self.vocab, self.seq_len, self.batch_size, self.seed)
+        return SyntheticClassification(
+            self.in_features, self.classes, self.batch_size, self.seed, np.dtype(self.dtype)
+        )
+
+    def build_loss(self, tp: TPContext | None = None) -> Any:
+        """The loss head, divided by the global batch (in tokens for the transformer)."""
+        if self.model == "transformer":
+            return VocabParallelCrossEntropy(self.batch_size * self.seq_len, tp)
+        return SoftmaxCrossEntropy(scale=self.batch_size)
 
 
 def array_module(device: str) -> ModuleType:
@@ -192,10 +233,8 @@ class Strategy:
         self.as_comm: Any = StandinArray if cfg.device == "host-staged" else _as_is
         self.dtype = np.dtype(cfg.dtype)
         self.layers = cfg.build_model()
-        self.data = SyntheticClassification(
-            cfg.in_features, cfg.classes, cfg.batch_size, cfg.seed, self.dtype
-        )
-        self.loss = SoftmaxCrossEntropy(scale=cfg.batch_size)
+        self.data = cfg.build_data()
+        self.loss = cfg.build_loss()
         if self.splits_batch:
             self.rows = split_rows(cfg.batch_size, self.n)[self.rank]
         else:

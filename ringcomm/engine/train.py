@@ -33,6 +33,12 @@ __all__ = ["describe_model", "summarize", "train_rank"]
 
 def describe_model(cfg: TrainConfig, numel: int) -> str:
     itemsize = 8 if cfg.dtype == "float64" else 4
+    if cfg.model == "transformer":
+        return (
+            f"transformer vocab {cfg.vocab}, seq {cfg.seq_len}, d_model {cfg.d_model}, "
+            f"{cfg.heads} heads, {cfg.depth} blocks ({cfg.act}): {numel:,} parameters, "
+            f"{numel * itemsize / 2**20:.1f} MiB in {cfg.dtype}"
+        )
     return (
         f"MLP {cfg.in_features}-{cfg.hidden}x{cfg.depth}-{cfg.classes} ({cfg.act}, layernorm): "
         f"{numel:,} parameters, {numel * itemsize / 2**20:.1f} MiB in {cfg.dtype}"
@@ -180,11 +186,29 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
             "classes": cfg.classes,
             "act": cfg.act,
             "params": per_rank[0]["numel"],
+            "kind": cfg.model,
+            **(
+                {
+                    "vocab": cfg.vocab,
+                    "seq_len": cfg.seq_len,
+                    "d_model": cfg.d_model,
+                    "heads": cfg.heads,
+                    "blocks": cfg.depth,
+                }
+                if cfg.model == "transformer"
+                else {}
+            ),
         },
         "step_times_s": step_max,
     }
     if cfg.strategy in ("dp", "zero1", "zero2"):
         out["bucket_bytes"] = cfg.bucket_bytes
+    if cfg.strategy in ("tp", "3d"):
+        extra0 = per_rank[0]["extra"]
+        out["mesh_shape"] = extra0["mesh_shape"]
+        out["sequence_parallel"] = extra0["sequence_parallel"]
+        if cfg.strategy == "3d":
+            out.update(micro_batches=cfg.micro_batches, schedule=cfg.schedule, zero=cfg.zero)
     if cfg.strategy == "ps":
         from .ps import ps_summary
 

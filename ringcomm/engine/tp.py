@@ -1,0 +1,208 @@
+"""Tensor parallelism's building blocks: the conjugate pairs and sharded parameters.
+
+The pairs (Megatron-LM's ``mappings.py``, picotron's ``tensor_parallel.py``), each a forward
+and its backward side by side, over the tensor-parallel group ``tp.group`` (a
+:class:`~ringcomm.engine.mesh.AxisGroup`, passed explicitly: there is no global parallel
+state):
+
+* :class:`CopyToTP` (Megatron's *f*): identity forward, all_reduce backward. Placed where
+  a replicated activation enters a column-parallel layer: every rank's partial input
+  gradient is summed.
+* :class:`ReduceFromTP` (*g*): all_reduce forward, identity backward. Placed after a
+  row-parallel layer: the ranks' partial outputs are summed.
+* :class:`GatherFromSequence` (*f* under sequence parallelism): all_gather along the
+  sequence forward, reduce_scatter along it backward.
+* :class:`ReduceScatterToSequence` (*g* under sequence parallelism): reduce_scatter along
+  the sequence forward, all_gather backward.
+
+Activations are ``(batch, seq, features)``; the sequence is axis 1. :func:`enter_tp` and
+:func:`exit_tp` pick the pair of a :class:`TPContext` (plain or sequence parallel); with a
+group of one rank (the ``single`` model) every pair is the identity.
+
+Parameters: a layer describes each parameter by a :class:`ParamSpec` (its master shape and
+how it splits over the tp ranks). Every rank draws the same seeded *master* weights and
+keeps its slice (:func:`shard`), so a tp run starts from exactly ``single``'s parameters;
+:func:`unshard` puts the gathered slices back together (for export and comparison).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ringcomm.device.xp import get_xp
+
+__all__ = [
+    "CopyToTP",
+    "GatherFromSequence",
+    "ParamSpec",
+    "ReduceFromTP",
+    "ReduceScatterToSequence",
+    "TPContext",
+    "enter_tp",
+    "exit_tp",
+    "local_shape",
+    "shard",
+    "unshard",
+]
+
+
+class TPContext(NamedTuple):
+    """This rank's place in its tensor-parallel group: the group (None: no tp), this
+    rank's index in it and its size, and whether sequence parallelism is on."""
+
+    group: Any = None
+    rank: int = 0
+    size: int = 1
+    sequence_parallel: bool = False
+
+    @classmethod
+    def of(cls, group: Any, sequence_parallel: bool = False) -> TPContext:
+        if group is None or group.size == 1:
+            return cls()
+        return cls(group, group.rank, group.size, sequence_parallel)
+
+
+# -- the conjugate pairs ---------------------------------------------------------------
+class CopyToTP:
+    """f: identity forward, all_reduce (sum) of the input gradient backward."""
+
+    @staticmethod
+    def forward(tp: TPContext, x: Any) -> Any:
+        return x
+
+    @staticmethod
+    def backward(tp: TPContext, dy: Any) -> Any:
+        if tp.size == 1:
+            return dy
+        return tp.group.all_reduce(get_xp(dy).ascontiguousarray(dy))
+
+
+class ReduceFromTP:
+    """g: all_reduce (sum) of the partial outputs forward, identity backward."""
+
+    @staticmethod
+    def forward(tp: TPContext, x: Any) -> Any:
+        if tp.size == 1:
+            return x
+        return tp.group.all_reduce(get_xp(x).ascontiguousarray(x))
+
+    @staticmethod
+    def backward(tp: TPContext, dy: Any) -> Any:
+        return dy
+
+
+def _gather_seq(tp: TPContext, x: Any) -> Any:
+    """``(b, s, d)`` shards -> ``(b, T*s, d)``, rank t's shard at sequence block t."""
+    xp = get_xp(x)
+    b, s, d = x.shape
+    out = xp.empty((tp.size, b, s, d), x.dtype)
+    tp.group.all_gather(xp.ascontiguousarray(x), out=out)
+    return out.transpose(1, 0, 2, 3).reshape(b, tp.size * s, d)
+
+
+def _reduce_scatter_seq(tp: TPContext, x: Any) -> Any:
+    """``(b, S, d)`` partial sums -> this rank's sequence block ``(b, S/T, d)`` of the sum."""
+    xp = get_xp(x)
+    b, S, d = x.shape
+    rows = xp.ascontiguousarray(x.reshape(b, tp.size, S // tp.size, d).transpose(1, 0, 2, 3))
+    out = xp.empty((b, S // tp.size, d), x.dtype)
+    tp.group.reduce_scatter(rows, out=out)
+    return out
+
+
+class GatherFromSequence:
+    """f under sequence parallelism: all_gather along the sequence forward,
+    reduce_scatter along it backward."""
+
+    @staticmethod
+    def forward(tp: TPContext, x: Any) -> Any:
+        return x if tp.size == 1 else _gather_seq(tp, x)
+
+    @staticmethod
+    def backward(tp: TPContext, dy: Any) -> Any:
+        return dy if tp.size == 1 else _reduce_scatter_seq(tp, dy)
+
+
+class ReduceScatterToSequence:
+    """g under sequence parallelism: reduce_scatter along the sequence forward,
+    all_gather backward."""
+
+    @staticmethod
+    def forward(tp: TPContext, x: Any) -> Any:
+        return x if tp.size == 1 else _reduce_scatter_seq(tp, x)
+
+    @staticmethod
+    def backward(tp: TPContext, dy: Any) -> Any:
+        return dy if tp.size == 1 else _gather_seq(tp, dy)
+
+
+def enter_tp(tp: TPContext) -> type[CopyToTP | GatherFromSequence]:
+    """The pair before a column-parallel layer: f, or all_gather under sequence parallel."""
+    return GatherFromSequence if tp.sequence_parallel else CopyToTP
+
+
+def exit_tp(tp: TPContext) -> type[ReduceFromTP | ReduceScatterToSequence]:
+    """The pair after a row-parallel layer: g, or reduce_scatter under sequence parallel."""
+    return ReduceScatterToSequence if tp.sequence_parallel else ReduceFromTP
+
+
+# -- sharded parameters ----------------------------------------------------------------
+class ParamSpec(NamedTuple):
+    """A parameter: its master ``shape``; ``dim``, the master axis split over the tp ranks
+    (None: replicated on every rank); ``view`` and ``split``, when the split is not one
+    contiguous block of ``dim`` (fused QKV: ``(d, 3, heads, head_dim)`` split on the
+    heads axis), the master reshaped to ``view`` and split on its axis ``split``.
+    ``sp_reduce``: a replicated parameter whose gradient each rank computes from its
+    sequence shard only under sequence parallelism (LayerNorms, biases after a g,
+    positions), so it is all-reduced over the tp group."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int | None = None
+    view: tuple[int, ...] | None = None
+    split: int | None = None
+    sp_reduce: bool = False
+
+    def views(self) -> tuple[tuple[int, ...], int]:
+        if self.dim is None:
+            raise ValueError(f"{self.name} is replicated")
+        if self.view is None:
+            return self.shape, self.dim
+        assert self.split is not None
+        return self.view, self.split
+
+
+def local_shape(spec: ParamSpec, size: int) -> tuple[int, ...]:
+    """This rank's shape of ``spec`` over ``size`` tp ranks."""
+    if spec.dim is None or size == 1:
+        return spec.shape
+    view, axis = spec.views()
+    if view[axis] % size:
+        raise ValueError(f"{spec.name}: {view[axis]} does not split over {size} ranks")
+    shape = list(spec.shape)
+    shape[spec.dim] //= size
+    return tuple(shape)
+
+
+def shard(spec: ParamSpec, master: np.ndarray, rank: int, size: int) -> np.ndarray:
+    """Rank ``rank``'s slice of the host ``master`` array."""
+    if spec.dim is None or size == 1:
+        return master
+    view, axis = spec.views()
+    n = view[axis] // size
+    index = (slice(None),) * axis + (slice(rank * n, (rank + 1) * n),)
+    return master.reshape(view)[index].reshape(local_shape(spec, size))
+
+
+def unshard(spec: ParamSpec, pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """The master array from every rank's slice, in rank order (the inverse of :func:`shard`)."""
+    if spec.dim is None or len(pieces) == 1:
+        return np.asarray(pieces[0])
+    view, axis = spec.views()
+    local_view = list(view)
+    local_view[axis] //= len(pieces)
+    parts = [np.asarray(p).reshape(local_view) for p in pieces]
+    return np.concatenate(parts, axis=axis).reshape(spec.shape)
