@@ -1,6 +1,6 @@
 """What ``docs/examples/collectives.py`` prints under any launcher, and how to read it.
 
-Shared by the mpirun and Slurm tests: each launches the example, parses its ``RESULT`` lines
+Shared by the mpirun and Slurm tests (and :func:`slurm_unavailable`, the needs_slurm check): each launches the example, parses its ``RESULT`` lines
 with :func:`parse_results` and compares them with :func:`expected_results` (computed from rank
 and world size alone) and with what ``ringcomm run`` prints for the same world size.
 """
@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "docs" / "examples" / "collectives.py"
 SBATCH_EXAMPLE = REPO / "docs" / "examples" / "collectives.sbatch"
+#: Where scripts/slurm_localhost.sh writes its slurm.conf (default RINGCOMM_SLURM_DIR).
+SLURM_TESTBED_CONF = (
+    Path(os.environ.get("RINGCOMM_SLURM_DIR") or Path(tempfile.gettempdir()) / "ringcomm-slurm")
+    / "slurm.conf"
+)
 _RESULT = re.compile(r"RESULT (\d+) (\d+) (\{[^{}]*\})")  # the results hold no braces
 
 #: Variables that would hand a launched rank its rendezvous from outside the launcher.
@@ -41,7 +48,13 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment without launcher variables, with the repository first on
     PYTHONPATH (so launched ranks import this checkout's ringcomm)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env = {k: v for k, v in env.items() if not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
+    env = {
+        k: v
+        for k, v in env.items()
+        if not k.startswith(("OMPI_", "PMIX_", "SLURM_")) or k == "SLURM_CONF"
+    }
+    if "SLURM_CONF" not in env and SLURM_TESTBED_CONF.is_file():
+        env["SLURM_CONF"] = str(SLURM_TESTBED_CONF)
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{path}" if path else str(REPO)
     env.update(extra or {})
@@ -93,3 +106,30 @@ def ringcomm_run(world: int, timeout_s: float = 120.0) -> dict[int, dict[str, An
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return assert_results(proc.stdout, world)
+
+
+def slurm_unavailable() -> str | None:
+    """Why the needs_slurm tests cannot run here (None: they can): srun/sbatch/sinfo on PATH
+    and a controller that answers with an idle node (SLURM_CONF, else the test bed's)."""
+    missing = [b for b in ("srun", "sbatch", "sinfo") if shutil.which(b) is None]
+    if missing:
+        return f"{', '.join(missing)} not on PATH (apt-get install slurm-wlm munge)"
+    how = "start one: scripts/slurm_localhost.sh start"
+    try:
+        proc = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"sinfo got no answer from a Slurm controller in 15 s ({how})"
+    states = set(proc.stdout.split())
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return f"no Slurm controller answers: sinfo: {why[0]} ({how})"
+    if not states & {"idle", "mixed"}:
+        return f"no idle Slurm node (sinfo states: {sorted(states) or 'none'}; {how})"
+    return None
