@@ -1,13 +1,16 @@
 """``mpirun -np N python x.py`` on one host with nothing exported (DESIGN.md §1).
 
 The derivation itself (address 127.0.0.1, a port from Open MPI's job id) is unit-tested in
-test_config.py; here: a real ``mpirun`` (marker needs_mpi) and the error when the derived
+test_config.py; here: a real ``mpirun`` (marker needs_mpi), the torch backend under it through
+ringcomm's resolution (needs_torch too), and the error when the derived
 port is taken.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -44,6 +47,17 @@ def test_mpirun_on_one_host_needs_no_exports(world: int) -> None:
     proc = _mpirun(world, sys.executable, str(EXAMPLE))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_results(proc.stdout, world)
+
+
+@pytest.mark.needs_mpi
+@pytest.mark.needs_torch
+def test_torch_backend_under_mpirun_with_ringcomm_resolution() -> None:
+    proc = _mpirun(2, sys.executable, str(EXAMPLE.parent / "torch_mpirun.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = sorted(re.findall(r"TORCH (\d+) (\[[^\]]*\])", proc.stdout))
+    assert [rank for rank, _ in found] == ["0", "1"], proc.stdout
+    for _, values in found:
+        assert json.loads(values) == [0.0, 3.0, 6.0, 9.0]
 
 
 def test_derived_port_taken_is_a_clear_error() -> None:
