@@ -115,10 +115,18 @@ def slurm_unavailable() -> str | None:
     if missing:
         return f"{', '.join(missing)} not on PATH (apt-get install slurm-wlm munge)"
     how = "start one: scripts/slurm_localhost.sh start"
+    env = clean_env()
+    conf = env.get("SLURM_CONF")
+    if conf is None and not Path("/etc/slurm/slurm.conf").is_file():
+        return f"no slurm.conf (SLURM_CONF unset, no /etc/slurm/slurm.conf; {how})"
+    if conf == str(SLURM_TESTBED_CONF) and not _pid_alive(
+        SLURM_TESTBED_CONF.parent / "slurmctld.pid"
+    ):
+        return f"the test bed's slurmctld is not running ({how})"  # sinfo would retry ~10 s
     try:
         proc = subprocess.run(
             ["sinfo", "-h", "-o", "%T"],
-            env=clean_env(),
+            env=env,
             capture_output=True,
             text=True,
             timeout=15,
@@ -133,3 +141,13 @@ def slurm_unavailable() -> str | None:
     if not states & {"idle", "mixed"}:
         return f"no idle Slurm node (sinfo states: {sorted(states) or 'none'}; {how})"
     return None
+
+
+def _pid_alive(pidfile: Path) -> bool:
+    try:
+        os.kill(int(pidfile.read_text().strip()), 0)
+    except PermissionError:
+        return True  # alive, someone else's
+    except (OSError, ValueError):
+        return False
+    return True
