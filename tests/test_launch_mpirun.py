@@ -2,8 +2,8 @@
 
 The derivation itself (address 127.0.0.1, a port from Open MPI's job id) is unit-tested in
 test_config.py; here: a real ``mpirun`` (marker needs_mpi), the torch backend under it through
-ringcomm's resolution (needs_torch too), and the error when the derived
-port is taken.
+ringcomm's resolution (needs_torch too), and the error when a derived port (mpirun's or
+srun's) is taken.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from launcher_results import EXAMPLE, assert_results, clean_env
 
 import ringcomm as rc
-from ringcomm.config import mpirun_master_port
+from ringcomm.config import mpirun_master_port, slurm_master_port
 from ringcomm.errors import RendezvousError
 
 
@@ -60,9 +60,30 @@ def test_torch_backend_under_mpirun_with_ringcomm_resolution() -> None:
         assert json.loads(values) == [0.0, 3.0, 6.0, 9.0]
 
 
-def test_derived_port_taken_is_a_clear_error() -> None:
-    job = "ringcomm-test-port-taken"
-    port = mpirun_master_port(job)
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_derived_port_taken_is_a_clear_error(launcher: str) -> None:
+    if launcher == "mpirun":
+        job = "ringcomm-test-port-taken"
+        port = mpirun_master_port(job)
+        env = {
+            "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "PMIX_NAMESPACE": job,
+        }
+        origin = f"derived from Open MPI's job id (PMIX_NAMESPACE={job})"
+        how = "mpirun -x MASTER_PORT="
+    else:
+        job = "987654"
+        port = slurm_master_port(int(job))
+        env = {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_JOB_ID": job,
+        }
+        origin = f"derived from the Slurm job id (SLURM_JOB_ID={job})"
+        how = "export MASTER_PORT=29500 before srun"
     holder = socket.socket()
     try:
         holder.bind(("127.0.0.1", port))
@@ -70,17 +91,11 @@ def test_derived_port_taken_is_a_clear_error() -> None:
         holder.close()
         pytest.skip(f"port {port} is in use already")
     holder.listen()
-    env = {
-        "OMPI_COMM_WORLD_RANK": "0",
-        "OMPI_COMM_WORLD_SIZE": "2",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-        "PMIX_NAMESPACE": job,
-    }
     try:
         with pytest.raises(RendezvousError) as info:
             rc.init_process_group(env=env, timeout_s=5)
     finally:
         holder.close()
     text = str(info.value)
-    assert f"Port {port} was derived from Open MPI's job id (PMIX_NAMESPACE={job})" in text
-    assert "is taken" in text and "mpirun -x MASTER_PORT=" in text
+    assert f"Port {port} was {origin} and is taken" in text, text
+    assert how in text, text
