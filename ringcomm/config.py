@@ -13,6 +13,12 @@ Each setting is resolved on its own, the first source that has it wins (DESIGN.m
 5. ``PMI_RANK`` / ``PMI_SIZE`` / ``MPI_LOCALRANKID`` (MPICH, Intel MPI);
 6. ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` (srun).
 
+Under srun with no store address or port, the first host of ``SLURM_JOB_NODELIST`` and a
+port derived from ``SLURM_JOB_ID`` serve (:func:`slurm_master_port`). Under mpirun with
+every rank on one host (``OMPI_COMM_WORLD_LOCAL_SIZE == OMPI_COMM_WORLD_SIZE``) and no
+port, 127.0.0.1 and a port derived from Open MPI's job id serve (:func:`mpirun_job_id`,
+:func:`mpirun_master_port`); across hosts mpirun needs ``MASTER_ADDR``/``MASTER_PORT``.
+
 With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at port 0
 ("pick a free one"). Tunables: ``RINGCOMM_TIMEOUT_S``, ``RINGCOMM_TOKEN``,
 ``RINGCOMM_CHUNK_BYTES`` (suffixes K/M/G), ``RINGCOMM_ALGO``, ``RINGCOMM_LOG``,
@@ -40,6 +46,7 @@ import math
 import numbers
 import os
 import re
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +59,7 @@ __all__ = [
     "DEFAULT_PS_LOG_LEVEL",
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "MPIRUN_JOB_ID_VARS",
     "PS_LOG_LEVELS",
     "TRANSPORT_MODES",
     "InitConfig",
@@ -62,6 +70,8 @@ __all__ = [
     "env_master_addr",
     "env_token",
     "format_size",
+    "mpirun_job_id",
+    "mpirun_master_port",
     "parse_size",
     "parse_slurm_nodelist",
     "ps_log_level",
@@ -156,6 +166,14 @@ _SOURCE_ORDER = ("explicit",) + tuple(c[0] for c in _CONVENTIONS) + ("singleton"
 
 _SLURM_PORT_BASE = 20000
 _SLURM_PORT_SPAN = 40000  # derived ports fall in 20000..59999
+# mpirun's derived ports fall in 61000..65535: above Linux's default ephemeral range
+# (32768..60999), so no outgoing connection holds one by chance.
+_MPIRUN_PORT_BASE = 61000
+_MPIRUN_PORT_SPAN = 4536
+#: Where Open MPI names its job, read in this order (the first set one wins): PMIx's
+#: namespace (Open MPI 4 and 5), then the ORTE job id (4.x: ``ess_base_jobid``; older
+#: releases ``orte_ess_jobid``). Every rank of one ``mpirun`` sees the same value.
+MPIRUN_JOB_ID_VARS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid")
 
 
 @dataclass(frozen=True)
@@ -218,6 +236,9 @@ class InitConfig:
     #: How many times the launcher restarted this rank (``RINGCOMM_RESTART``, set by
     #: ``ringcomm run --max-restarts``): > 0 joins the running job (``ProcessGroup.grow``).
     restart: int = 0
+    #: Where :attr:`master_port` came from when no one set it, for error messages, e.g.
+    #: ``"derived from Open MPI's job id (PMIX_NAMESPACE=...)"``; None: it was set.
+    master_port_origin: str | None = None
 
     @property
     def effective_chunk_bytes(self) -> int:
@@ -367,6 +388,21 @@ def parse_slurm_nodelist(text: str) -> list[str]:
 def slurm_master_port(job_id: int) -> int:
     """The store port every rank of Slurm job ``job_id`` agrees on: 20000 + id % 40000."""
     return _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
+
+
+def mpirun_job_id(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(variable, value)`` naming this Open MPI job (:data:`MPIRUN_JOB_ID_VARS`), or None."""
+    for name in MPIRUN_JOB_ID_VARS:
+        value = (env.get(name) or "").strip()
+        if value:
+            return name, value
+    return None
+
+
+def mpirun_master_port(job_id: str) -> int:
+    """The store port every rank of Open MPI job ``job_id`` agrees on:
+    61000 + crc32(job_id) % 4536 (61000..65535; a stable hash, the same in every process)."""
+    return _MPIRUN_PORT_BASE + zlib.crc32(job_id.encode()) % _MPIRUN_PORT_SPAN
 
 
 def _lookup(env: Mapping[str, str], setting: str) -> _Found | None:
@@ -568,8 +604,12 @@ def resolve_init_config(
             port_f = _Found(port, "MASTER_PORT+1", "torchrun", "torchrun agent store")
     if port_f is not None and port is not None and not 0 <= port <= 65535:
         raise RendezvousError(f"{port_f.describe()} is not in 0..65535 {_origin(port_f)}")
+    port_origin: str | None = None
     if source == "slurm" and world > 1 and (addr is None or port is None):
-        addr, port = _slurm_defaults(env, addr, port)
+        addr, port, port_origin = _slurm_defaults(env, addr, port)
+    spans_hosts = ""
+    if source == "mpirun" and world > 1 and port is None:
+        port, port_origin, spans_hosts = _mpirun_defaults(env, world)
 
     if world > 1:
         if addr is None:
@@ -579,7 +619,7 @@ def resolve_init_config(
             raise RendezvousError(
                 f"world_size={world} {_origin(world_f)} but no store port to meet at{given}: "
                 "pass master_port= or set RINGCOMM_MASTER_PORT (or MASTER_PORT); "
-                "port 0 only works for a single process"
+                f"port 0 only works for a single process{spans_hosts}"
             )
     else:
         addr = addr if addr is not None else DEFAULT_MASTER_ADDR
@@ -706,12 +746,40 @@ def resolve_init_config(
         trace_dir=(env.get("RINGCOMM_TRACE_DIR") or "").strip() or None,
         trace_at_close=trace_at_close,
         restart=int(restart_text or 0),
+        master_port_origin=port_origin,
     )
+
+
+def _mpirun_defaults(env: Mapping[str, str], world: int) -> tuple[int | None, str | None, str]:
+    """A port for an mpirun job whose ranks all run on this host: ``(port, origin, "")``;
+    else ``(None, None, why)``, ``why`` completing the "no store port" error."""
+    local = (env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "").strip()
+    if local != str(world):
+        why = (
+            f"The ranks span hosts (OMPI_COMM_WORLD_LOCAL_SIZE={local}, "
+            f"OMPI_COMM_WORLD_SIZE={world})"
+            if local
+            else "Without OMPI_COMM_WORLD_LOCAL_SIZE the ranks may span hosts"
+        )
+        return (
+            None,
+            None,
+            (
+                f". {why}: export rank 0's host and a free port to every rank, "
+                "mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>"
+            ),
+        )
+    job = mpirun_job_id(env)
+    if job is None:
+        names = ", ".join(MPIRUN_JOB_ID_VARS)
+        return None, None, f" (mpirun set none of {names} to derive one from)"
+    name, value = job
+    return mpirun_master_port(value), f"derived from Open MPI's job id ({name}={value})", ""
 
 
 def _slurm_defaults(
     env: Mapping[str, str], addr: str | None, port: int | None
-) -> tuple[str | None, int | None]:
+) -> tuple[str | None, int | None, str | None]:
     """Fill a missing address/port from the Slurm job: first node, port from the job id."""
     if addr is None:
         nodelist = (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "").strip()
@@ -721,10 +789,12 @@ def _slurm_defaults(
             except ValueError as exc:
                 raise RendezvousError(f"SLURM_JOB_NODELIST: {exc}") from None
             addr = hosts[0] if hosts else None
+    origin = None
     if port is None:
         job_id = (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip()
         if job_id:
             if not job_id.isdigit():
                 raise RendezvousError(f"SLURM_JOB_ID={job_id!r} is not an integer")
             port = slurm_master_port(int(job_id))
-    return addr, port
+            origin = f"derived from the Slurm job id (SLURM_JOB_ID={job_id})"
+    return addr, port, origin

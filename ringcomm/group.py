@@ -790,8 +790,18 @@ def init_process_group(
         if cfg.rank == 0 and not cfg.store_external and (cfg.world_size > 1 or port != 0):
             try:
                 server = StoreServer(_bind_host(cfg.master_addr), port, token=cfg.token).start()
-            except RingcommError:
-                raise
+            except RingcommError as exc:
+                if cfg.master_port_origin is None:
+                    raise
+                how = (
+                    "mpirun -x MASTER_PORT=29500"
+                    if cfg.source == "mpirun"
+                    else "export MASTER_PORT=29500 before srun"
+                )
+                raise RendezvousError(
+                    f"{label}: {exc}. Port {port} was {cfg.master_port_origin} and is taken: "
+                    f"set MASTER_PORT (or RINGCOMM_MASTER_PORT) to a free port, e.g. {how}"
+                ) from exc
             except Exception as exc:
                 raise RendezvousError(
                     f"{label}: cannot serve the rendezvous store on {cfg.master_addr}:{port}: {exc}"

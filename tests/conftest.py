@@ -2,10 +2,11 @@
 runner for spawned jobs.
 
 Tests that need an optional peer carry a marker (registered in pyproject.toml):
-``needs_torch``, ``needs_mpi``, ``needs_ssh``, ``needs_plot``. Where the peer is missing they
-are skipped with a reason naming it, so ``pip install -e ".[test]" && python -m pytest`` passes
-on a fresh machine; ``pytest -m "needs_torch or needs_mpi or needs_ssh or needs_plot"`` runs
-just them where the peers are installed (CI's second run, .ci/run).
+``needs_torch``, ``needs_mpi``, ``needs_ssh``, ``needs_plot``, ``needs_slurm``. Where the peer
+is missing they are skipped with a reason naming it, so ``pip install -e ".[test]" && python -m
+pytest`` passes on a fresh machine; ``pytest -m "needs_torch or needs_mpi or needs_ssh or
+needs_plot or needs_slurm"`` runs just them where the peers are installed (CI's second run,
+.ci/run).
 
 Spawning ranks costs a few hundred milliseconds per job on a small machine, so multi-process
 tests batch many cases into one job: :func:`run_cases` runs each case on every rank inside
@@ -59,12 +60,19 @@ def _plot_missing() -> str | None:
     return _module_missing("matplotlib", "pip install 'ringcomm[plot]'")
 
 
+def _slurm_missing() -> str | None:
+    from launcher_results import slurm_unavailable  # tests/ is on sys.path (rootdir conftest)
+
+    return slurm_unavailable()
+
+
 #: marker -> why its tests cannot run here (None: they can); each asked once per session.
 OPTIONAL_PEERS: dict[str, Callable[[], str | None]] = {
     "needs_torch": functools.cache(_torch_missing),
     "needs_mpi": functools.cache(_mpi_missing),
     "needs_ssh": functools.cache(_ssh_missing),
     "needs_plot": functools.cache(_plot_missing),
+    "needs_slurm": functools.cache(_slurm_missing),
 }
 
 

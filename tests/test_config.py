@@ -4,6 +4,9 @@ parse_slurm_nodelist: pure, every case through env= dicts (a few CLI cases at th
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -21,6 +24,8 @@ from ringcomm.config import (
     env_master_addr,
     env_token,
     format_size,
+    mpirun_job_id,
+    mpirun_master_port,
     parse_size,
     parse_slurm_nodelist,
     ps_log_level,
@@ -136,6 +141,113 @@ def test_mpirun_variables() -> None:
 def test_mpirun_without_master_port_is_an_error() -> None:
     with pytest.raises(RendezvousError, match="MASTER_PORT"):
         resolve_init_config(env=OMPI)
+
+
+# What `mpirun --allow-run-as-root -np 2 env` shows under Open MPI 4.1 on one host.
+OMPI_LOCAL = {
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "OMPI_MCA_ess_base_jobid": "1243938817",
+    "PMIX_NAMESPACE": "1243938817",
+}
+
+
+def test_mpirun_on_one_host_derives_address_and_port() -> None:
+    cfg = resolve_init_config(env=OMPI_LOCAL)
+    assert (cfg.rank, cfg.world_size, cfg.local_rank, cfg.source) == (1, 2, 1, "mpirun")
+    assert (cfg.master_addr, cfg.master_port) == ("127.0.0.1", 64940)
+    assert cfg.master_port == mpirun_master_port("1243938817")
+    assert cfg.master_port_origin == "derived from Open MPI's job id (PMIX_NAMESPACE=1243938817)"
+    rank0 = resolve_init_config(env={**OMPI_LOCAL, "OMPI_COMM_WORLD_RANK": "0"})
+    assert (rank0.master_addr, rank0.master_port) == (cfg.master_addr, cfg.master_port)
+
+
+@pytest.mark.parametrize(
+    ("names", "winner"),
+    [
+        (("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"), 0),
+        (("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"), 0),
+        (("OMPI_MCA_orte_ess_jobid",), 0),
+        (("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid"), 0),
+    ],
+)
+def test_mpirun_job_id_order(names: tuple[str, ...], winner: int) -> None:
+    env = {name: f"job-{name}" for name in names}
+    assert mpirun_job_id(env) == (names[winner], f"job-{names[winner]}")
+
+
+def test_mpirun_job_id_none_and_blank() -> None:
+    assert mpirun_job_id({}) is None
+    assert mpirun_job_id({"PMIX_NAMESPACE": " ", "OMPI_MCA_ess_base_jobid": "7"}) == (
+        "OMPI_MCA_ess_base_jobid",
+        "7",
+    )
+
+
+@pytest.mark.parametrize(
+    "job_id", ["0", "1", "1243938817", "prterun-vm-12345@1", "x" * 200, "4294967295"]
+)
+def test_mpirun_port_range_and_stability(job_id: str) -> None:
+    port = mpirun_master_port(job_id)
+    assert 61000 <= port <= 65535  # above Linux's default ephemeral range
+    assert port == mpirun_master_port(job_id)
+
+
+def test_mpirun_port_is_the_same_in_another_process() -> None:
+    # zlib.crc32, not hash(): PYTHONHASHSEED differs between processes
+    code = "from ringcomm.config import mpirun_master_port as p; print(p('prterun-vm-1@1'))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout) == mpirun_master_port("prterun-vm-1@1")
+
+
+def test_mpirun_given_master_wins_over_derivation() -> None:
+    cfg = resolve_init_config(env={**OMPI_LOCAL, "MASTER_ADDR": "head", "MASTER_PORT": "4000"})
+    assert (cfg.master_addr, cfg.master_port, cfg.master_port_origin) == ("head", 4000, None)
+    cfg = resolve_init_config(env={**OMPI_LOCAL, "MASTER_ADDR": "10.1.2.3"})
+    assert (cfg.master_addr, cfg.master_port) == ("10.1.2.3", 64940)
+    cfg = resolve_init_config(env={**OMPI_LOCAL, "RINGCOMM_MASTER_PORT": "5000"})
+    assert (cfg.master_addr, cfg.master_port) == ("127.0.0.1", 5000)
+
+
+def test_mpirun_across_hosts_keeps_the_master_error() -> None:
+    env = {**OMPI_LOCAL, "OMPI_COMM_WORLD_SIZE": "4"}
+    with pytest.raises(RendezvousError) as info:
+        resolve_init_config(env=env)
+    text = str(info.value)
+    assert "no store port to meet at" in text and "MASTER_PORT" in text
+    assert "span hosts (OMPI_COMM_WORLD_LOCAL_SIZE=2, OMPI_COMM_WORLD_SIZE=4)" in text
+    assert "mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>" in text
+
+
+def test_mpirun_without_local_size_or_job_id_is_an_error() -> None:
+    env = {k: v for k, v in OMPI_LOCAL.items() if k != "OMPI_COMM_WORLD_LOCAL_SIZE"}
+    with pytest.raises(RendezvousError, match="Without OMPI_COMM_WORLD_LOCAL_SIZE"):
+        resolve_init_config(env=env)
+    env = {k: v for k, v in OMPI_LOCAL.items() if "JOB" not in k.upper() and "PMIX" not in k}
+    with pytest.raises(RendezvousError, match="PMIX_NAMESPACE, OMPI_MCA_ess_base_jobid"):
+        resolve_init_config(env=env)
+
+
+def test_mpirun_singleton_needs_no_port() -> None:
+    env = {
+        **OMPI_LOCAL,
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+    }
+    cfg = resolve_init_config(env=env)
+    assert (cfg.world_size, cfg.master_port, cfg.master_port_origin) == (1, 0, None)
+
+
+def test_slurm_port_origin() -> None:
+    assert resolve_init_config(env=SLURM).master_port_origin == (
+        "derived from the Slurm job id (SLURM_JOB_ID=4242)"
+    )
 
 
 def test_pmi_variables() -> None:
