@@ -33,7 +33,13 @@ from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
 from .device.p2p import recv_op_class, send_op_class
 from .elastic import SHRINK_SLICE_S, agree_survivors, dead_view, watch_members
-from .errors import CommTimeoutError, GroupClosedError, RendezvousError, RingcommError
+from .errors import (
+    CommTimeoutError,
+    GroupClosedError,
+    PeerFailedError,
+    RendezvousError,
+    RingcommError,
+)
 from .group_core import (
     CHECKOUT_MAX_S,
     WORLD_GROUP_ID,
@@ -177,7 +183,7 @@ class ProcessGroup:
         self, x: np.ndarray, dst: int, tag: int = 0, *, timeout_s: float | None = None
     ) -> None:
         """Send ``x`` to ``dst``; returns once ``x`` may be modified again."""
-        self.core.run(self._send_op(x, dst, tag, False), timeout_s, False)
+        self._p2p(self._send_op(x, dst, tag, False), "send", dst, tag, timeout_s, False)
 
     def recv(
         self,
@@ -195,17 +201,43 @@ class ProcessGroup:
         still match in the order sent); returns the sender's rank instead of ``x``. Raises
         ``PeerFailedError`` once every other rank of the group left or one failed.
         """
-        return self.core.run(self._recv_op(x, src, tag, False), timeout_s, False)
+        return self._p2p(self._recv_op(x, src, tag, False), "recv", src, tag, timeout_s, False)
 
     def isend(self, x: np.ndarray, dst: int, tag: int = 0) -> Work:
         """Start a send; do not modify ``x`` until the returned Work is done."""
-        return self.core.run(self._send_op(x, dst, tag, True), None, True)  # type: ignore[no-any-return]
+        return self._p2p(self._send_op(x, dst, tag, True), "send", dst, tag, None, True)  # type: ignore[no-any-return]
 
     def irecv(self, x: np.ndarray, src: int | AnySource | None = ANY_SOURCE, tag: int = 0) -> Work:
         """Start a receive into ``x``; ``Work.wait()`` returns what :meth:`recv` returns
         (``x``; the sender's rank for :data:`ringcomm.ANY_SOURCE`) and ``Work.source`` is
         the sender's rank once done."""
-        return self.core.run(self._recv_op(x, src, tag, True), None, True)  # type: ignore[no-any-return]
+        return self._p2p(self._recv_op(x, src, tag, True), "recv", src, tag, None, True)  # type: ignore[no-any-return]
+
+    def _p2p(self, op: SendOp | RecvOp, name: str, peer: Any, tag: Any,
+             timeout_s: float | None, async_op: bool) -> Any:  # fmt: skip
+        """Run a point-to-point op, recorded by the flight recorder (its ``seq`` is the tag;
+        ``peers``: the other rank, global, or every rank for an any-source receive)."""
+        core = self.core
+        recorder = core.state.recorder
+        if not recorder.enabled:
+            return core.run(op, timeout_s, async_op)
+        x = op.x
+        anyone = peer is None or peer is ANY_SOURCE
+        peers = core.ranks if anyone else (core.ranks[int(peer)],)
+        entry = recorder.start(core.group_id, int(tag), name, x.dtype.name, tuple(x.shape),
+                               int(x.nbytes), "p2p", peers)  # fmt: skip
+        try:
+            result = core.run(op, timeout_s, async_op)
+        except BaseException as exc:
+            recorder.end(entry, exc)
+            if isinstance(exc, (CommTimeoutError, PeerFailedError)):
+                core.state.dump_trace(f"{type(exc).__name__} in {name} (tag {tag})")
+            raise
+        if async_op:
+            result.add_done_callback(lambda w: recorder.end(entry, w.exception()))
+        else:
+            recorder.end(entry)
+        return result
 
     # -- collectives -------------------------------------------------------------------
     # Thin delegates to ringcomm.collectives.api (argument checks, algorithm choice and the

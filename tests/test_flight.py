@@ -186,3 +186,21 @@ def test_the_command_says_when_there_is_nothing_to_read(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "ringcomm", "trace", str(tmp_path)],
                          check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 1 and "no trace files" in out.stderr
+
+
+def _p2p(pg: rc.ProcessGroup) -> list[dict[str, Any]]:
+    x = np.zeros(3, np.int64)
+    if pg.rank == 0:
+        pg.send(x + 1, 1, tag=5)
+        pg.irecv(x, rc.ANY_SOURCE, tag=6).wait()
+    else:
+        pg.recv(x, 0, tag=5)
+        pg.isend(x, 0, tag=6).wait()
+    return pg.comm_summary()
+
+
+@pytest.mark.timeout(60)
+def test_point_to_point_calls_are_recorded_too() -> None:
+    rows = rc.spawn(_p2p, 2, timeout_s=50)
+    assert {(r["op"], r["count"]) for r in rows[0]} == {("send", 1), ("recv", 1)}
+    assert {(r["op"], r["bucket_bytes"]) for r in rows[1]} == {("send", 32), ("recv", 32)}
