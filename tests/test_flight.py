@@ -204,3 +204,17 @@ def test_point_to_point_calls_are_recorded_too() -> None:
     rows = rc.spawn(_p2p, 2, timeout_s=50)
     assert {(r["op"], r["count"]) for r in rows[0]} == {("send", 1), ("recv", 1)}
     assert {(r["op"], r["bucket_bytes"]) for r in rows[1]} == {("send", 32), ("recv", 32)}
+
+
+@pytest.mark.timeout(120)
+def test_train_comm_summary(tmp_path: Path) -> None:
+    out_json = tmp_path / "train.json"
+    out = subprocess.run([sys.executable, "-m", "ringcomm", "train", "--strategy", "dp", "-n", "2",
+                          "--steps", "3", "--hidden", "16", "-q", "--comm-summary", "--json",
+                          str(out_json)], check=False, capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "collectives of rank 0" in out.stdout
+    per_rank = json.loads(out_json.read_text())["comm_summary"]
+    assert len(per_rank) == 2
+    # 3 steps: a gradient all_reduce (one bucket here) and the loss's, per step
+    assert sum(r["count"] for r in per_rank[0] if r["op"] == "all_reduce") == 6

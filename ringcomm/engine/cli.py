@@ -27,6 +27,7 @@ from typing import Any
 
 from ringcomm.config import UsageError, format_size, size_arg
 from ringcomm.errors import RingcommError
+from ringcomm.flight import summary_table
 from ringcomm.launch.spawn import spawn
 from ringcomm.schedule.pipeline import SCHEDULES
 
@@ -169,6 +170,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="fault injection: that rank's first process dies (SIGKILL) at that step")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="bound on the whole job")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--comm-summary", action="store_true",
+                   help="print rank 0's collectives per op and size bucket (count, bytes, "
+                   "times, busbw); the JSON gets every rank's")  # fmt: skip
     p.set_defaults(main=main)
     return p
 
@@ -244,6 +248,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         schedule=args.schedule,
         timeout_s=args.timeout_s,
         verbose=not args.quiet,
+        comm_summary=args.comm_summary,
         ps_servers=args.ps_servers,
         consistency=args.consistency,
         staleness=args.staleness,
@@ -432,6 +437,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         result = summarize(cfg, per_rank)
         print(format_summary(result), flush=True)
+        if cfg.comm_summary:
+            result["comm_summary"] = [r.get("comm_summary") for r in per_rank]
+            rows = per_rank[0].get("comm_summary") or []
+            print("collectives of rank 0 (ringcomm.flight.summary_table):\n" + summary_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -113,6 +113,7 @@ class TrainConfig:
     schedule: str = "gpipe"
     timeout_s: float = 300.0
     verbose: bool = False
+    comm_summary: bool = False  # each rank returns pg.comm_summary() (DeepSpeed's comms logger)
     export: bool = False  # return the final parameters (tests)
     # Parameter-server options (strategy ps, ringcomm/engine/ps.py).
     ps_servers: int = 1

@@ -122,6 +122,7 @@ def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             # (on one host the collectives go through the shared workspace, not a socket)
             "workspace_bytes_per_step": moved / max(cfg.steps, 1),
             "extra": strat.extra(),
+            "comm_summary": pg.comm_summary() if cfg.comm_summary and pg is not None else None,
         }
         if cfg.export:
             result["params"] = strat.export_params()
