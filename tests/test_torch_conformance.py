@@ -304,6 +304,35 @@ def conformance_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         with pytest.raises(ValueError, match="SUM only"):
             dist.all_reduce(sparse(R, (), torch.float32), op=dist.ReduceOp.MAX)
 
+    def ddp_sparse_embedding() -> None:
+        """DDP over a model with a sparse embedding (its gradients are sparse COO tensors,
+        all-reduced as such): 3 SGD steps on ringcomm and on Gloo from the same weights and
+        inputs end with the same parameters."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(group: Any) -> list[Any]:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Embedding(23, 4, sparse=True),
+                                        torch.nn.Flatten(), torch.nn.Linear(12, 1))  # fmt: skip
+            ddp = DDP(model, process_group=group)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(100 + R)
+            for _ in range(3):
+                ids = torch.randint(0, 23, (5, 3), generator=gen)
+                opt.zero_grad()
+                ddp(ids).pow(2).mean().backward()
+                opt.step()
+            return [p.detach().clone() for p in model.parameters()]
+
+        got, ref = on_both(train)
+        for a, b in zip(got, ref, strict=True):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a, b)
+        assert not torch.equal(got[0], train_init_embedding()), "the embedding did not train"
+
+    def train_init_embedding() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.Embedding(23, 4, sparse=True).weight.detach().clone()
+
     def monitored_barrier() -> None:
         """``pg.monitored_barrier`` (dist.monitored_barrier refuses non-Gloo names): all
         ranks pass; then the last rank stays away and rank 0 names it, as Gloo does."""
@@ -349,6 +378,7 @@ def conformance_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         coalescing_manager_all_reduce,
         coalescing_manager_gathers,
         sparse_all_reduce,
+        ddp_sparse_embedding,
         monitored_barrier,
         timeout_wording,
     ):
@@ -364,6 +394,7 @@ CHECKS = [
     "coalescing_manager_all_reduce",
     "coalescing_manager_gathers",
     "sparse_all_reduce",
+    "ddp_sparse_embedding",
     "monitored_barrier",
     "timeout_wording",
 ]
