@@ -60,7 +60,7 @@ class Entry:
                  "start_s", "state")  # fmt: skip
 
     def __init__(
-        self, group: int, seq: int, op: str, dtype: str | None, shape: tuple[int, ...] | None,
+        self, group: int, seq: int, op: str, dtype: Any, shape: tuple[int, ...] | None,
         nbytes: int, algo: str | None, peers: Sequence[int],
     ) -> None:  # fmt: skip
         self.group = group
@@ -80,7 +80,7 @@ class Entry:
             "group": self.group,
             "seq": self.seq,
             "op": self.op,
-            "dtype": self.dtype,
+            "dtype": None if self.dtype is None else getattr(self.dtype, "name", str(self.dtype)),
             "shape": None if self.shape is None else list(self.shape),
             "bytes": self.nbytes,
             "algo": self.algo,
@@ -136,7 +136,7 @@ class FlightRecorder:
 
     # -- the hot path ----------------------------------------------------------------
     def start(
-        self, group: int, seq: int, op: str, dtype: str | None, shape: tuple[int, ...] | None,
+        self, group: int, seq: int, op: str, dtype: Any, shape: tuple[int, ...] | None,
         nbytes: int, algo: str | None, peers: Sequence[int],
     ) -> Entry | None:  # fmt: skip
         """Record an operation starting now; None when the recorder is off."""

@@ -224,7 +224,7 @@ class ProcessGroup:
         x = op.x
         anyone = peer is None or peer is ANY_SOURCE
         peers = core.ranks if anyone else (core.ranks[int(peer)],)
-        entry = recorder.start(core.group_id, int(tag), name, x.dtype.name, tuple(x.shape),
+        entry = recorder.start(core.group_id, int(tag), name, x.dtype, tuple(x.shape),
                                int(x.nbytes), "p2p", peers)  # fmt: skip
         try:
             result = core.run(op, timeout_s, async_op)
