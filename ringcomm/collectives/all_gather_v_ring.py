@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from ..schedule.chunks import chunk_spans
 from ..schedule.partition import split_offsets
 from ..schedule.ring import all_gather_steps, ring_neighbors
@@ -86,16 +85,9 @@ class AllGatherVRing(CollectiveOp):
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        if k >= self.n - 1:
-            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
-        seg = self.recv_seg[k]
+        seg, off, length = self.uneven_piece(peer, header, payload, self.recv_seg, self.spans,
+                                             self.seg_nbytes)  # fmt: skip
         spans = self.spans[seg]
-        off, length = self.piece_span(peer, header, payload, spans, f"segment {seg}")
-        if header.nbytes != self.seg_nbytes[seg]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: segment {seg} from rank {peer} has "
-                f"{header.nbytes} bytes, expected {self.seg_nbytes[seg]}"
-            )
         if not self.touched:
             self.touched = True
             self.own[...] = self.src

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from ..ops import finalize, reduce_out
 from ..schedule.chunks import chunk_spans
 from ..schedule.partition import split_offsets
@@ -91,16 +90,9 @@ class ReduceScatterVRing(CollectiveOp):
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        if k >= self.n - 1:
-            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
-        seg = self.recv_seg[k]
+        seg, off, length = self.uneven_piece(peer, header, payload, self.recv_seg, self.spans,
+                                             self.seg_nbytes)  # fmt: skip
         spans = self.spans[seg]
-        off, length = self.piece_span(peer, header, payload, spans, f"segment {seg}")
-        if header.nbytes != self.seg_nbytes[seg]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: segment {seg} from rank {peer} has "
-                f"{header.nbytes} bytes, expected {self.seg_nbytes[seg]}"
-            )
         op = self.call.op
         assert op is not None
         a = off // self.itemsize
