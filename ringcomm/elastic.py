@@ -27,20 +27,36 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
-from .errors import CommTimeoutError, PeerFailedError, RendezvousError, RingcommError
+from .errors import (
+    AuthenticationError,
+    CommTimeoutError,
+    PeerFailedError,
+    RendezvousError,
+    RingcommError,
+)
 from .group_core import GroupCore, wait_for_exit
 from .rendezvous import Store
 
 __all__ = [
+    "FAILOVER_PORTS",
+    "GONE_SETTLE_S",
     "SHRINK_SLICE_S",
     "agree_survivors",
+    "connect_store",
     "dead_view",
-    "wait_for_store_host",
+    "explain_store_loss",
+    "failover_ports",
     "watch_members",
 ]
 
 #: How often a shrinking survivor looks at the store and its failure detectors.
 SHRINK_SLICE_S = 0.02
+
+#: How long a survivor that saw a member go looks for others before it says who went.
+GONE_SETTLE_S = 0.3
+
+#: How many ports after the old store's a failover store may take (the first free one).
+FAILOVER_PORTS = 8
 
 
 def dead_view(core: GroupCore) -> set[int]:
@@ -64,21 +80,76 @@ def dead_view(core: GroupCore) -> set[int]:
 
 def agree_survivors(
     core: GroupCore, store: Store, epoch: int, deadline: float, timeout_s: float,
-    dead: set[int] | None = None, store_host: int | None = None,
+    dead: set[int] | None = None,
 ) -> list[int]:  # fmt: skip
     """The survivors of ``core``'s group (global ranks, in order), agreed by all of them
-    through ``store`` (module docstring); ``dead``: ranks already known gone;
-    ``store_host``: the global rank serving ``store`` (None: a launcher does)."""
-    try:
-        return _agree(core, store, epoch, deadline, timeout_s, dead)
-    except RendezvousError as exc:  # the store went: its host died during the shrink?
-        host = store_host
-        if host is not None and (host in dead_view(core) or wait_for_store_host(core, host)):
-            raise PeerFailedError(
-                f"rank {core.rank}: shrink: rank {host} failed during the shrink (it served "
-                f"the store): {exc}", peer=host,
-            ) from exc  # fmt: skip
-        raise
+    through ``store`` (module docstring); ``dead``: ranks already known gone. A lost
+    store raises ``RendezvousError``: :func:`explain_store_loss` says who went."""
+    return _agree(core, store, epoch, deadline, timeout_s, dead)
+
+
+def connect_store(
+    core: GroupCore, addr: str, ports: Sequence[int], token: str | None, deadline: float,
+    store_host: int | None, dead: set[int],
+) -> tuple[Store, int]:  # fmt: skip
+    """The shrink's store client and its port, connected by ``deadline``: the first of
+    ``ports`` that answers (the failover candidates, tried in turn: the first free one
+    is served); if its host (global rank ``store_host``) is gone before it answers,
+    :func:`explain_store_loss` at once rather than retrying until the deadline."""
+    label = f"rank {core.global_rank}"
+    probe_s = 0.5 if len(ports) == 1 else 0.2
+    while True:
+        for port in ports:
+            remaining = deadline - time.monotonic()
+            try:  # a short first contact: a host that is gone is noticed between tries
+                store = Store(addr, port, token=token, timeout_s=max(0.1, remaining),
+                              connect_timeout_s=max(0.05, min(probe_s, remaining)),
+                              label=label)  # fmt: skip
+            except AuthenticationError:
+                if len(ports) == 1:
+                    raise
+                continue  # another job's server holds that candidate port
+            except RendezvousError as exc:
+                if remaining <= probe_s or (store_host is not None
+                                            and store_host in dead_view(core)):  # fmt: skip
+                    raise explain_store_loss(core, exc, store_host, dead) from exc
+                continue
+            return store, port
+
+
+def failover_ports(port: int) -> list[int]:
+    """The ports a new store may take after its host died: the first free of these
+    (``port`` is the old store's)."""
+    return [p for p in range(port + 1, port + 1 + FAILOVER_PORTS) if p <= 65535]
+
+
+def explain_store_loss(
+    core: GroupCore, exc: RendezvousError, store_host: int | None, dead: set[int],
+    wait_s: float = 1.0,
+) -> RingcommError:  # fmt: skip
+    """What to raise when the shrink's store went away (``exc``): a ``PeerFailedError``
+    naming a rank that failed during the shrink (waiting up to ``wait_s`` for the
+    detectors), preferring one other than the store's host (``store_host``, a global
+    rank; None: a launcher serves it), which may only have left because it saw that
+    failure first; ``exc`` itself if nobody is known gone. ``dead``: gone before."""
+    what = f"rank {core.rank}: shrink"
+    give_up = time.monotonic() + wait_s
+    while True:
+        gone = dead_view(core) - dead
+        others = sorted(gone - {store_host})
+        if others:
+            who = _who_went(others)
+            also = (f"; rank {store_host}, which served the store, is gone too"
+                    if store_host in gone else "")  # fmt: skip
+            return PeerFailedError(f"{what}: {who} during the shrink{also} ({exc})",
+                                   peer=others[0])  # fmt: skip
+        if time.monotonic() >= give_up:
+            break
+        time.sleep(SHRINK_SLICE_S)
+    if store_host is not None and store_host in gone:
+        return PeerFailedError(f"{what}: rank {store_host} failed during the shrink (it "
+                               f"served the store): {exc}", peer=store_host)  # fmt: skip
+    return exc
 
 
 def _agree(
@@ -89,6 +160,7 @@ def _agree(
     what = f"rank {core.rank}: shrink"
     prefix = f"shrink/{epoch}"
     known = set(dead or ()) | dead_view(core)
+    gone_before = set(known)
     published: set[int] | None = None
     joined: set[int] = set()
     while True:
@@ -110,11 +182,12 @@ def _agree(
                 )
             known |= view
         lost = sorted(joined & known)
-        if lost:
+        if lost:  # name every rank gone since the shrink began: the first to go is unknown
+            went = sorted(known - gone_before)
             raise PeerFailedError(
-                f"{what}: rank {lost[0]} failed during the shrink (after it had joined it)",
-                peer=lost[0],
-            )
+                f"{what}: {_who_went(went)} during the shrink (after rank {lost[0]} had "
+                "joined it)", peer=went[0],
+            )  # fmt: skip
         joined |= set(views)
         alive = [g for g in core.ranks if g not in known]
         if known == published and all(views.get(g) == known for g in alive):
@@ -137,16 +210,6 @@ def _agree(
             time.sleep(SHRINK_SLICE_S)  # views differ: theirs are still growing
 
 
-def wait_for_store_host(core: GroupCore, host: int, wait_s: float = 1.0) -> bool:
-    """Whether global rank ``host`` is gone (waiting up to ``wait_s`` for its detection)."""
-    give_up = time.monotonic() + wait_s
-    while time.monotonic() < give_up:
-        if host in dead_view(core):
-            return True
-        time.sleep(SHRINK_SLICE_S)
-    return False
-
-
 def watch_members(core: GroupCore, members: Sequence[int]) -> Callable[[], None]:
     """A check for the new group's rendezvous: raises ``PeerFailedError`` once one of
     ``members`` (global ranks of ``core``'s group) is known gone."""
@@ -154,10 +217,22 @@ def watch_members(core: GroupCore, members: Sequence[int]) -> Callable[[], None]
 
     def check() -> None:
         gone = sorted(dead_view(core) & set(members))
-        if gone:
+        if gone:  # one that gave up on seeing a failure may be seen first: look again
+            give_up = time.monotonic() + GONE_SETTLE_S
+            while time.monotonic() < give_up:
+                time.sleep(SHRINK_SLICE_S)
+                gone = sorted(set(gone) | (dead_view(core) & set(members)))
             raise PeerFailedError(
-                f"{what}: rank {gone[0]} failed during the shrink (before the new group "
-                "formed)", peer=gone[0],
+                f"{what}: {_who_went(gone)} during the shrink (before the new group formed)",
+                peer=gone[0],
             )  # fmt: skip
 
     return check
+
+
+def _who_went(ranks: Sequence[int]) -> str:
+    """"rank 3 failed", or for several "ranks 2, 3 failed or gave up": which of them failed
+    first, and which left because it saw that, a survivor cannot tell."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} failed"
+    return f"ranks {', '.join(map(str, ranks))} failed or gave up"

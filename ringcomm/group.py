@@ -32,7 +32,15 @@ from .buffers import check_array, check_peer, check_tag
 from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
 from .device.p2p import recv_op_class, send_op_class
-from .elastic import SHRINK_SLICE_S, agree_survivors, dead_view, watch_members
+from .elastic import (
+    SHRINK_SLICE_S,
+    agree_survivors,
+    connect_store,
+    dead_view,
+    explain_store_loss,
+    failover_ports,
+    watch_members,
+)
 from .errors import (
     CommTimeoutError,
     GroupClosedError,
@@ -458,7 +466,7 @@ class ProcessGroup:
         after a peer failed (or left); they agree on who survived through the store
         (:mod:`ringcomm.elastic`): the same member list everywhere. If the store's host
         was among the dead (rank 0, no launcher serving the store), the lowest survivor
-        serves a new store at the old port + 1 on its own address. Sub-groups are not
+        serves a new store on its own address, at the first free port of the old port + 1..8. Sub-groups are not
         carried over: make them again with ``new_group`` on the result. Survivors that
         disagree, or a second failure during the shrink, raise ``PeerFailedError`` (or
         ``CommTimeoutError`` for a survivor that never calls it) within ``timeout_s``
@@ -481,25 +489,25 @@ class ProcessGroup:
         server: StoreServer | None = None
         moved = False
         if store_host is None or store_host not in dead:
-            addr, port = cfg.master_addr, old.store_port
+            addr, ports = cfg.master_addr, [old.store_port]
             server, moved = old.server, old.server is not None
         else:  # the store died with its host: the lowest survivor serves a new one
             leader = store_host = min(g for g in core.ranks if g not in dead)
-            addr, port = _address_of(old.peers[leader]), old.store_port + 1
+            addr, ports = _address_of(old.peers[leader]), failover_ports(old.store_port)
             if leader == me:
-                try:
-                    server = StoreServer(_bind_host(addr), port, token=cfg.token).start()
-                except Exception as exc:
-                    raise RendezvousError(f"rank {core.rank}: shrink: cannot serve the new "
-                                          f"store on {addr}:{port}: {exc}") from exc  # fmt: skip
+                server = _serve_failover(addr, ports, cfg.token, core.rank)
+                ports = [server.port]
         store: Store | None = None
         try:
-            store = Store(addr, port, token=cfg.token, timeout_s=max(0.1, deadline - time.monotonic()),
-                          label=f"rank {me}")  # fmt: skip
-            members = agree_survivors(core, store, epoch, deadline, t, dead, store_host)
-            slots = [old.slots[g] for g in members]
-            pg = self._next_epoch(store, addr, port, server, moved, epoch, slots, deadline,
-                                  watch=watch_members(core, members))  # fmt: skip
+            try:
+                store, port = connect_store(core, addr, ports, cfg.token, deadline, store_host,
+                                            dead)  # fmt: skip
+                members = agree_survivors(core, store, epoch, deadline, t, dead)
+                slots = [old.slots[g] for g in members]
+                pg = self._next_epoch(store, addr, port, server, moved, epoch, slots, deadline,
+                                      watch=watch_members(core, members))  # fmt: skip
+            except RendezvousError as exc:  # the store went: who else went with it?
+                raise explain_store_loss(core, exc, store_host, dead) from exc
         except BaseException:
             if store is not None:
                 store.close()
@@ -755,6 +763,19 @@ def _wait_all(
             if left <= SHRINK_SLICE_S * 5:
                 raise
         watch()
+
+
+def _serve_failover(addr: str, ports: list[int], token: str | None, rank: int) -> StoreServer:
+    """The shrink's new store, on the first of ``ports`` that is free (one may be any
+    socket's local port)."""
+    errors = []
+    for port in ports:
+        try:
+            return StoreServer(_bind_host(addr), port, token=token).start()
+        except RendezvousError as exc:
+            errors.append(f"{port}: {exc}")
+    raise RendezvousError(f"rank {rank}: shrink: cannot serve the new store on {addr}, "
+                          f"ports {ports[0]}..{ports[-1]}: " + "; ".join(errors))  # fmt: skip
 
 
 def _address_of(info: EndpointInfo) -> str:

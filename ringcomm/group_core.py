@@ -522,8 +522,10 @@ def wait_for_exit(pid: int, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for process ``pid`` (of this host) to end; True if it did."""
     try:
         fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True  # gone already (and reaped by its parent)
     except (OSError, AttributeError):
-        return False  # gone already, or no pidfds here: do not wait
+        return False  # no pidfds here: do not wait
     try:
         import select
 

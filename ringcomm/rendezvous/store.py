@@ -344,7 +344,8 @@ class Store:
     """A client of a :class:`StoreServer`; a context manager, thread-safe.
 
     Connects at construction: raises :class:`RendezvousError` when the server does not
-    answer within ``timeout_s`` and :class:`AuthenticationError` when it refuses ``token``.
+    answer within ``connect_timeout_s`` (default ``timeout_s``) and
+    :class:`AuthenticationError` when it refuses ``token``.
     ``timeout_s`` is also the default deadline of every later call, except that once the
     server was reached, losing it (it closed, or its host died) makes waiting and later calls
     raise :class:`RendezvousError` at once. ``prefix`` namespaces every key as
@@ -363,17 +364,19 @@ class Store:
         timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
         prefix: str = "",
         label: str | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
             raise ValueError(f"store port must be in 1..65535, got {port!r}")
         timeout_s = _check_timeout(timeout_s)
+        connect_s = timeout_s if connect_timeout_s is None else _check_timeout(connect_timeout_s)
         self._conn = _Connection(host, port, token or None, label or "store client")
         self._prefix = prefix.strip("/")
         self._timeout_s = timeout_s
         self._owner = True
         self._closed = False
         try:
-            self._request("ping", {}, timeout_s, first_contact=True)
+            self._request("ping", {}, connect_s, first_contact=True)
         except BaseException:
             self._conn.close()
             raise

@@ -5,8 +5,8 @@ group and check 10 collectives on the new one. Every survivor writes what happen
                                         (rank, world and master from RINGCOMM_*)
 
 The victim kills itself at step KILL_STEP of the loop (before its all_reduce of that step).
-SECOND_VICTIM (optional) kills itself during the shrink: as soon as its own view is in the
-store (``shrink/1/<rank>``), from a thread, while its main thread is in ``shrink()``.
+SECOND_VICTIM (optional) kills itself during the shrink: inside ``shrink()``, as soon as
+its own view is in the store (``shrink/1/<rank>``).
 Reports (JSON, in REPORT_DIR): ``kill.R`` (time.time() just before the kill) and
 ``peer.R`` for a survivor: {"error", "text", "t_error", "t_shrunk", "members", "rank",
 "world_size", "ok"}.
@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -39,17 +38,19 @@ def _die(report_dir: str, rank: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _die_in_shrink(pg: rc.ProcessGroup, report_dir: str) -> None:
-    key = f"shrink/1/{pg.core.global_rank}"
-    store = pg.core.state.store
-    assert store is not None
-    try:
-        store.wait([key], timeout_s=60)  # its view is published
-    except rc.RendezvousError:  # rank 0 died with the store: the shrink's is at port + 1
-        port = int(os.environ["RINGCOMM_MASTER_PORT"]) + 1
-        with Store("127.0.0.1", port, token=os.environ["RINGCOMM_TOKEN"], timeout_s=30) as new:
-            new.wait([key], timeout_s=60)
-    _die(report_dir, pg.core.global_rank)
+def _die_in_shrink(me: int, report_dir: str) -> None:
+    """Make this process die inside ``shrink()``, right after it published its view (so the
+    others have seen it join): every Store's ``set`` of ``shrink/1/<me>`` kills it once the
+    value is stored, whichever store the shrink uses (rank 0's, or the failover one)."""
+    key = f"shrink/1/{me}"
+    original = Store.set
+
+    def set_then_die(self: Store, k: str, value: bytes) -> None:
+        original(self, k, value)
+        if k == key:
+            _die(report_dir, me)
+
+    Store.set = set_then_die  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -69,7 +70,7 @@ def main() -> None:
     except rc.PeerFailedError as exc:
         report.update(error=type(exc).__name__, text=str(exc), t_error=time.time())
     if me == second:
-        threading.Thread(target=_die_in_shrink, args=(pg, report_dir), daemon=True).start()
+        _die_in_shrink(me, report_dir)
     try:
         new = pg.shrink()
     except rc.RingcommError as exc:
