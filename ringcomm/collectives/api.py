@@ -174,8 +174,9 @@ def _run(
     if not recorder.enabled:
         return _run_call(group, call, timeout_s, async_op, what)
     arr = call.x if call.x is not None else call.out
+    seq = group.collective_seq + 1
     entry = recorder.start(
-        group.group_id, group.collective_seq + 1, call.name,
+        group.group_id, seq, call.name,
         call.dtype, call.shape,  # (the dtype's name only when written: .name costs µs)
         0 if arr is None else int(arr.nbytes), call.algo, group.ranks,
     )  # fmt: skip
@@ -187,18 +188,18 @@ def _run(
             group.state.dump_trace(f"{type(exc).__name__} in op #{group.collective_seq} {call.name}")
         raise
     if async_op and isinstance(result, Work):
-        result.add_done_callback(lambda w: _ended(group, entry, w))
+        result.add_done_callback(lambda w: _ended(group, entry, w, f"op #{seq} {call.name}"))
     else:
         recorder.end(entry)
     return result
 
 
-def _ended(group: GroupCore, entry: Any, work: Work) -> None:
-    """An asynchronous collective ended (a done callback: no waiting here)."""
+def _ended(group: GroupCore, entry: Any, work: Work, what: str) -> None:
+    """An asynchronous collective (``what``) ended (a done callback: no waiting here)."""
     error = work.exception()
     group.state.recorder.end(entry, error)
     if isinstance(error, _TRACED):
-        group.state.dump_trace(f"{type(error).__name__} in op #{entry.seq} {entry.op}")
+        group.state.dump_trace(f"{type(error).__name__} in {what}")
 
 
 def _run_call(
