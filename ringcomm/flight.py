@@ -36,6 +36,7 @@ __all__ = [
     "bus_factor",
     "chrome_trace",
     "desync_report",
+    "entry_bytes",
     "entry_dict",
     "load_dir",
     "size_bucket",
@@ -61,6 +62,21 @@ E_GROUP, E_SEQ, E_OP, E_DTYPE, E_SHAPE, E_BYTES, E_ALGO, E_PEERS, E_START, E_END
 Entry = list[Any]
 
 
+def entry_bytes(e: Entry) -> int:
+    """An entry's bytes: as recorded, or (recorded as None) its dtype's itemsize times
+    its shape's element count (0 without either)."""
+    nbytes = e[E_BYTES]
+    if nbytes is not None:
+        return int(nbytes)
+    dtype, shape = e[E_DTYPE], e[E_SHAPE]
+    if dtype is None or shape is None:
+        return 0
+    count = 1
+    for d in shape:
+        count *= int(d)
+    return count * int(getattr(dtype, "itemsize", 0))
+
+
 def entry_dict(e: Entry) -> dict[str, Any]:
     """An entry as the trace file's JSON object."""
     dtype, shape = e[E_DTYPE], e[E_SHAPE]
@@ -70,7 +86,7 @@ def entry_dict(e: Entry) -> dict[str, Any]:
         "op": e[E_OP],
         "dtype": None if dtype is None else getattr(dtype, "name", str(dtype)),
         "shape": None if shape is None else list(shape),
-        "bytes": e[E_BYTES],
+        "bytes": entry_bytes(e),
         "algo": e[E_ALGO],
         "peers": list(e[E_PEERS]),
         "start_s": e[E_START],
@@ -115,9 +131,10 @@ class FlightRecorder:
     # -- the hot path ----------------------------------------------------------------
     def start(
         self, group: int, seq: int, op: str, dtype: Any, shape: tuple[int, ...] | None,
-        nbytes: int, algo: str | None, peers: Sequence[int],
+        nbytes: int | None, algo: str | None, peers: Sequence[int],
     ) -> Entry | None:  # fmt: skip
-        """Record an operation starting now; None when the recorder is off."""
+        """Record an operation starting now; None when the recorder is off. ``nbytes``
+        None: ``dtype.itemsize`` times the elements of ``shape`` (:func:`entry_bytes`)."""
         if not self.enabled:
             return None
         entry = [group, seq, op, dtype, shape, nbytes, algo, peers, time.time(), None, RUNNING]
@@ -143,15 +160,18 @@ class FlightRecorder:
         batches: one loop costs less than a dictionary update on every call)."""
         ended, self._ended = self._ended, []
         stats = self._stats
-        last_op, last_bytes, stat = None, -1, [0, 0, 0.0, 0]
+        last_op, last_shape, last_dtype, nbytes = None, None, None, 0
+        stat = [0, 0, 0.0, 0]
         for e in ended:
-            op, nbytes = e[E_OP], e[E_BYTES]
-            if op is not last_op or nbytes != last_bytes:  # runs of one call are common
+            op, shape, dtype = e[E_OP], e[E_SHAPE], e[E_DTYPE]
+            if op is not last_op or shape != last_shape or dtype is not last_dtype:
+                # (runs of one call are common: look its counters up once per run)
+                nbytes = entry_bytes(e)
+                last_op, last_shape, last_dtype = op, shape, dtype
                 key = (op, 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0)
                 stat = stats.get(key)  # type: ignore[assignment]
                 if stat is None:  # count, bytes, total seconds, world size
                     stat = stats[key] = [0, 0, 0.0, len(e[E_PEERS])]
-                last_op, last_bytes = op, nbytes
             stat[0] += 1
             stat[1] += nbytes
             stat[2] += e[E_END] - e[E_START]
@@ -169,7 +189,7 @@ class FlightRecorder:
         recent: dict[tuple[str, int], list[float]] = {}
         for e in list(self.entries):
             if e[E_STATE] == DONE and e[E_END] is not None:
-                recent.setdefault((e[E_OP], size_bucket(e[E_BYTES])), []).append(
+                recent.setdefault((e[E_OP], size_bucket(entry_bytes(e))), []).append(
                     e[E_END] - e[E_START])
         self._fold()
         rows = []

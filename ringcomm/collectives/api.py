@@ -173,13 +173,10 @@ def _run(
     recorder = group.state.recorder
     if not recorder.enabled:
         return _run_call(group, call, timeout_s, async_op, what)
-    arr = call.x if call.x is not None else call.out
     seq = group.collective_seq + 1
-    entry = recorder.start(
-        group.group_id, seq, call.name,
-        call.dtype, call.shape,  # (the dtype's name only when written: .name costs µs)
-        0 if arr is None else int(arr.nbytes), call.algo, group.ranks,
-    )  # fmt: skip
+    # (bytes None: computed from dtype and shape when read; the dtype's name likewise)
+    entry = recorder.start(group.group_id, seq, call.name, call.dtype, call.shape, None,
+                           call.algo, group.ranks)  # fmt: skip
     try:
         result = _run_call(group, call, timeout_s, async_op, what)
     except BaseException as exc:
