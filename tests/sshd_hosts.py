@@ -191,6 +191,8 @@ class SshdHosts:
         self.identity = self.root / "id_ed25519"
         self._namespaces: list[str] = []
         self._links: list[str] = []
+        #: This machine as every host reaches it (netns: the bridge's address).
+        self.launcher_address = "127.0.0.1"
 
     # -- setup ---------------------------------------------------------------------------
     def __enter__(self) -> SshdHosts:  # noqa: PYI034  (a plain class, not subclassed)
@@ -248,6 +250,7 @@ class SshdHosts:
         _run("ip", "link", "add", bridge, "type", "bridge")
         self._links.append(bridge)
         _run("ip", "addr", "add", f"{prefix}.1/24", "dev", bridge)
+        self.launcher_address = f"{prefix}.1"
         _run("ip", "link", "set", bridge, "up")
         for i in range(1, self.n + 1):
             ns, veth, peer = f"{_NS_PREFIX}{pid}n{i}", f"{_NS_PREFIX}{pid}v{i}", f"rcpeer{pid}"

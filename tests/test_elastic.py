@@ -50,7 +50,9 @@ def test_without_restarts_the_first_failure_ends_the_job(tmp_path: Path) -> None
     assert "stopping the other ranks" in out.stderr
 
 
-def test_max_restarts_is_refused_below_zero_and_across_hosts(tmp_path: Path) -> None:
+def test_max_restarts_is_refused_below_zero_and_across_hosts_without_an_address(
+    tmp_path: Path,
+) -> None:
     for extra in (["--max-restarts", "-1"], ["--max-restarts", "1", "-H", "localhost:2"]):
         out = subprocess.run([sys.executable, "-m", "ringcomm", "run", *extra, str(SCRIPT)],
                              check=False, capture_output=True, text=True, timeout=60)  # fmt: skip

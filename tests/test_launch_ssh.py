@@ -549,3 +549,36 @@ def test_a_failing_rank_ends_the_job_across_hosts(
             assert want in got["message"], got
             assert got["t"] - t_fail < 1.0, got
     assert not processes_with_cmdline(tag, exclude=(os.getpid(),)), "ranks left behind"
+
+
+@pytest.mark.timeout(150)
+def test_max_restarts_across_hosts_restarts_a_killed_rank_on_its_host(
+    cluster: SshdHosts, tag: str, tmp_path: Path
+) -> None:
+    # 2 hosts x 2 slots; slot 2 (first on the second host) kills itself at step 3; the
+    # launcher (serving the store) starts it again over ssh; the survivors shrink, then
+    # admit it with grow(). Every step's all_reduce is checked (tests/scripts/elastic_loop.py).
+    world, victim = 4, 2
+    res = ringcomm_run(
+        cluster, "-H", ",".join(f"{a}:2" for a in cluster.aliases[:2]),
+        "--max-restarts", "1", "--master-addr", cluster.launcher_address,
+        str(SCRIPTS / "elastic_loop.py"), str(victim), "3", "20", str(tmp_path), tag=tag,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"rank {victim} on" in res.stderr and "starting it again (restart 1 of 1)" in res.stderr
+    for s in range(world):
+        if s == victim:
+            continue
+        rep = json.loads((tmp_path / f"slot.{s}.0").read_text())
+        assert [c[1] for c in rep["changes"]] == ["shrank", "grew"], rep
+        assert rep["final"] == list(range(world)) and rep["last_step"] >= 20, rep
+    back = json.loads((tmp_path / f"slot.{victim}.1").read_text())
+    assert back["changes"][0][1] == "rejoined" and back["checked"] >= 5, back
+
+
+def test_max_restarts_across_hosts_needs_the_launchers_address(
+    loopback: SshdHosts, tag: str
+) -> None:
+    res = ringcomm_run(loopback, "-H", f"{loopback.aliases[0]}:2", "--max-restarts", "1",
+                       str(SCRIPTS / "elastic_loop.py"), tag=tag)  # fmt: skip
+    assert res.returncode == 2 and "--master-addr" in res.stderr, res.stderr

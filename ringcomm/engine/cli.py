@@ -166,8 +166,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="survive lost ranks: the survivors shrink and re-split the batch")
     e.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="start a lost rank again up to K times; it rejoins (grow)")
-    e.add_argument("--fail-at", default="", metavar="SLOT:STEP[,SLOT:STEP]",
-                   help="fault injection: that rank's first process dies (SIGKILL) at that step")
+    e.add_argument("--fail-at", default="", metavar="SLOT:STEP[:BUCKET][,...]",
+                   help="fault injection: that rank's first process dies (SIGKILL) at that "
+                   "step, or mid-step once its BUCKET-th gradient all-reduce is done")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="bound on the whole job")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--comm-summary", action="store_true",
@@ -263,8 +264,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, int], ...]:
-    """Check --elastic, --max-restarts, --fail-at; the (slot, step) pairs of --fail-at."""
+def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, ...], ...]:
+    """Check --elastic, --max-restarts, --fail-at; the (slot, step[, bucket]) of --fail-at."""
     if not args.elastic:
         if args.max_restarts or args.fail_at:
             raise UsageError("--max-restarts and --fail-at need --elastic")
@@ -275,15 +276,16 @@ def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, int], ..
         raise UsageError("--elastic runs on --device cpu")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    pairs = []
+    pairs: list[tuple[int, ...]] = []
     for part in filter(None, (p.strip() for p in args.fail_at.split(","))):
-        slot, sep, step = part.partition(":")
-        if not sep or not slot.isdigit() or not step.isdigit():
-            raise UsageError(f"--fail-at takes SLOT:STEP pairs, got {part!r}")
-        if not 0 <= int(slot) < n or int(step) >= args.steps:
+        fields = part.split(":")
+        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
+            raise UsageError(f"--fail-at takes SLOT:STEP or SLOT:STEP:BUCKET, got {part!r}")
+        slot, step = int(fields[0]), int(fields[1])
+        if not 0 <= slot < n or step >= args.steps:
             raise UsageError(f"--fail-at {part}: rank must be < -n {n}, step < --steps {args.steps}")
-        pairs.append((int(slot), int(step)))
-    if len({s for s, _ in pairs}) >= n:
+        pairs.append(tuple(int(f) for f in fields))
+    if len({p[0] for p in pairs}) >= n:
         raise UsageError("--fail-at: at least one rank must survive")
     return tuple(pairs)
 

@@ -11,6 +11,7 @@ optimizer step on the whole model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,8 @@ class DataParallel(Strategy):
             init_layer(self.layers, i, self.pviews[i], cfg.seed)
         self.opt = make_optimizer(cfg.optimizer, xp, self.layout.total, self.dtype, cfg.lr)
         self.works: list[Any] = []
+        #: Called with each bucket's all-reduce (its Work) once launched (fault injection).
+        self.after_launch: Callable[[Any], None] | None = None
 
     def _bucket_ready(self, i: int) -> None:
         k = self.launch_at.get(i)
@@ -56,6 +59,8 @@ class DataParallel(Strategy):
         if size and self.n > 1:
             bucket = self.as_comm(self.grads[off : off + size])
             self.works.append(self.pg.all_reduce(bucket, async_op=True))
+            if self.after_launch is not None:
+                self.after_launch(self.works[-1])
 
     def step(self, step: int) -> float:
         self.grads[...] = 0

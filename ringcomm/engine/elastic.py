@@ -15,7 +15,14 @@ The ``dp`` strategy, driven so that it survives a lost rank:
   number, parameters and optimizer state from a survivor.
 
 Fault injection for tests and demonstrations: ``cfg.fail_at`` = ((slot, step), ...) —
-that slot's first process kills itself (SIGKILL) at the start of that step.
+that slot's first process kills itself (SIGKILL) at the start of that step — or
+(slot, step, bucket): mid-step, once its ``bucket``-th gradient all-reduce of the step
+(0: the first launched) is done, so the survivors hold partly reduced gradients.
+
+A survivor can be a step ahead of another when it sees the failure: the dead rank's last
+contribution may have completed one survivor's step (its update applied) and not
+another's. After each shrink the survivors agree on the earliest step among them; one
+that is ahead goes back to the snapshot before its last step.
 Each membership change is recorded: the step, the event (``shrink``/``grow``), the slots
 after it, and the time lost (from the failure seen to the new group ready).
 """
@@ -36,18 +43,54 @@ from ringcomm.errors import PeerFailedError
 from .dp import DataParallel
 from .strategy import TrainConfig
 
-__all__ = ["run_elastic", "summarize_elastic"]
+__all__ = ["agree_step", "restore", "run_elastic", "snapshot", "summarize_elastic"]
 
 
-def _snapshot(strat: DataParallel) -> tuple[list[Any], int]:
+def snapshot(strat: DataParallel) -> tuple[list[Any], int]:
+    """A copy of ``strat``'s parameters and optimizer state (and its step count)."""
     return [a.copy() for a in strat.state_arrays()], strat.opt.t
 
 
-def _restore(strat: DataParallel, snap: tuple[list[Any], int]) -> None:
+def restore(strat: DataParallel, snap: tuple[list[Any], int]) -> None:
+    """Put :func:`snapshot`'s copy back."""
     arrays, t = snap
     for dst, src in zip(strat.state_arrays(), arrays, strict=True):
         dst[...] = src
     strat.opt.t = t
+
+
+def _inject(strat: DataParallel, bucket: int | None) -> None:
+    """Fault injection: die now (``bucket`` None), or once the ``bucket``-th gradient
+    all-reduce of this step is done everywhere (it is waited for: every survivor has it)."""
+    if bucket is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    if not 0 <= bucket < len(strat.layout.segments):
+        raise ValueError(f"fail_at: bucket {bucket} of a step of {len(strat.layout.segments)}")
+    launched = [0]
+
+    def after_launch(work: Any) -> None:
+        if launched[0] == bucket:
+            work.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        launched[0] += 1
+
+    strat.after_launch = after_launch
+
+
+def agree_step(pg: Any, strat: DataParallel, step: int, prev_snap: Any) -> int:
+    """After a shrink: the step every survivor takes again, the earliest among them (a
+    survivor whose last step completed before it saw the failure is one ahead: it goes
+    back to the snapshot before that step)."""
+    at = np.array([step], np.int64)
+    pg.all_reduce(at, op="min")
+    first = int(at[0])
+    if first == step:
+        return step
+    if first != step - 1 or prev_snap is None:  # collectives keep ranks within one step
+        raise RuntimeError(f"rank {pg.rank}: elastic: survivors at steps {first} and {step}")
+    restore(strat, prev_snap)
+    return first
 
 
 def _share_state(pg: Any, strat: DataParallel, step: int, have: bool) -> int:
@@ -74,7 +117,9 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     step = 0
     fresh = bool(pg.rejoined)
     # A restarted process always rejoined: only a slot's first process injects its failure.
-    kills = {int(s) for slot, s in cfg.fail_at if int(slot) == pg.slot} if not fresh else set()
+    kills = {int(f[1]): (int(f[2]) if len(f) > 2 else None) for f in cfg.fail_at
+             if int(f[0]) == pg.slot} if not fresh else {}  # fmt: skip
+    snap = prev_snap = None
     sent0, steps_in_group = pg.stats()["sent_bytes"], 0
     while True:
         if fresh:  # a restarted rank, just admitted: where the others are
@@ -93,18 +138,19 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
         if step >= cfg.steps:
             break
         if step in kills:
-            os.kill(os.getpid(), signal.SIGKILL)
-        snap = _snapshot(strat)
+            _inject(strat, kills[step])
+        prev_snap, snap = snap, snapshot(strat)
         t0 = time.perf_counter()
         try:
             loss = strat.step(step)
         except PeerFailedError:
             strat.abandon()
-            _restore(strat, snap)
+            restore(strat, snap)
             pg = pg.shrink()
             strat.regroup(pg)
+            seen_at, step = step, agree_step(pg, strat, step, prev_snap)
             sent0, steps_in_group = pg.stats()["sent_bytes"], 0
-            changes.append({"step": step, "event": "shrink", "slots": pg.slots,
+            changes.append({"step": step, "seen_at": seen_at, "event": "shrink", "slots": pg.slots,
                             "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
             continue  # the same step again, on the survivors
         times[step] = time.perf_counter() - t0

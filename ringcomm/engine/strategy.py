@@ -126,7 +126,9 @@ class TrainConfig:
     # Elastic dp (ringcomm/engine/elastic.py): survive lost ranks; restart them; inject.
     elastic: bool = False
     max_restarts: int = 0
-    fail_at: tuple[tuple[int, int], ...] = ()  # (slot, step): that slot's first process dies
+    # (slot, step) or (slot, step, bucket): that slot's first process dies at the start of
+    # that step, or once that bucket's all-reduce (0: the first launched) is done everywhere
+    fail_at: tuple[tuple[int, ...], ...] = ()
     # The transformer (--model transformer; ``depth`` is its number of blocks).
     model: str = "mlp"
     vocab: int = 64

@@ -8,7 +8,9 @@ What :func:`run` does:
 1. **Placement.** Ranks go contiguously per host, hosts in hostfile order
    (:mod:`ringcomm.launch.hostfile`). ``MASTER_ADDR`` is the first host as the others
    reach it: its ``HostName`` from ``ssh -G`` (so ssh_config aliases work), unless
-   ``--master-addr`` says otherwise. Rank 0 serves the rendezvous store there.
+   ``--master-addr`` says otherwise. Rank 0 serves the rendezvous store there (with
+   ``--max-restarts``, the launcher serves it at ``--master-addr``, its own address, and
+   starts a failed rank again on its host: :func:`_restarter`).
 2. **Preflight**, every host in parallel, ``BatchMode``: the host is reachable, the working
    directory exists, the interpreter imports ringcomm of the launcher's version, the
    script is there; the first host also reports a free port for the store (unless
@@ -50,8 +52,9 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ringcomm._version import __version__
 from ringcomm.config import UsageError
@@ -74,6 +77,7 @@ from ringcomm.launch.supervise import (
     pdeathsig_preexec,
     reap,
     start_in_session,
+    store_announcer,
     supervise,
 )
 
@@ -149,6 +153,7 @@ class SshRunConfig:
     grace_s: float = DEFAULT_GRACE_S
     dry_run: bool = False
     verbose: bool = False
+    max_restarts: int = 0  # per rank slot; > 0: the launcher serves the store itself
 
     @property
     def world_size(self) -> int:
@@ -229,9 +234,13 @@ def config_from_args(
         raise UsageError(f"--ssh-port must be in 1..65535, got {args.ssh_port}")
     if not args.grace_s >= 0:
         raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
-    if getattr(args, "max_restarts", 0):
-        raise UsageError("--max-restarts: restarting ranks is done by the local launcher only "
-                         "(multi-host restarts are not implemented yet)")  # fmt: skip
+    max_restarts = getattr(args, "max_restarts", 0) or 0
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if max_restarts and args.master_addr is None:
+        raise UsageError("--max-restarts across hosts: the launcher serves the job's store "
+                         "(it must outlive any rank), so pass --master-addr with this "
+                         "machine's address as the hosts reach it")  # fmt: skip
     start_timeout_s = DEFAULT_START_TIMEOUT_S if args.start_timeout is None else args.start_timeout
     if not start_timeout_s > 0:
         raise UsageError(f"--start-timeout must be > 0, got {args.start_timeout}")
@@ -268,6 +277,7 @@ def config_from_args(
         grace_s=args.grace_s,
         dry_run=args.dry_run,
         verbose=args.verbose,
+        max_restarts=max_restarts,
     )
 
 
@@ -310,10 +320,16 @@ def _env_command(config: SshRunConfig, variables: Mapping[str, str], command: li
 
 
 def rank_vars(
-    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str
-) -> dict[str, str]:
-    """Every variable set for ``placement``'s rank on its host (no secret)."""
+    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str,
+    restart: int = 0,
+) -> dict[str, str]:  # fmt: skip
+    """Every variable set for ``placement``'s rank on its host (no secret); ``restart``:
+    how many times this rank slot was started again (``--max-restarts``)."""
     env = dict(config.env)
+    if config.max_restarts:
+        env["RINGCOMM_STORE_EXTERNAL"] = "1"  # the launcher serves it
+    if restart:
+        env["RINGCOMM_RESTART"] = str(restart)
     rank, world, port = str(placement.rank), str(config.world_size), str(master_port)
     env.update(
         RANK=rank,
@@ -332,8 +348,9 @@ def rank_vars(
 
 
 def remote_command(
-    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str
-) -> str:
+    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str,
+    restart: int = 0,
+) -> str:  # fmt: skip
     """The shell command line sshd runs for ``placement``'s rank (see the module docstring)."""
     rank_argv = [config.python, "-u"]
     rank_argv += ["-m", config.target] if config.module else [config.target]
@@ -347,16 +364,18 @@ def remote_command(
         "--env-stdin",
         "--",
     ]
-    variables = rank_vars(config, placement, master_addr, master_port)
+    variables = rank_vars(config, placement, master_addr, master_port, restart)
     return _env_command(config, variables, watchdog + rank_argv)
 
 
 def rank_ssh_argv(
-    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str
-) -> list[str]:
+    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str,
+    restart: int = 0,
+) -> list[str]:  # fmt: skip
     return ssh_argv(
-        config, placement.host, remote_command(config, placement, master_addr, master_port)
-    )
+        config, placement.host,
+        remote_command(config, placement, master_addr, master_port, restart),
+    )  # fmt: skip
 
 
 def preflight_argv(config: SshRunConfig, host: str, want_port: bool) -> list[str]:
@@ -575,41 +594,107 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
     if failed:
         note(f"preflight failed on {len(failed)} of {len(results)} host(s); no rank started")
         return 1
-    port = config.master_port or results[0].port
+    token = secrets.token_hex(32)
+    store = None
+    if config.max_restarts:  # the store must outlive any rank: the launcher serves it
+        store = _serve_store(master_addr, config.master_port, token)
+        if store is None:
+            return 1
+        port: int | None = int(store.port)
+    else:
+        port = config.master_port or results[0].port
     if not port:
         note(f"preflight: host {results[0].host} reported no free port")
         return 1
-    token = secrets.token_hex(32)
     ranks: list[RankProcess] = []
     try:
         with LauncherSignals() as signals:
             ranks = _start_ranks(config, master_addr, int(port), token)
-            return supervise(ranks, signals, config.grace_s + STOP_SLACK_S, poll_s)
+            restart = None
+            if config.max_restarts:
+                restart = _restarter(config, master_addr, int(port), token, ranks)
+            return supervise(ranks, signals, config.grace_s + STOP_SLACK_S, poll_s,
+                             restart=restart)  # fmt: skip
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
+        if store is not None:
+            store.close()
+
+
+def _serve_store(master_addr: str, port: int, token: str) -> Any:
+    """The job's store, served by the launcher on ``master_addr`` (its own address as the
+    hosts reach it; every interface if that is not one of this machine's); None (said
+    why) if it cannot start."""
+    import socket
+
+    from ringcomm.errors import RendezvousError  # lazy: only needed to run a job
+    from ringcomm.rendezvous import StoreServer
+
+    try:
+        ip = socket.gethostbyname(master_addr)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((ip, 0))
+        bind = ip
+    except OSError:
+        bind = "0.0.0.0"
+    try:
+        return StoreServer(bind, port, token=token).start()
+    except RendezvousError as exc:
+        note(f"error: --max-restarts: the launcher cannot serve the store: {exc}")
+        return None
+
+
+def _restarter(
+    config: SshRunConfig, master_addr: str, port: int, token: str, ranks: list[RankProcess]
+) -> Callable[[RankProcess, int], RankProcess | None]:
+    """``--max-restarts``: a rank that failed is started again on its host, in its slot
+    (``RINGCOMM_RESTART`` = how many times), at most K times per slot; the ranks learn
+    of it in the store (``restarting/<slot>``: ``grow(wait=True)`` waits for it)."""
+    counts: dict[int, int] = {}
+    announce = store_announcer(master_addr, port, token)
+    by_rank = {p.rank: p for p in config.placements}
+
+    def restart(failed: RankProcess, code: int) -> RankProcess | None:
+        n = counts.get(failed.rank, 0) + 1
+        if n > config.max_restarts or code == SSH_FAILED:  # a lost host: not restarted
+            return None
+        counts[failed.rank] = n
+        announce(f"restarting/{failed.rank}", str(n))
+        note(f"{failed.describe_exit(code)}; starting it again (restart {n} of "
+             f"{config.max_restarts})")  # fmt: skip
+        new = _start_rank(config, by_rank[failed.rank], master_addr, port, token, n)
+        ranks.append(new)  # reaped with the others, whatever happens
+        return new
+
+    return restart
+
+
+def _start_rank(
+    config: SshRunConfig, p: Placement, master_addr: str, port: int, token: str,
+    restart: int = 0,
+) -> _SshRank:  # fmt: skip
+    popen = start_in_session(
+        rank_ssh_argv(config, p, master_addr, port, restart),
+        pdeathsig_preexec(),
+        stdin=subprocess.PIPE,  # the rank's lifeline: closing it stops the rank
+    )
+    assert popen.stdin is not None
+    try:
+        popen.stdin.write((json.dumps({TOKEN_VAR: token}) + "\n").encode())
+        popen.stdin.flush()
+    except OSError:
+        pass  # ssh already failed: its exit status reports it
+    label = f"{p.rank} {p.host}" if config.verbose else p.rank
+    return _SshRank(p.rank, popen, copy_output(popen, label), host=p.host)
 
 
 def _start_ranks(
     config: SshRunConfig, master_addr: str, port: int, token: str
 ) -> list[RankProcess]:
-    preexec = pdeathsig_preexec()
-    secret_line = (json.dumps({TOKEN_VAR: token}) + "\n").encode()
     ranks: list[RankProcess] = []
     try:
         for p in config.placements:
-            popen = start_in_session(
-                rank_ssh_argv(config, p, master_addr, port),
-                preexec,
-                stdin=subprocess.PIPE,  # the rank's lifeline: closing it stops the rank
-            )
-            assert popen.stdin is not None
-            try:
-                popen.stdin.write(secret_line)
-                popen.stdin.flush()
-            except OSError:
-                pass  # ssh already failed: its exit status reports it
-            label = f"{p.rank} {p.host}" if config.verbose else p.rank
-            ranks.append(_SshRank(p.rank, popen, copy_output(popen, label), host=p.host))
+            ranks.append(_start_rank(config, p, master_addr, port, token))
     except BaseException:
         for r in ranks:
             r.kill()
