@@ -25,7 +25,7 @@ With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at 
 ``RINGCOMM_STORE_EXTERNAL``, ``RINGCOMM_TRANSPORT``, ``RINGCOMM_SECURITY``,
 ``RINGCOMM_MAX_UNEXPECTED_MESSAGES``/``_BYTES``, ``RINGCOMM_LOCAL_LANE``, ``RINGCOMM_SHM``,
 ``RINGCOMM_BIND``, ``RINGCOMM_TRACE_DIR``/``RINGCOMM_TRACE``/``RINGCOMM_TRACE_ENTRIES``
-(the flight recorder, ringcomm.flight), ``RINGCOMM_RESTART`` (set by the launcher for a
+(the flight recorder, ringcomm.flight), ``RINGCOMM_HOST_ID`` (pretend hosts), ``RINGCOMM_RESTART`` (set by the launcher for a
 restarted rank). Every invalid value raises :class:`RendezvousError` naming the
 variable, its value and the convention it came from.
 
@@ -231,6 +231,10 @@ class InitConfig:
     #: (``RINGCOMM_TRACE_ENTRIES``, 0: off), where the record is written
     #: (``RINGCOMM_TRACE_DIR``), and whether ``close()`` writes it too (``RINGCOMM_TRACE=1``).
     trace_entries: int = 4096
+    #: This rank's host identity (``RINGCOMM_HOST_ID``); None: hostname and boot id. Ranks
+    #: with different ones treat each other as on other hosts (tcp://, no shared memory):
+    #: several "hosts" on one machine, for tests and benchmarks of the multi-host paths.
+    host_id: str | None = None
     trace_dir: str | None = None
     trace_at_close: bool = False
     #: How many times the launcher restarted this rank (``RINGCOMM_RESTART``, set by
@@ -730,6 +734,7 @@ def resolve_init_config(
         token=token,
         chunk_bytes=chunk_bytes,
         algo=(env.get("RINGCOMM_ALGO") or "").strip() or None,
+        host_id=(env.get("RINGCOMM_HOST_ID") or "").strip() or None,
         log=(env.get("RINGCOMM_LOG") or "").strip() or None,
         store_external=store_external,
         source=source,

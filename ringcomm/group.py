@@ -29,6 +29,7 @@ import numpy as np
 from . import lifecycle
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
+from .collectives import HIER_ALGO
 from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
 from .device.p2p import recv_op_class, send_op_class
@@ -57,6 +58,8 @@ from .group_core import (
     setup_workspace,
     workspace_possible,
 )
+from .hierarchy import Hierarchy
+from .ops import ReduceOp, parse_op
 from .p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
 from .progress import (
     DEPART_CLOSE,
@@ -66,6 +69,7 @@ from .progress import (
     Progress,
 )
 from .rendezvous import Store, StoreServer
+from .schedule.topology import Topology, topology
 from .transport.endpoints import (
     EndpointInfo,
     choose_endpoint,
@@ -89,6 +93,8 @@ class ProcessGroup:
 
     def __init__(self, core: GroupCore) -> None:
         self.core = core
+        self._topology: Topology | None = None
+        self._hierarchy: Hierarchy | None = None
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -259,8 +265,51 @@ class ProcessGroup:
         timeout_s: float | None = None,
         algo: str | None = None,
     ) -> Any:
-        """Reduce ``x`` over the group in place; return ``x`` (a Work if ``async_op``)."""
+        """Reduce ``x`` over the group in place; return ``x`` (a Work if ``async_op``).
+
+        A group that spans hosts, with several ranks on one of them, reduces hierarchically
+        (:mod:`ringcomm.hierarchy`: within each host, then across hosts, one inter-host
+        group per local rank) unless ``algo`` (or ``RINGCOMM_ALGO``) names a flat
+        algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
+        if async_op is False and self._hierarchical(x, op, algo):
+            return self._hier().all_reduce(x, parse_op(op), timeout_s)
         return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s, algo=algo)
+
+    @property
+    def topology(self) -> Topology:
+        """Which of this group's ranks share a host (:class:`ringcomm.schedule.topology.
+        Topology`: ranks per host, local ranks, leaders, a host-contiguous ring order)."""
+        if self._topology is None:
+            peers = self.core.state.peers
+            me = self.core.state.host_id
+            ids = [peers[g].host_id if g in peers else me for g in self.core.ranks]
+            self._topology = topology(ids)
+        return self._topology
+
+    def _hierarchical(self, x: Any, op: Any, algo: str | None) -> bool:
+        """Whether this all_reduce goes hierarchically (see :meth:`all_reduce`)."""
+        if algo is not None and algo != HIER_ALGO:
+            return False
+        env = self.core.config.algo
+        if algo is None and env is not None and env != HIER_ALGO:
+            return False
+        topo = self.topology
+        fits = topo.num_hosts >= 2 and topo.max_local_size >= 2
+        if algo == HIER_ALGO and not fits:
+            raise ValueError(f"rank {self.rank}: all_reduce: algo {HIER_ALGO!r} needs a group "
+                             f"spanning hosts with several ranks on one ({topo.num_hosts} "
+                             f"host(s), at most {topo.max_local_size} rank(s) on one)")  # fmt: skip
+        if not fits:
+            return False
+        what = f"rank {self.rank}: all_reduce"
+        x = check_array(x, what, writeable=True, device=True)
+        rop = parse_op(op)
+        return not (rop is ReduceOp.AVG and x.dtype.kind in "iub")  # integer means: flat
+
+    def _hier(self) -> Hierarchy:
+        if self._hierarchy is None:
+            self._hierarchy = Hierarchy(self, self.topology)
+        return self._hierarchy
 
     def reduce_scatter(
         self,
@@ -899,7 +948,7 @@ def _form(
         )
         me = EndpointInfo(
             rank=cfg.rank,
-            host_id=host_identity(),
+            host_id=cfg.host_id or host_identity(),
             ipc=net.ipc_endpoint,
             tcp=net.tcp_endpoint,
             pid=os.getpid(),

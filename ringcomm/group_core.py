@@ -81,7 +81,7 @@ class ProcessState:
         self.lock = threading.Lock()
         #: Every rank's published endpoint info (pid, host), by global rank.
         self.peers: dict[int, EndpointInfo] = {}
-        self.host_id = host_identity()
+        self.host_id = config.host_id or host_identity()
         #: How many shrinks made this world group (0: the one init_process_group formed),
         #: and the port its store listens on (ringcomm.elastic).
         self.epoch = 0

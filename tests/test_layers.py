@@ -68,6 +68,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.p2p": 5,
     "ringcomm.device.p2p": 5,  # device p2p: builds on p2p and staging
     "ringcomm.group": 6,  # ProcessGroup, the facade: nothing below imports it
+    "ringcomm.hierarchy": 6,  # hierarchical collectives over a ProcessGroup's sub-groups
     # The naive reference collectives (test oracles) are written with ProcessGroup's p2p.
     "ringcomm.collectives.reference": 7,
     "ringcomm.ps": 7,

@@ -69,6 +69,7 @@ __all__ = [
     "ALL_REDUCE_DIRECT_MAX_WORLD",
     "ALL_REDUCE_RD_MAX_BYTES",
     "BROADCAST_TREE_MAX_BYTES",
+    "HIER_ALGO",
     "UNEVEN_ALGORITHMS",
     "WORKSPACE_ALGO",
     "Call",
@@ -132,6 +133,9 @@ BROADCAST_TREE_MAX_BYTES = 1024 * 1024
 
 #: The name of the shared-workspace algorithm (every collective has it on one host).
 WORKSPACE_ALGO = "shm"
+#: The hierarchical all_reduce of a group spanning hosts (ringcomm.hierarchy, above this
+#: layer: ``RINGCOMM_ALGO=hier`` is valid here and means "no flat preference").
+HIER_ALGO = "hier"
 
 
 def get_algorithm(collective: str, algo: str) -> type[CollectiveOp]:
@@ -181,8 +185,10 @@ def choose_algorithm(
     if env_algo:
         if env_algo in table:
             return env_algo
-        if env_algo != WORKSPACE_ALGO and not any(env_algo in t for t in ALGORITHMS.values()):
-            names = sorted({a for t in ALGORITHMS.values() for a in t} | {WORKSPACE_ALGO})
+        if env_algo not in (WORKSPACE_ALGO, HIER_ALGO) and not any(
+            env_algo in t for t in ALGORITHMS.values()
+        ):
+            names = sorted({a for t in ALGORITHMS.values() for a in t} | {WORKSPACE_ALGO, HIER_ALGO})
             raise ValueError(f"RINGCOMM_ALGO={env_algo!r} names no algorithm; known: {names}")
     if local:
         return WORKSPACE_ALGO
