@@ -510,11 +510,19 @@ def uplink_bytes(op: str, algo: str, hosts: int, ranks_per_host: int, size: floa
 
 
 def predict(
-    model: CostModel, op: str, algo: str, hosts: int, ranks_per_host: int, size: int
+    model: CostModel,
+    op: str,
+    algo: str,
+    hosts: int,
+    ranks_per_host: int,
+    size: int,
+    *,
+    servers: int | None = None,
 ) -> Prediction:
-    """The predicted time of one call of ``op`` by ``algo`` on ``size`` bytes per rank."""
+    """The predicted time of one call of ``op`` by ``algo`` on ``size`` bytes per rank
+    (``servers``: the parameter server's, default one per host)."""
     _check(op, hosts, ranks_per_host, size)
-    p = plan(op, algo, hosts, ranks_per_host)
+    p = plan(op, algo, hosts, ranks_per_host, servers if algo == "ps" else None)
     t = _plan_time(model, p, float(size))
     up = sum(s.repeat * s.uplink_frac for s in p.steps) * size
     return Prediction(op, algo, hosts, ranks_per_host, size, t, up)
@@ -527,6 +535,8 @@ def best(
     size: int,
     op: str = "all_reduce",
     algos: Sequence[str] | None = None,
+    *,
+    servers: int | None = None,
 ) -> tuple[str, list[Prediction]]:
     """The fastest algorithm and every algorithm's prediction, in :data:`ALGORITHMS` order.
 
@@ -535,7 +545,7 @@ def best(
     """
     _check(op, hosts, ranks_per_host, size)
     names = ALGORITHMS[op] if algos is None else tuple(algos)
-    preds = [predict(model, op, a, hosts, ranks_per_host, size) for a in names]
+    preds = [predict(model, op, a, hosts, ranks_per_host, size, servers=servers) for a in names]
     winner = min(preds, key=lambda p: p.time_s)  # ties: the first in table order
     return winner.algo, preds
 
@@ -559,12 +569,13 @@ def crossovers(
     min_bytes: int = 1,
     max_bytes: int = 1 << 32,
     algos: Sequence[str] | None = None,
+    servers: int | None = None,
 ) -> list[Crossover]:
     """Sizes in ``[min_bytes, max_bytes]`` where :func:`best`'s winner changes, found on a
     grid of powers of 2^(1/4) and refined to the byte by bisection."""
 
     def winner(size: int) -> str:
-        return best(model, hosts, ranks_per_host, size, op, algos)[0]
+        return best(model, hosts, ranks_per_host, size, op, algos, servers=servers)[0]
 
     grid = sorted(
         {min_bytes, max_bytes}

@@ -41,7 +41,7 @@ ASSUMPTIONS = (
     "full-duplex uplink that all its ranks share; a message costs alpha at its sender and its "
     "receiver once per piece (messages of different ranks overlap their latency); a step lasts "
     "as long as its busiest link and its busiest reducer, overlapped piece by piece; ps: one "
-    "server per host, on hosts of their own; no congestion beyond the uplink, no jitter"
+    "server per host (--ps-servers), on hosts of their own; no congestion beyond the uplink, no jitter"
 )
 
 
@@ -129,6 +129,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="bytes per rank as nccl-tests counts them (K/M/G suffixes)")  # fmt: skip
     p.add_argument("--op", default="all_reduce", choices=tuple(ALGORITHMS), metavar="OP",
                    help=f"one of {', '.join(ALGORITHMS)} (default %(default)s)")  # fmt: skip
+    p.add_argument("--ps-servers", type=int, metavar="P",
+                   help="parameter servers (ps rows; default one per host)")  # fmt: skip
     p.add_argument("--model", metavar="FILE.json", help="parameters written by ringcomm tune")
     add_link_options(p)
     p.add_argument("--no-scan", action="store_true", help="only the given world")
@@ -173,7 +175,7 @@ def format_world(preds: Sequence[Prediction], winner: str) -> str:
 
 
 def scan(
-    model: CostModel, ranks_per_host: int, size: int, op: str
+    model: CostModel, ranks_per_host: int, size: int, op: str, servers: int | None = None
 ) -> list[tuple[int, str, list[Prediction], list[Crossover]]]:
     """(hosts, winner, predictions, crossovers) for 1..512 hosts of ``ranks_per_host``
     (worlds of 2 to 4096 ranks)."""
@@ -182,8 +184,9 @@ def scan(
         n = hosts * ranks_per_host
         if n < 2 or n > SCAN_MAX_RANKS:
             continue
-        winner, preds = best(model, hosts, ranks_per_host, size, op)
-        rows.append((hosts, winner, preds, crossovers(model, hosts, ranks_per_host, op)))
+        winner, preds = best(model, hosts, ranks_per_host, size, op, servers=servers)
+        found = crossovers(model, hosts, ranks_per_host, op, servers=servers)
+        rows.append((hosts, winner, preds, found))
     return rows
 
 
@@ -243,10 +246,12 @@ def main(args: argparse.Namespace) -> int:
             )
         if args.no_scan:
             raise UsageError("--plot draws the scan: drop --no-scan")
+    if args.ps_servers is not None and args.ps_servers < 1:
+        raise UsageError(f"--ps-servers must be >= 1, got {args.ps_servers}")
     model = model_from_args(args)
-    H, L, S, op = args.hosts, args.ranks_per_host, args.size, args.op
-    winner, preds = best(model, H, L, S, op)
-    found = crossovers(model, H, L, op)
+    H, L, S, op, P = args.hosts, args.ranks_per_host, args.size, args.op, args.ps_servers
+    winner, preds = best(model, H, L, S, op, servers=P)
+    found = crossovers(model, H, L, op, servers=P)
     out = sys.stdout
     out.write(
         f"# ringcomm model {op}: {H} host(s) x {L} rank(s) = {H * L} ranks, "
@@ -258,7 +263,7 @@ def main(args: argparse.Namespace) -> int:
     )
     out.write(format_world(preds, winner))
     out.write(f"# best: {winner}; winner changes over 1 B..4 GiB: {_fmt_cross(found)}\n")
-    rows = [] if args.no_scan else scan(model, L, S, op)
+    rows = [] if args.no_scan else scan(model, L, S, op, P)
     if not args.no_scan:
         out.write(f"#\n# scan: {op} of {format_size(S)}, 1..512 hosts x {L} ranks per host\n")
         out.write(format_scan(rows, L))

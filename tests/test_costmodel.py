@@ -95,6 +95,10 @@ def test_parameter_server_push_pull() -> None:
     push = 4 * 50 * US + 2 * s * 8e-9 + 2 * s * GAMMA
     pull = 4 * 50 * US + 2 * s * 8e-9
     assert t("all_reduce", "ps", 2, 2, s) == pytest.approx(push + pull, rel=1e-12)
+    # one server: it receives 4 messages of S and reduces 4S
+    one = predict(M, "all_reduce", "ps", 2, 2, s, servers=1).time_s
+    want = 2 * (4 * 50 * US + 4 * s * 8e-9) + 4 * s * GAMMA
+    assert one == pytest.approx(want, rel=1e-12)
 
 
 def test_pieces_overlap_the_reduction() -> None:
@@ -310,6 +314,7 @@ def test_model_cli_other_ops(op: str, capsys: pytest.CaptureFixture[str]) -> Non
         ["--hosts", "2", "--ranks-per-host", "0", "--size", "8"],
         ["--hosts", "2", "--ranks-per-host", "2", "--size", "0"],
         ["--hosts", "2", "--ranks-per-host", "2", "--size", "8", "--net-gbps", "0"],
+        ["--hosts", "2", "--ranks-per-host", "2", "--size", "8", "--ps-servers", "0"],
         ["--hosts", "2", "--ranks-per-host", "2", "--size", "8", "--model", "/nonexistent.json"],
     ],
 )
