@@ -30,7 +30,17 @@ from .costmodel import (
     crossovers,
 )
 
-__all__ = ["SCAN_HOSTS", "add_link_options", "add_parser", "main", "model_from_args"]
+__all__ = [
+    "ASSUMPTIONS",
+    "SCAN_HOSTS",
+    "add_link_options",
+    "add_parser",
+    "format_scan",
+    "format_world",
+    "main",
+    "model_from_args",
+    "scan",
+]
 
 #: Host counts of the scan (each times --ranks-per-host ranks; rows of 2..4096 ranks kept).
 SCAN_HOSTS: tuple[int, ...] = tuple(1 << i for i in range(10))
