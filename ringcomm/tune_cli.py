@@ -1,8 +1,8 @@
 """``ringcomm tune [--out FILE.json] [-n 2] [--sizes 8,1K,...]``: fit the cost model here.
 
 Measures this machine's same-host link class with a short probe (one job of ``-n`` local
-ranks through the benchmark harness, :mod:`ringcomm.bench`: a sendrecv ring and a ring
-all_reduce at a few sizes, checked, then timed back to back), fits the per-call overhead,
+ranks through the benchmark harness, :mod:`ringcomm.bench`: ring all_reduce,
+reduce_scatter and all_gather at a few sizes, checked, then timed back to back), fits the per-call overhead,
 alpha, beta and gamma of :mod:`ringcomm.costmodel` by least squares and writes a JSON that
 ``ringcomm model --model FILE`` loads. Across hosts there is nothing to measure from one
 host: the network parameters come from ``--net-gbps``/``--net-latency-us`` (a hostfile
@@ -32,8 +32,15 @@ __all__ = ["DEFAULT_SIZES", "PROBE_OPS", "add_parser", "main", "probe_rank"]
 #: The probe's sizes (bytes per rank): small ones pin alpha and the overhead, large ones beta
 #: and gamma; the largest keeps each piece below the 4 MiB chunk (the fit is linear there).
 DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20)
-#: (bench op, cost-model algorithm) the probe runs.
-PROBE_OPS: tuple[tuple[str, str], ...] = (("sendrecv", "direct"), ("all_reduce", "ring"))
+#: (bench op, cost-model algorithm) the probe runs: three rings whose message, byte and
+#: reduction counts differ, so overhead, alpha, beta and gamma are told apart even on 2
+#: ranks (all_reduce = reduce_scatter + all_gather - one call's overhead). A sendrecv would
+#: not do: it is two calls (isend, irecv) and two waits, another overhead than a collective's.
+PROBE_OPS: tuple[tuple[str, str], ...] = (
+    ("all_reduce", "ring"),
+    ("reduce_scatter", "ring"),
+    ("all_gather", "ring"),
+)
 #: What the probe sets for its ranks: the ring over the link, not the one-host workspace.
 PROBE_ENV = {"RINGCOMM_ALGO": "ring", "RINGCOMM_WORKSPACE": "0"}
 
@@ -140,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
     for op, algo in PROBE_OPS:
         for size in sizes:
             count = element_count(op, size, 4, n)
-            spec = SizeSpec(op, n, "float32", count, "sum" if op == "all_reduce" else None, -1)
+            redop = "sum" if op in ("all_reduce", "reduce_scatter") else None
+            spec = SizeSpec(op, n, "float32", count, redop, -1)
             try:
                 design_row(op, algo, n, spec.nbytes, chunk)
             except ValueError:
