@@ -37,6 +37,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "ringcomm.engine.cli",
     "ringcomm.ps.cli",
     "ringcomm.trace_cli",
+    "ringcomm.model_cli",
+    "ringcomm.tune_cli",
 )
 
 

@@ -32,7 +32,7 @@ PACKAGE = "ringcomm"
 # ("ringcomm" itself matches only the package's own __init__). A module may import its own
 # layer or any lower one, never a higher one.
 LAYER_NAMES = {
-    0: "base: errors, config, xp, standin, schedule, ops, lifecycle, flight, wire format",
+    0: "base: errors, config, xp, standin, schedule, costmodel, ops, lifecycle, flight, wire format",
     1: "transport",
     2: "rendezvous",
     3: "progress",
@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.device.standin": 0,  # the host stand-in for cupy.ndarray; xp imports it, it imports nothing
     "ringcomm.standin": 0,  # the old name of device.standin, a re-export
     "ringcomm.schedule": 0,  # pure schedules
+    "ringcomm.costmodel": 0,  # the alpha-beta-gamma cost model (pure)
     "ringcomm.ops": 0,  # reducers
     "ringcomm.lifecycle": 0,  # the one exit hook
     "ringcomm.flight": 0,  # the flight recorder and its report (pure but for its file)
@@ -80,6 +81,8 @@ LAYERS: dict[str, int] = {
     "ringcomm.torch_backend": 8,
     "ringcomm.cli": 8,
     "ringcomm.trace_cli": 8,
+    "ringcomm.model_cli": 8,
+    "ringcomm.tune_cli": 8,
     "ringcomm.__main__": 8,
     "ringcomm": 8,  # ringcomm/__init__.py re-exports the public API (group, launch, ...)
 }
