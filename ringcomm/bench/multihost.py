@@ -45,6 +45,7 @@ __all__ = [
     "interface_towards",
     "launcher_argv",
     "mpi_hosts_args",
+    "network_towards",
     "parse_records",
     "run",
 ]
@@ -161,15 +162,20 @@ def _host_address(hosts: HostsSpec, host: str) -> str:
 def mpi_hosts_args(hosts: HostsSpec, if_include: str | None = None) -> list[str]:
     """mpirun options for ``hosts``: ``--host h:n,...``, ssh with ``--ssh-config``, TCP BTL.
 
-    ``btl_tcp_if_include``/``oob_tcp_if_include``: ``if_include`` (``RINGCOMM_BENCH_MPI_IF``:
-    interface names or CIDRs), else each host's address (``ssh -G``) as a /32, so every host
-    picks the interface holding its own address and never loopback.
+    ``btl_tcp_if_include``/``oob_tcp_if_include``: ``if_include`` (else
+    ``RINGCOMM_BENCH_MPI_IF``: interface names or CIDRs), else the network (CIDR) of this
+    host's interface towards the first host (``ssh -G``'s HostName), e.g. the test bed's
+    10.77.0.0/24: so every host uses the interface on that network, never loopback. (Per-host
+    /32s do not work: Open MPI's TCP BTL then mismatches peers.) None found: MPI chooses.
     """
     if if_include is None:
         if_include = os.environ.get("RINGCOMM_BENCH_MPI_IF")
     if if_include is None:
-        addrs = dict.fromkeys(_host_address(hosts, h) for h, _ in hosts.placement)
-        if_include = ",".join(f"{a}/32" for a in addrs)
+        if_include = network_towards(_host_address(hosts, hosts.placement[0][0]))
+    if_args = []
+    if if_include is not None:
+        if_args = ["--mca", "btl_tcp_if_include", if_include,
+                   "--mca", "oob_tcp_if_include", if_include]  # fmt: skip
     agent = "ssh -T -x -o BatchMode=yes"
     if hosts.ssh_config is not None:
         agent += f" -F {shlex.quote(hosts.ssh_config)}"
@@ -178,8 +184,7 @@ def mpi_hosts_args(hosts: HostsSpec, if_include: str | None = None) -> list[str]
         "--mca", "plm_rsh_agent", agent,
         "--mca", "pml", "ob1",
         "--mca", "btl", "tcp,self",
-        "--mca", "btl_tcp_if_include", if_include,
-        "--mca", "oob_tcp_if_include", if_include,
+        *if_args,
         "-x", "PYTHONPATH",
         "--wdir", os.getcwd(),
     ]  # fmt: skip
@@ -227,17 +232,33 @@ def run(config: BenchConfig, hosts: HostsSpec) -> tuple[list[Result], list[str]]
 # --------------------------------------------------------------------------------------
 
 
-def _ipv4_of(ifname: str) -> str | None:
+_SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B
+
+
+def _ipv4_of(ifname: str, request: int = _SIOCGIFADDR) -> str | None:
+    """The IPv4 address (or with ``_SIOCGIFNETMASK`` the netmask) of ``ifname``."""
     import fcntl
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            packed = fcntl.ioctl(
-                s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15])  # SIOCGIFADDR
-            )
+            packed = fcntl.ioctl(s.fileno(), request, struct.pack("256s", ifname.encode()[:15]))
         except OSError:
             return None
     return socket.inet_ntoa(packed[20:24])
+
+
+def network_towards(addr: str) -> str | None:
+    """The network (``a.b.c.d/len``) of this host's interface towards ``addr``; None if
+    there is none (no IPv4 route)."""
+    import ipaddress
+
+    ifname = interface_towards(addr)
+    if ifname is None:
+        return None
+    local, mask = _ipv4_of(ifname), _ipv4_of(ifname, _SIOCGIFNETMASK)
+    if local is None or mask is None:
+        return None
+    return str(ipaddress.IPv4Network(f"{local}/{mask}", strict=False))
 
 
 def interface_towards(addr: str) -> str | None:
