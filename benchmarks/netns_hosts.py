@@ -10,7 +10,7 @@
   it starts, hence every rank, sees that hostname: ringcomm treats them as different hosts
   and talks tcp:// between them);
 * a veth pair: ``eth0`` inside, ``{prefix}v{i}`` in the root namespace on the bridge
-  ``{prefix}br`` (10.77.0.1/24); host i is 10.77.0.(10+i); loopback up;
+  ``{prefix}br`` (10.77.0.1/24, ``--subnet``); host i is 10.77.0.(10+i); loopback up;
 * with ``--rate R``: ``tc qdisc add dev VETH root tbf rate R burst 256kb latency 20ms`` on
   both ends of the veth (each direction of the link shaped; netem is not needed);
 * an sshd on port 22 of its address, key-only (a key pair generated in the state dir).
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STATE_ROOT = Path("/tmp/ringcomm-netns")
-SUBNET = "10.77.0"  # /24; the bridge is .1, host i is .(10+i)
+SUBNET = "10.77.0"  # the default /24; the bridge is .1, host i is .(10+i)
 RATES = ("none", "1gbit", "10gbit")
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 __all__ = ["Testbed", "main", "start", "status", "stop", "unavailable"]
@@ -77,7 +77,7 @@ class Testbed:
 
     def exec_argv(self, host: int, *argv: str) -> list[str]:
         """Run ``argv`` in host ``host``'s namespace with its hostname."""
-        script = f"hostname {self.hostnames[host]} && exec \"$@\""
+        script = f'hostname {self.hostnames[host]} && exec "$@"'
         return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--",
                 "sh", "-c", script, "sh", *argv]  # fmt: skip
 
@@ -236,12 +236,21 @@ def _wait_listening(address: str, log: Path, popen: subprocess.Popen[bytes]) -> 
             time.sleep(0.05)
 
 
-def start(hosts: int = 2, rate: str = "none", prefix: str = "rc", slots: int = 2) -> Testbed:
+def start(
+    hosts: int = 2, rate: str = "none", prefix: str = "rc", slots: int = 2, subnet: str = SUBNET
+) -> Testbed:
     """Make the test bed (see the module docstring); stop what an earlier start left first.
 
-    On any failure everything made so far is removed before the error propagates.
+    ``subnet``: the first three octets of its /24 (two test beds at once need two prefixes
+    and two subnets). On any failure everything made so far is removed before the error
+    propagates.
     """
     _check_prefix(prefix)
+    if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
+        raise ValueError(f"subnet must look like 10.77.0, got {subnet!r}")
+    used = _quiet("ip", "-o", "-4", "addr")
+    if f" {subnet}." in used and f"{prefix}br" not in used:
+        raise RuntimeError(f"subnet {subnet}.0/24 is in use by another interface")
     if not 1 <= hosts <= 200:
         raise ValueError(f"hosts must be in 1..200, got {hosts}")
     if rate not in RATES and not re.fullmatch(r"\d+(\.\d+)?[kmg]?(bit|bps)", rate):
@@ -252,27 +261,27 @@ def start(hosts: int = 2, rate: str = "none", prefix: str = "rc", slots: int = 2
     stop(prefix)
     state = STATE_ROOT / prefix
     try:
-        return _start(hosts, rate, prefix, slots, state)
+        return _start(hosts, rate, prefix, slots, state, subnet)
     except BaseException:
         stop(prefix)
         raise
 
 
-def _start(hosts: int, rate: str, prefix: str, slots: int, state: Path) -> Testbed:
+def _start(hosts: int, rate: str, prefix: str, slots: int, state: Path, net: str) -> Testbed:
     state.mkdir(parents=True, mode=0o700)
     bed = Testbed(prefix, state, state / "hostfile", state / "ssh_config", state / "id_ed25519",
-                  rate=rate)  # fmt: skip
+                  subnet=f"{net}.0/24", rate=rate)  # fmt: skip
     for key in (bed.identity, state / "hostkey"):
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ringcomm-netns", "-f", str(key))
     shutil.copy(f"{bed.identity}.pub", state / "authorized_keys")
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation dir
     bridge = f"{prefix}br"
     _run("ip", "link", "add", bridge, "type", "bridge")
-    _run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+    _run("ip", "addr", "add", f"{net}.1/24", "dev", bridge)
     _run("ip", "link", "set", bridge, "up")
     for i in range(hosts):
         ns, veth, peer = f"{prefix}h{i}", f"{prefix}v{i}", f"{prefix}p{i}"
-        addr = f"{SUBNET}.{10 + i}"
+        addr = f"{net}.{10 + i}"
         _run("ip", "netns", "add", ns)
         bed.namespaces.append(ns)
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
@@ -302,6 +311,7 @@ def _start(hosts: int, rate: str, prefix: str, slots: int, state: Path) -> Testb
             )
         _wait_listening(addr, log_path, popen)
     bed.ssh_config.write_text(_client_config(bed))
+    (state / "subnet").write_text(net + "\n")
     bed.hostfile.write_text("".join(f"{h} slots={slots}\n" for h in bed.hostnames))
     (state / "env.sh").write_text("".join(f"export {k}={v}\n" for k, v in bed.env().items()))
     return bed
@@ -310,14 +320,19 @@ def _start(hosts: int, rate: str, prefix: str, slots: int, state: Path) -> Testb
 def status(prefix: str = "rc") -> str:
     """One line per namespace (and whether its sshd answers); "" when nothing is up."""
     _check_prefix(prefix)
-    namespaces, links, bridge = _names(prefix)
+    namespaces, links, _ = _names(prefix)
     if not namespaces and not links and not (STATE_ROOT / prefix).exists():
         return ""
     lines = [f"state dir {STATE_ROOT / prefix}" + ("" if (STATE_ROOT / prefix).exists()
                                                    else " (missing)")]  # fmt: skip
+    net = SUBNET
+    try:
+        net = (STATE_ROOT / prefix / "subnet").read_text().strip()
+    except OSError:
+        pass
     for ns in namespaces:
         i = int(ns[len(prefix) + 1 :])
-        addr = f"{SUBNET}.{10 + i}"
+        addr = f"{net}.{10 + i}"
         try:
             with socket.create_connection((addr, 22), timeout=1.0):
                 sshd = "sshd up"
@@ -336,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=2, help="slots per host in the hostfile")
     p.add_argument("--rate", default="none", help="link rate: 1gbit, 10gbit or none")
     p.add_argument("--prefix", default="rc", help="name prefix of namespaces and links")
+    p.add_argument("--subnet", default=SUBNET, help="first three octets of the /24 (10.77.0)")
     args = p.parse_args(argv)
     if args.action == "stop":
         stop(args.prefix)
@@ -346,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text or f"{args.prefix}: not running")
         return 0 if text else 1
     try:
-        bed = start(args.hosts, args.rate, args.prefix, args.slots)
+        bed = start(args.hosts, args.rate, args.prefix, args.slots, args.subnet)
     except (RuntimeError, ValueError) as exc:
         print(f"netns_hosts.py: error: {exc}", file=sys.stderr)
         return 1

@@ -278,7 +278,11 @@ def hosts_from_args(args: argparse.Namespace) -> HostsSpec | None:
             raise UsageError("--ssh-config applies with --hostfile or -H only")
         return None
     try:
-        slots = read_hostfile(hostfile) if hostfile is not None else parse_hosts_option(hosts_option)
+        slots = (
+            read_hostfile(hostfile)
+            if hostfile is not None
+            else parse_hosts_option(str(hosts_option))
+        )
         placements = assign_ranks(slots, args.nproc)
     except HostfileError as exc:
         raise UsageError(str(exc)) from None
@@ -393,9 +397,7 @@ def placement_line(hostnames: Sequence[str]) -> str:
             groups[-1][1].append(rank)
         else:
             groups.append((name, [rank]))
-    parts = [
-        (f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}") + f" on {name}" for name, r in groups
-    ]
+    parts = [(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}") + f" on {name}" for name, r in groups]
     return f"# ranks {'; '.join(parts)} ({len(set(hostnames))} hosts)\n#\n"
 
 

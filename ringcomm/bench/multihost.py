@@ -215,8 +215,8 @@ def run(config: BenchConfig, hosts: HostsSpec) -> tuple[list[Result], list[str]]
     from .runner import aggregate, merge_rounds
 
     if config.compare != "mpi":
-        per_rank, hostnames = ringcomm_job(config, hosts)
-        return aggregate(config, per_rank), hostnames
+        per_rank, names = ringcomm_job(config, hosts)
+        return aggregate(config, per_rank), names
     rounds: list[list[list[Record]]] = []
     hostnames: list[str] = []
     for rnd in range(config.rounds):
