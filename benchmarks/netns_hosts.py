@@ -246,18 +246,18 @@ def start(
     propagates.
     """
     _check_prefix(prefix)
-    if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
-        raise ValueError(f"subnet must look like 10.77.0, got {subnet!r}")
-    used = _quiet("ip", "-o", "-4", "addr")
-    if f" {subnet}." in used and f"{prefix}br" not in used:
-        raise RuntimeError(f"subnet {subnet}.0/24 is in use by another interface")
     if not 1 <= hosts <= 200:
         raise ValueError(f"hosts must be in 1..200, got {hosts}")
     if rate not in RATES and not re.fullmatch(r"\d+(\.\d+)?[kmg]?(bit|bps)", rate):
         raise ValueError(f"rate must be one of {', '.join(RATES)} (or a tc rate), got {rate!r}")
+    if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
+        raise ValueError(f"subnet must look like 10.77.0, got {subnet!r}")
     why = unavailable()
     if why:
         raise RuntimeError(f"netns test bed: {why}")
+    used = _quiet("ip", "-o", "-4", "addr")
+    if f" {subnet}." in used and f"{prefix}br" not in used:
+        raise RuntimeError(f"subnet {subnet}.0/24 is in use by another interface")
     stop(prefix)
     state = STATE_ROOT / prefix
     try:
