@@ -119,3 +119,20 @@ def test_placement_line_and_records() -> None:
     assert parse_records(lines, 2) == ([[], [{"x": 1}]], ["a", "b"])
     with pytest.raises(RuntimeError, match="rank"):
         parse_records(lines[:2], 2)
+
+
+def test_launcher_and_mpirun_argv() -> None:
+    from ringcomm.bench.multihost import HostsSpec, config_from_json, launcher_argv, mpi_hosts_args
+    from ringcomm.bench.spec import BenchConfig
+
+    hosts = HostsSpec(None, "a:2,b:1", "/cfg", None, (("a", 2), ("b", 1)))
+    config = BenchConfig(op="all_reduce", world_size=3, multihost=True, devices=("host",))
+    argv = launcher_argv(config, hosts)
+    assert argv[1:6] == ["-m", "ringcomm", "run", "-H", "a:2,b:1"]
+    assert argv[argv.index("--ssh-config") + 1] == "/cfg" and argv[argv.index("-n") + 1] == "3"
+    assert argv[-3:-1] == ["-m", "ringcomm.bench.multihost"]
+    assert config_from_json(argv[-1]) == config  # the config travels whole
+    mpi = mpi_hosts_args(hosts, if_include="10.1.2.0/24")
+    assert mpi[mpi.index("--host") + 1] == "a:2,b:1"
+    assert "ssh -T -x -o BatchMode=yes -F /cfg" in mpi
+    assert mpi[mpi.index("btl_tcp_if_include") + 1] == "10.1.2.0/24"
