@@ -111,9 +111,19 @@ def parse_records(lines: Sequence[str], world_size: int) -> tuple[list[list[Reco
 
 
 def _run_collecting(argv: list[str], timeout_s: float, what: str) -> tuple[int, list[str]]:
-    """Run ``argv``; keep the lines carrying :data:`MARK`, pass the others to stderr."""
+    """Run ``argv``; keep the lines carrying :data:`MARK`, pass the others to stderr.
+
+    The child (``ringcomm run`` or ``mpirun``) gets SIGKILL if the bench dies, and its own
+    teardown (ssh clients dying with it, remote watchdogs seeing EOF) stops the ranks."""
+    from ringcomm.launch.supervise import pdeathsig_preexec
+
     proc = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None, text=True
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
+        preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509  (prctl only)
     )
     kept: list[str] = []
 
