@@ -365,7 +365,10 @@ def test_config_from_args_compare_defaults_to_two_rounds(monkeypatch: pytest.Mon
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["all_reduce", "-n", "2", "--hostfile", "hosts"], "multi-host"),
+        (["all_reduce", "-n", "2", "--hostfile", "hosts"], "cannot read hostfile hosts"),
+        (["all_reduce"], "-n is required"),
+        (["all_reduce", "-n", "2", "--ssh-config", "x"], "--ssh-config applies"),
+        (["all_reduce", "-H", "a:1,b:1", "-n", "3"], "do not fit"),
         (["sendrecv", "-n", "1"], "sendrecv needs -n >= 2"),
         (["all_reduce", "-n", "0"], "-n must be >= 1"),
         (["all_reduce", "-n", "2", "-b", "1M", "-e", "1K"], "-e"),

@@ -28,6 +28,7 @@ from ringcomm.config import (
     size_arg,
 )
 
+from .multihost import HostsSpec
 from .report import Result, format_footer, format_table, json_row
 from .spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
 
@@ -44,13 +45,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
         help="nccl-tests-style bandwidth/latency sweep of a collective",
-        description="Sweep buffer sizes of one operation over N local ranks and print an "
+        description="Sweep buffer sizes of one operation over N local ranks (or ranks on other hosts "
+        "over ssh: --hostfile, -H) and print an "
         "nccl-tests-style table (time = median per rank, max over ranks; GB/s = 1e9 B/s). "
         "With --compare, the same sweep through Gloo or MPI in the same invocation, "
         "alternating implementations per size, with ratios.",
     )
     p.add_argument("op", choices=OPS, metavar="OP", help=f"one of: {', '.join(OPS)}")
-    p.add_argument("-n", "--nproc", type=int, required=True, metavar="N", help="number of ranks")
+    p.add_argument(
+        "-n",
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of ranks (required on one host; with --hostfile/-H default every slot)",
+    )
     p.add_argument(
         "-b",
         "--minbytes",
@@ -151,7 +160,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "RINGCOMM_BIND, else auto",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw and time vs size")
-    p.add_argument("--hostfile", metavar="FILE", help="multi-host (not implemented yet)")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="multi-host: ranks on these hosts over ssh (one host a line, 'host slots=N')",
+    )
+    hosts.add_argument("-H", "--hosts", metavar="h1:2,h2:2", help="multi-host: hosts and slots")
+    p.add_argument(
+        "--ssh-config", default=None, metavar="F", help="multi-host: ssh config for ssh/mpirun"
+    )
     p.add_argument(
         "--timeout-s",
         type=float,
@@ -172,11 +190,11 @@ def config_from_args(
     Without ``--bind`` the ranks inherit ``RINGCOMM_BIND`` from ``environ`` (default
     ``os.environ``): that setting, checked here, is the config's ``bind``.
     """
-    if args.hostfile is not None:
-        raise UsageError(
-            "--hostfile: multi-host benchmarks are not implemented yet (the multi-host "
-            "launcher does not exist); run without it to benchmark local ranks"
-        )
+    hosts = hosts_from_args(args)
+    if hosts is not None:
+        args.nproc = hosts.world_size
+    elif args.nproc is None:
+        raise UsageError("-n is required (or --hostfile / -H for ranks on several hosts)")
     if args.nproc < 1:
         raise UsageError(f"-n must be >= 1, got {args.nproc}")
     if args.op == "sendrecv" and args.nproc < 2:
@@ -236,9 +254,52 @@ def config_from_args(
         mpi_tcp=args.mpi_tcp,
         devices=devices,
         bind=bind,
+        multihost=hosts is not None,
     )
+    if hosts is not None and devices != ("host",):
+        raise UsageError("--hostfile/-H: only --device host runs across hosts")
     _check_available(config, args.plot)
     return config
+
+
+def hosts_from_args(args: argparse.Namespace) -> HostsSpec | None:
+    """The hosts of ``--hostfile``/``-H`` (with ``-n``, ``--ssh-config``); None without."""
+    from ringcomm.launch.hostfile import (
+        HostfileError,
+        assign_ranks,
+        parse_hosts_option,
+        read_hostfile,
+    )
+
+    hostfile, hosts_option = getattr(args, "hostfile", None), getattr(args, "hosts", None)
+    ssh_config = getattr(args, "ssh_config", None)
+    if hostfile is None and hosts_option is None:
+        if ssh_config is not None:
+            raise UsageError("--ssh-config applies with --hostfile or -H only")
+        return None
+    try:
+        slots = (
+            read_hostfile(hostfile)
+            if hostfile is not None
+            else parse_hosts_option(str(hosts_option))
+        )
+        placements = assign_ranks(slots, args.nproc)
+    except HostfileError as exc:
+        raise UsageError(str(exc)) from None
+    if ssh_config is not None:
+        if not os.path.isfile(ssh_config):
+            raise UsageError(f"--ssh-config: no such file: {ssh_config}")
+        ssh_config = os.path.abspath(ssh_config)
+    per_host: dict[str, int] = {}
+    for p in placements:
+        per_host[p.host] = per_host.get(p.host, 0) + 1
+    return HostsSpec(
+        hostfile=hostfile and os.path.abspath(hostfile),
+        hosts_option=hosts_option,
+        ssh_config=ssh_config,
+        nproc=args.nproc,
+        placement=tuple(per_host.items()),
+    )
 
 
 def _check_available(config: BenchConfig, plot: str | None) -> None:
@@ -328,6 +389,18 @@ def write_outputs(
         )
 
 
+def placement_line(hostnames: Sequence[str]) -> str:
+    """``# ranks 0-1 on h0; 2-3 on h1`` (the hostnames the ranks reported)."""
+    groups: list[tuple[str, list[int]]] = []
+    for rank, name in enumerate(hostnames):
+        if groups and groups[-1][0] == name:
+            groups[-1][1].append(rank)
+        else:
+            groups.append((name, [rank]))
+    parts = [(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}") + f" on {name}" for name, r in groups]
+    return f"# ranks {'; '.join(parts)} ({len(set(hostnames))} hosts)\n#\n"
+
+
 def main(args: argparse.Namespace) -> int:
     """``ringcomm bench``: see the module docstring for the exit status."""
     config = config_from_args(args)
@@ -335,10 +408,17 @@ def main(args: argparse.Namespace) -> int:
 
     from .runner import run
 
+    hosts = hosts_from_args(args)
     sys.stdout.write(preamble(config))
     sys.stdout.flush()
     try:
-        results = run(config)
+        if hosts is None:
+            results = run(config)
+        else:
+            from . import multihost
+
+            results, hostnames = multihost.run(config, hosts)
+            sys.stdout.write(placement_line(hostnames))
     except (RankFailedError, RuntimeError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 1

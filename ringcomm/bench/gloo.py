@@ -2,8 +2,9 @@
 
 The only module of ``ringcomm.bench`` that imports torch. Set-up (BENCHMARKING.md): each
 rank ``torch.set_num_threads(1)``, ``GLOO_SOCKET_IFNAME=lo``, a Gloo group over a TCP store
-on 127.0.0.1. The Gloo ranks live in the same processes as the ringcomm ranks (one process
-start for both): rank 0 opens torch's ``TCPStore`` on a port the OS picks (what
+on 127.0.0.1 (across hosts: the store at ``MASTER_ADDR``, ``GLOO_SOCKET_IFNAME`` per host,
+see :mod:`~ringcomm.bench.multihost`). The Gloo ranks live in the same processes as the
+ringcomm ranks (one process start for both): rank 0 opens torch's ``TCPStore`` on a port the OS picks (what
 ``init_method="tcp://127.0.0.1:PORT"`` does, minus the race of choosing a free port first)
 and hands the port to the other ranks over the ringcomm group.
 
@@ -58,7 +59,13 @@ class GlooImpl:
     @classmethod
     def join(cls, pg: ProcessGroup, config: BenchConfig) -> GlooImpl:
         """Form the Gloo group of ``pg``'s ranks (rank 0 serves the store)."""
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        host = _HOST
+        if config.multihost:  # GLOO_SOCKET_IFNAME: set by ringcomm.bench.multihost per host
+            from ringcomm.config import env_master_addr
+
+            host = env_master_addr()
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore", module=r"torch\.distributed")
         rank, n = pg.rank, pg.world_size
@@ -66,7 +73,7 @@ class GlooImpl:
         port = np.zeros(1, dtype=np.int64)
         if rank == 0:
             store = dist.TCPStore(  # type: ignore[attr-defined]
-                _HOST, 0, n, is_master=True, timeout=timeout, wait_for_workers=False
+                host, 0, n, is_master=True, timeout=timeout, wait_for_workers=False
             )
             port[0] = store.port
             for peer in range(1, n):
@@ -74,7 +81,7 @@ class GlooImpl:
         else:
             pg.recv(port, 0, _PORT_TAG)
             store = dist.TCPStore(  # type: ignore[attr-defined]
-                _HOST, int(port[0]), n, is_master=False, timeout=timeout
+                host, int(port[0]), n, is_master=False, timeout=timeout
             )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timeout)
         return cls(rank, n)

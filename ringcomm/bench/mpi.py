@@ -4,10 +4,12 @@ MPI ranks cannot share processes with the ringcomm ranks (mpirun starts its own)
 ``--compare mpi`` the parent alternates whole sweeps: ringcomm round 1, MPI round 1,
 ringcomm round 2, ... (:func:`run_mpi` runs one MPI sweep). Under mpirun this module is the
 program: ``python -m ringcomm.bench.mpi CONFIG.json OUT.json`` runs the sweep and rank 0
-writes every rank's records to ``OUT.json``.
+writes every rank's records to ``OUT.json`` (CONFIG may be the JSON text itself; OUT ``-``:
+rank 0 prints them on stdout after ``RINGCOMM-BENCH-RECORDS``).
 
 mpirun flags (BENCHMARKING.md): ``--oversubscribe --bind-to none`` (plus
-``--allow-run-as-root`` as root); ``mpi_tcp`` adds ``--mca pml ob1 --mca btl tcp,self
+``--allow-run-as-root`` as root); across hosts see :mod:`~ringcomm.bench.multihost`;
+``mpi_tcp`` adds ``--mca pml ob1 --mca btl tcp,self
 --mca btl_tcp_if_include lo`` (TCP loopback, like-for-like with sockets; the default on one
 host is shared memory). Operations: ``Allreduce(IN_PLACE)``, ``Reduce_scatter_block``,
 ``Allgather``, ``Bcast``, ``Alltoall``, sendrecv as ``Isend``/``Irecv`` then ``Waitall``.
@@ -46,13 +48,22 @@ def mpi_missing() -> str | None:
     return "--compare mpi needs " + " and ".join(missing)
 
 
-def mpirun_command(config: BenchConfig, config_path: str, out_path: str) -> list[str]:
-    """The argv that runs one MPI sweep of ``config`` (pure)."""
+def mpirun_command(
+    config: BenchConfig,
+    config_path: str,
+    out_path: str,
+    hosts_args: Sequence[str] | None = None,
+) -> list[str]:
+    """The argv that runs one MPI sweep of ``config`` (pure). ``hosts_args``: options
+    placing the ranks on other hosts (:func:`ringcomm.bench.multihost.mpi_hosts_args`),
+    which choose the transport themselves; ``out_path`` ``-``: rank 0 prints the records."""
     cmd = [shutil.which("mpirun") or "mpirun"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += ["--oversubscribe", "--bind-to", "none", "-np", str(config.world_size)]
-    if config.mpi_tcp:
+    if hosts_args is not None:
+        cmd += list(hosts_args)
+    elif config.mpi_tcp:
         cmd += [
             "--mca",
             "pml",
@@ -187,14 +198,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from mpi4py import MPI
 
-    with open(args[0]) as f:
-        config = BenchConfig(**json.load(f))
+    if args[0].lstrip().startswith("{"):  # the config itself (multi-host: no shared file)
+        fields = json.loads(args[0])
+    else:
+        with open(args[0]) as f:
+            fields = json.load(f)
+    fields["devices"] = tuple(fields.get("devices", ("host",)))
+    config = BenchConfig(**fields)
     comm = MPI.COMM_WORLD
     records = bench(comm, config)
     gathered = comm.gather(records, root=0)
     if comm.Get_rank() == 0:
-        with open(args[1], "w") as f:
-            json.dump(gathered, f)
+        if args[1] == "-":
+            from .multihost import MARK
+
+            sys.stdout.write(MARK + json.dumps(gathered) + "\n")
+            sys.stdout.flush()
+        else:
+            with open(args[1], "w") as f:
+                json.dump(gathered, f)
     return 0
 
 

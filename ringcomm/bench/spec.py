@@ -135,6 +135,7 @@ class BenchConfig:
     mpi_tcp: bool = False  # mpirun --mca btl tcp,self (like-for-like with sockets)
     devices: tuple[str, ...] = ("host",)  # where ringcomm's buffers live (DEVICES)
     bind: str | None = None  # RINGCOMM_BIND for the spawned ranks (None: as inherited)
+    multihost: bool = False  # ranks on several hosts (--hostfile/-H): Gloo's store at MASTER_ADDR
 
     @property
     def impls(self) -> tuple[str, ...]:
