@@ -82,6 +82,6 @@ def test_hier_on_a_group_it_does_not_fit_is_a_clear_error() -> None:
 
     import ringcomm as rc
 
-    with rc.init_process_group(0, 1, master_addr="127.0.0.1", master_port=0) as pg:
-        with pytest.raises(ValueError, match="algo 'hier' needs a group spanning hosts"):
-            pg.all_reduce(np.ones(3), algo="hier")
+    with (rc.init_process_group(0, 1, master_addr="127.0.0.1", master_port=0) as pg,
+          pytest.raises(ValueError, match="algo 'hier' needs a group spanning hosts")):  # fmt: skip
+        pg.all_reduce(np.ones(3), algo="hier")
