@@ -7,6 +7,7 @@ rank's result bit-identical; the hierarchical path really taken (or not, when fl
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -17,29 +18,65 @@ import pytest
 
 from ringcomm.schedule.topology import hier_plan, piece_bounds, topology
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "hier_check.py"
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "hier_check.py"
+sys.path.insert(0, str(REPO / "benchmarks"))
+import netns_hosts  # noqa: E402
 
 
-def _run(hosts: list[int], algo: str) -> str:
+def _run(hosts: list[int], algo: str, *launch: str, segment_bytes: int | None = None) -> str:
+    where = list(launch) or ["-n", str(len(hosts))]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if segment_bytes is not None:
+        env["HIER_SEGMENT_BYTES"] = str(segment_bytes)
     out = subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", "-n", str(len(hosts)), str(SCRIPT),
-         ",".join(map(str, hosts)), algo],
+        [sys.executable, "-m", "ringcomm", "run", *where, str(SCRIPT),
+         "real" if launch else ",".join(map(str, hosts)), algo],
         check=False, capture_output=True, text=True, timeout=240,
+        cwd=REPO, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("hosts", "algo"), [
-    ([0, 0, 1, 1], "auto"),         # 2 hosts x 2
-    ([0, 1, 0, 1], "hier"),         # a launcher's round-robin order: hosts not contiguous
-    ([0, 0, 0, 1], "auto"),         # uneven: 3 + 1
-    ([0, 1, 1, 2, 2, 2], "hier"),   # 3 hosts: 1 + 2 + 3
-    ([0, 0, 1, 1], "ring"),         # the flat ring stays an option
+@pytest.mark.parametrize(("hosts", "algo", "segment_bytes"), [
+    ([0, 0, 1, 1], "auto", None),   # 2 hosts x 2
+    ([0, 0, 1, 1], "auto", 4096),   # segments of 4 KiB: many overlapped segments
+    ([0, 0, 0, 1, 1, 1], "hier", 4096),  # 2 hosts x 3, segments
+    ([0, 1, 0, 1], "hier", None),   # a launcher's round-robin order: hosts not contiguous
+    ([0, 0, 0, 1], "auto", None),   # uneven: 3 + 1
+    ([0, 1, 1, 2, 2, 2], "hier", None),  # 3 hosts: 1 + 2 + 3
+    ([0, 0, 1, 1], "ring", None),   # the flat ring stays an option
 ])  # fmt: skip
-def test_the_all_reduce_matrix_on_pretend_hosts(hosts: list[int], algo: str) -> None:
-    stdout = _run(hosts, algo)
+def test_the_all_reduce_matrix_on_pretend_hosts(
+    hosts: list[int], algo: str, segment_bytes: int | None
+) -> None:
+    _check(_run(hosts, algo, segment_bytes=segment_bytes), hosts, algo)
+
+
+@pytest.mark.needs_ssh
+@pytest.mark.timeout(300)
+def test_the_all_reduce_matrix_on_three_netns_hosts(tmp_path: Path) -> None:
+    # Real hosts (network namespaces with sshd, benchmarks/netns_hosts.py): 2 + 1 + 2 ranks.
+    why = netns_hosts.unavailable()
+    if why is not None:
+        pytest.skip(f"network-namespace hosts: {why}")
+    bed = netns_hosts.start(hosts=3, rate="none", prefix="rchier", slots=2, subnet="10.75.0")
+    try:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text("h0 slots=2\nh1 slots=1\nh2 slots=2\n")
+        stdout = _run([0, 0, 1, 2, 2], "auto", "--hostfile", str(hostfile),
+                      "--ssh-config", str(bed.ssh_config))  # fmt: skip
+    finally:
+        netns_hosts.stop("rchier")
+    _check(stdout, [0, 0, 1, 2, 2], "auto")
+    topo = re.findall(r"^\[\d+\] TOPO (\d+) (\(.*?\)) ", stdout, re.MULTILINE)
+    assert {t for _, t in topo} == {"(0, 0, 1, 2, 2)"}, topo  # the hosts as ringcomm saw them
+
+
+def _check(stdout: str, hosts: list[int], algo: str) -> None:
+    """Every rank done, nothing wrong, the path expected, every case bit-identical."""
     n = len(hosts)
     done = re.findall(r"^\[\d+\] DONE (\d+) bad=(\d+) hier_calls=(\d+)$", stdout, re.MULTILINE)
     assert sorted(int(r) for r, _, _ in done) == list(range(n)), stdout[-2000:]

@@ -2,7 +2,8 @@
 NumPy; prints one line per case with a digest of the result (the test compares ranks).
 
     ringcomm run -n N hier_check.py HOSTS ALGO
-        HOSTS: the host of each rank, e.g. 0,0,1,1 or 0,1,0,1; ALGO: hier | ring | auto
+        HOSTS: the host of each rank, e.g. 0,0,1,1 or 0,1,0,1, or "real" (the ranks' own
+        hosts, e.g. under ringcomm run --hostfile); ALGO: hier | ring | auto
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import sys
 
 import numpy as np
 
-HOSTS = [int(h) for h in sys.argv[1].split(",")]
 ALGO = sys.argv[2]
-RANK = int(os.environ["RINGCOMM_RANK"])
-os.environ["RINGCOMM_HOST_ID"] = f"pretend-host-{HOSTS[RANK]}"  # before the group forms
+if sys.argv[1] != "real":
+    HOSTS = [int(h) for h in sys.argv[1].split(",")]
+    RANK = int(os.environ["RINGCOMM_RANK"])
+    os.environ["RINGCOMM_HOST_ID"] = f"pretend-host-{HOSTS[RANK]}"  # before the group forms
 
 import ringcomm as rc  # noqa: E402
 from ringcomm import hierarchy  # noqa: E402
@@ -31,6 +33,8 @@ def _counted(self, x, op, timeout_s):  # type: ignore[no-untyped-def]
 
 
 hierarchy.Hierarchy.all_reduce = _counted  # type: ignore[method-assign]
+# Tiny segments (HIER_SEGMENT_BYTES): many overlapped segments even at these counts.
+hierarchy.SEGMENT_BYTES = int(os.environ.get("HIER_SEGMENT_BYTES", hierarchy.SEGMENT_BYTES))
 
 DTYPES = ["float32", "float64", "float16", "int8", "int32", "int64", "uint8", "uint64", "bool"]
 OPS = ["sum", "max", "min", "prod", "avg"]
