@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .partition import split_rows
+
 __all__ = ["HierPlan", "Topology", "hier_plan", "piece_bounds", "topology"]
 
 
@@ -80,14 +82,8 @@ def topology(host_ids: Sequence[str]) -> Topology:
 
 def piece_bounds(count: int, pieces: int) -> list[tuple[int, int]]:
     """``[start, stop)`` of ``pieces`` near-equal consecutive pieces of ``count`` elements
-    (the first ``count % pieces`` one longer)."""
-    base, extra = divmod(count, pieces)
-    out, start = [], 0
-    for j in range(pieces):
-        stop = start + base + (1 if j < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    (the first ``count % pieces`` one longer: :func:`~ringcomm.schedule.partition.split_rows`)."""
+    return split_rows(count, pieces)
 
 
 @dataclass(frozen=True)
