@@ -31,6 +31,11 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_ENTRIES",
+    "DONE",
+    "E_END",
+    "E_STATE",
+    "FOLD_BATCH",
+    "RUNNING",
     "Entry",
     "FlightRecorder",
     "bus_factor",
@@ -39,6 +44,7 @@ __all__ = [
     "entry_bytes",
     "entry_dict",
     "load_dir",
+    "now",
     "size_bucket",
     "summary_table",
 ]
@@ -49,6 +55,9 @@ DEFAULT_ENTRIES = 4096
 FOLD_BATCH = 256
 #: The version of the trace file's layout.
 FILE_VERSION = 1
+
+#: The clock of start and end times (wall clock: ranks' records line up across hosts).
+now = time.time
 
 RUNNING = "running"
 DONE = "done"
@@ -127,6 +136,13 @@ class FlightRecorder:
         self._ended: list[Entry] = []  # ended since the last fold
         self._lock = threading.Lock()  # dumps (a signal, a worker thread) against each other
         self.dumps = 0
+        # The hot path, bound once. A caller may record inline (what start and done do,
+        # without two calls: ringcomm.collectives.api does for every blocking collective):
+        # ``push(entry)`` at the start, then ``entry[E_END] = now(); entry[E_STATE] = DONE;
+        # ended_push(entry)``, and ``fold()`` once ``len(ended) >= FOLD_BATCH``.
+        self.push = self.entries.append
+        self.ended = self._ended
+        self.ended_push = self._ended.append
 
     # -- the hot path ----------------------------------------------------------------
     def start(
@@ -137,28 +153,33 @@ class FlightRecorder:
         None: ``dtype.itemsize`` times the elements of ``shape`` (:func:`entry_bytes`)."""
         if not self.enabled:
             return None
-        entry = [group, seq, op, dtype, shape, nbytes, algo, peers, time.time(), None, RUNNING]
-        self.entries.append(entry)
+        entry = [group, seq, op, dtype, shape, nbytes, algo, peers, now(), None, RUNNING]
+        self.push(entry)
         return entry
+
+    def done(self, entry: Entry) -> None:
+        """The operation of ``entry`` (not None) ended well: :meth:`end`'s fast path."""
+        entry[E_END] = now()
+        entry[E_STATE] = DONE
+        self.ended_push(entry)
+        if len(self._ended) >= FOLD_BATCH:
+            self.fold()
 
     def end(self, entry: Entry | None, error: BaseException | None = None) -> None:
         """The operation of ``entry`` ended (with ``error`` if it failed)."""
         if entry is None:
             return
-        entry[E_END] = time.time()
-        if error is not None:
-            entry[E_STATE] = f"failed: {type(error).__name__}: {error}"
+        if error is None:
+            self.done(entry)
             return
-        entry[E_STATE] = DONE
-        ended = self._ended
-        ended.append(entry)
-        if len(ended) >= FOLD_BATCH:
-            self._fold()
+        entry[E_END] = now()
+        entry[E_STATE] = f"failed: {type(error).__name__}: {error}"
 
-    def _fold(self) -> None:
+    def fold(self) -> None:
         """Add the operations ended since the last fold to the summary's counters (in
         batches: one loop costs less than a dictionary update on every call)."""
-        ended, self._ended = self._ended, []
+        ended = self._ended[:]
+        self._ended.clear()  # (the same list: ended and ended_push stay bound to it)
         stats = self._stats
         last_op, last_shape, last_dtype, nbytes = None, None, None, 0
         stat = [0, 0, 0.0, 0]
@@ -191,7 +212,7 @@ class FlightRecorder:
             if e[E_STATE] == DONE and e[E_END] is not None:
                 recent.setdefault((e[E_OP], size_bucket(entry_bytes(e))), []).append(
                     e[E_END] - e[E_START])
-        self._fold()
+        self.fold()
         rows = []
         for (op, bucket), (count, nbytes, total_s, world) in sorted(self._stats.items()):
             took = recent.get((op, bucket))

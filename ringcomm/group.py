@@ -238,8 +238,8 @@ class ProcessGroup:
         x = op.x
         anyone = peer is None or peer is ANY_SOURCE
         peers = core.ranks if anyone else (core.ranks[int(peer)],)
-        entry = recorder.start(core.group_id, int(tag), name, x.dtype, tuple(x.shape),
-                               int(x.nbytes), "p2p", peers)  # fmt: skip
+        entry: Any = recorder.start(core.group_id, int(tag), name, x.dtype, tuple(x.shape),
+                                    int(x.nbytes), "p2p", peers)  # fmt: skip
         try:
             result = core.run(op, timeout_s, async_op)
         except BaseException as exc:
@@ -250,7 +250,7 @@ class ProcessGroup:
         if async_op:
             result.add_done_callback(lambda w: recorder.end(entry, w.exception()))
         else:
-            recorder.end(entry)
+            recorder.done(entry)
         return result
 
     # -- collectives -------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 
 import ringcomm as rc
 from ringcomm import flight
+from ringcomm.collectives import ALGORITHMS, WORKSPACE_ALGO
 
 
 # ------------------------------------------------------------------------------ in-process
@@ -136,6 +137,10 @@ def test_a_rank_that_stays_out_of_a_collective_is_named_by_the_report(
     text = flight.desync_report(files)
     assert "rank 2 is at op #1 all_reduce(float32[4])" in text, text
     assert "wait in op #2 broadcast(float32[4]) for rank 2" in text, text
+    first = files[0]["entries"][0]  # every field where it belongs (api.py records inline)
+    assert (first["op"], first["dtype"], first["shape"], first["peers"]) == (
+        "all_reduce", "float32", [4], [0, 1, 2])  # fmt: skip
+    assert first["algo"] in {*ALGORITHMS["all_reduce"], WORKSPACE_ALGO}, first
     for f in files[:2]:
         last = f["entries"][-1]
         assert last["op"] == "broadcast" and last["state"].startswith("failed: ")
