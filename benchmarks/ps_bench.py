@@ -66,7 +66,7 @@ def _job(pg: Any, workers: int, servers: int, sizes: list[int], iters: int, reps
             x[...] = g
             wgroup.all_reduce(x, op="avg")
         expect = np.float32(sum(range(1, workers + 1)) / workers)
-        for rep in range(reps):
+        for _rep in range(reps):
             for impl in IMPLS:
                 per = []
                 for _ in range(iters):

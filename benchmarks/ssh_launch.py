@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from sshd_hosts import SshdHosts
+from sshd_hosts import SshdHosts  # noqa: E402 (from tests/, put on the path above)
 
 JOB = """\
 import numpy as np
