@@ -973,7 +973,16 @@ class Progress:
         for peer, event in self.transport.poll_events():
             if event == EVENT_DISCONNECTED:
                 self._disconnected.add(peer)
-                if peer not in self._departed and peer not in self.failed_peers:
+                if peer in self._departed or peer in self.failed_peers:
+                    continue
+                if self._said_goodbye:
+                    # We are closing (every operation is over): a peer that had our
+                    # goodbye may leave without one of its own to us (the store's host
+                    # still waits for check-outs then): a departure, not a failure.
+                    self._departed.add(peer)
+                    self._departure[peer] = _DEPARTURE_NOTES[DEPART_CLOSE]
+                    log.debug("rank %d: rank %d disconnected after our goodbye", self.rank, peer)
+                else:
                     self._suspects.setdefault(peer, now)
             elif event == EVENT_HANDSHAKE_OK:
                 self._suspects.pop(peer, None)  # reconnected: alive after all

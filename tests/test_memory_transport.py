@@ -366,6 +366,23 @@ def test_goodbye_fails_a_pending_receive() -> None:
     assert "peer rank 0 left the group (it closed its process group)" in str(err), str(err)
 
 
+def test_a_peer_that_leaves_after_our_goodbye_without_its_own_is_no_failure() -> None:
+    # The store's host says goodbye, then waits for the others to check out; a peer that
+    # has its goodbye leaves without one to it (it counts the host as gone): its dropped
+    # connection is a departure (at once), not "failed: dropped without a goodbye".
+    groups = memory_groups(2)
+    hub = hub_of(groups[0])
+    try:
+        host = groups[0].core.progress
+        host.say_goodbye(0.0)
+        hub.kill(1)
+        host.read_control()  # what the check-out loop does between its store waits
+        assert host.departed(1)
+        assert host.failure is None and 1 not in host.failed_peers
+    finally:
+        close_all(groups)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_held_messages_arrive_in_order_after_release(seed: int) -> None:
     groups = memory_groups(3, seed=seed, chunk_bytes=CHUNK_BYTES)
