@@ -64,6 +64,16 @@ def test_a_lost_worker_s_step_is_undone_and_taken_again_by_the_survivors(
 
 
 @pytest.mark.timeout(120)
+def test_two_workers_lost_in_one_step_are_two_membership_changes() -> None:
+    # Slot 2 dies at the start of step 2; slot 4 was to die after its push_pull 1 of that
+    # step, which cannot complete without slot 2: it dies in the step's second attempt.
+    out = check_against_single(_cfg(2, "server", ((2, 2), (4, 2, 1))))
+    assert [(c["step"], c["event"], c["slots"]) for c in out["membership"]] == [
+        (2, "shrink", [0, 1, 3, 4, 5]), (2, "shrink", [0, 1, 3, 5])]  # fmt: skip
+    assert out["lost_slots"] == [2, 4] and out["ps"]["workers"] == 2
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(("update", "slot", "step", "push"), [
     ("server", 1, 2, None), ("worker", 4, 3, 2), ("server", 2, 1, 0)])  # fmt: skip
 def test_a_restarted_worker_rejoins_and_the_batch_is_split_over_all_again(

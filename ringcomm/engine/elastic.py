@@ -272,10 +272,10 @@ def summarize_elastic(
         got = [r["losses_by_step"][str(k)] for r in results if str(k) in r["losses_by_step"]]
         losses.append(got[0] if got else None)
         step_times.append(max((r["times_by_step"].get(str(k), 0.0) for r in results), default=0.0))
-    changes: dict[tuple[int, str], dict[str, Any]] = {}
+    changes: dict[tuple[int, str, tuple[int, ...]], dict[str, Any]] = {}
     for r in results:
         for c in r["membership"]:
-            key = (c["step"], c["event"])
+            key = (c["step"], c["event"], tuple(c["slots"]))  # (two shrinks in one step)
             if key not in changes or c["time_lost_s"] > changes[key]["time_lost_s"]:
                 changes[key] = c
     timed = step_times[1:] if len(step_times) > 1 else step_times
