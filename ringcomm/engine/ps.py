@@ -391,7 +391,8 @@ class ParameterServer(Strategy):
         if pg.slots[:s] != list(range(s)):
             lost = sorted(set(range(s)) - set(pg.slots))
             raise PeerFailedError(
-                f"rank {pg.rank}: ps --elastic: server slot{'s' if len(lost) > 1 else ''} "
+                f"rank {pg.rank} (slot {pg.slot}): ps --elastic: server "
+                f"slot{'s' if len(lost) > 1 else ''} "
                 f"{', '.join(map(str, lost))} lost at step {step}; elastic training replaces "
                 "lost workers only (a server's part of the model is gone with it): the job ends",
                 peer=lost[0],
