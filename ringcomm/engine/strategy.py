@@ -127,7 +127,7 @@ class TrainConfig:
     elastic: bool = False
     max_restarts: int = 0
     # (slot, step) or (slot, step, bucket): that slot's first process dies at the start of
-    # that step, or once that bucket's all-reduce (0: the first launched) is done everywhere
+    # that step, or once that bucket's all-reduce (0: the first launched; ps: push_pull) is done
     fail_at: tuple[tuple[int, ...], ...] = ()
     # The transformer (--model transformer; ``depth`` is its number of blocks).
     model: str = "mlp"
