@@ -10,11 +10,9 @@ import subprocess
 import sys
 from typing import Any
 
-import numpy as np
 import pytest
+from elastic_oracle import check_against_single
 
-from ringcomm.engine.cli import run_training
-from ringcomm.engine.elastic import summarize_elastic
 from ringcomm.engine.strategy import TrainConfig
 
 BASE: dict[str, Any] = {"steps": 6, "dtype": "float64", "in_features": 12, "hidden": 16,
@@ -22,29 +20,11 @@ BASE: dict[str, Any] = {"steps": 6, "dtype": "float64", "in_features": 12, "hidd
                         "export": True, "timeout_s": 90.0}  # fmt: skip
 
 
-def _single() -> dict[str, Any]:
-    return run_training(TrainConfig(strategy="single", **BASE))[0]
-
-
-def _check(cfg: TrainConfig) -> dict[str, Any]:
-    per_rank = run_training(cfg)
-    out = summarize_elastic(cfg, per_rank)
-    ref = _single()
-    got, want = np.array(out["losses"], float), np.array(ref["losses"])
-    assert np.max(np.abs(got - want) / np.abs(want)) <= 1e-10, (got, want)
-    for r in per_rank:
-        if r is None:
-            continue
-        for name, value in ref["params"].items():
-            np.testing.assert_allclose(r["params"][name], value, rtol=0, atol=1e-10, err_msg=name)
-    return out
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("world", "slot", "step"), [(4, 2, 3), (3, 0, 1)])
 def test_survivors_go_on_with_the_whole_global_batch(world: int, slot: int, step: int) -> None:
     cfg = TrainConfig(strategy="dp", world_size=world, elastic=True, fail_at=((slot, step),), **BASE)
-    out = _check(cfg)
+    out = check_against_single(cfg)
     assert [(c["step"], c["event"], c["slots"]) for c in out["membership"]] == [
         (step, "shrink", [s for s in range(world) if s != slot])]  # fmt: skip
     assert out["lost_slots"] == [slot]
@@ -59,7 +39,7 @@ def test_a_rank_killed_mid_step_leaves_no_half_applied_step(bucket: int) -> None
     world, slot, step = 4, 1, 3
     cfg = TrainConfig(strategy="dp", world_size=world, elastic=True,
                       fail_at=((slot, step, bucket),), **BASE)  # fmt: skip
-    out = _check(cfg)
+    out = check_against_single(cfg)
     assert len(out["membership"]) == 1 and out["lost_slots"] == [slot], out["membership"]
     change = out["membership"][0]
     assert change["event"] == "shrink" and change["slots"] == [0, 2, 3]
@@ -73,7 +53,7 @@ def test_a_restarted_rank_rejoins_and_the_batch_is_split_over_all_again(
 ) -> None:
     cfg = TrainConfig(strategy="dp", world_size=world, elastic=True, max_restarts=1,
                       fail_at=((slot, step),), **BASE)  # fmt: skip
-    out = _check(cfg)
+    out = check_against_single(cfg)
     others = [s for s in range(world) if s != slot]
     assert [(c["step"], c["event"], c["slots"]) for c in out["membership"]] == [
         (step, "shrink", others), (step, "grow", list(range(world)))]  # fmt: skip

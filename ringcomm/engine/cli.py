@@ -31,7 +31,7 @@ from ringcomm.flight import summary_table
 from ringcomm.launch.spawn import spawn
 from ringcomm.schedule.pipeline import SCHEDULES
 
-from .elastic import summarize_elastic
+from .elastic import ELASTIC_STRATEGIES, summarize_elastic
 from .optim import OPTIMIZERS
 from .strategy import (
     DEVICES,
@@ -161,14 +161,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    metavar="SIZE",
                    help="layers this big are split over every server "
                    f"({format_size(d.ps_split_min_bytes)})")  # fmt: skip
-    e = p.add_argument_group("elastic data parallel (--strategy dp --elastic)")
+    e = p.add_argument_group("elastic training (--strategy dp|ps --elastic)")
     e.add_argument("--elastic", action="store_true",
-                   help="survive lost ranks: the survivors shrink and re-split the batch")
+                   help="survive lost ranks (ps: lost workers, under bsp): the survivors "
+                   "shrink and re-split the batch")
     e.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="start a lost rank again up to K times; it rejoins (grow)")
     e.add_argument("--fail-at", default="", metavar="SLOT:STEP[:BUCKET][,...]",
                    help="fault injection: that rank's first process dies (SIGKILL) at that "
-                   "step, or mid-step once its BUCKET-th gradient all-reduce is done")
+                   "step, or mid-step once its BUCKET-th gradient all-reduce (ps: push_pull) "
+                   "is done")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="bound on the whole job")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--comm-summary", action="store_true",
@@ -270,10 +272,25 @@ def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, ...], ..
         if args.max_restarts or args.fail_at:
             raise UsageError("--max-restarts and --fail-at need --elastic")
         return ()
-    if args.strategy != "dp":
-        raise UsageError(f"--elastic runs --strategy dp (got {args.strategy})")
+    if args.strategy not in ELASTIC_STRATEGIES:
+        raise UsageError(f"--elastic runs --strategy {' or '.join(ELASTIC_STRATEGIES)} "
+                         f"(got {args.strategy})")  # fmt: skip
     if args.device != "cpu":
         raise UsageError("--elastic runs on --device cpu")
+    servers = args.ps_servers if args.strategy == "ps" else 0
+    if servers:
+        if args.consistency != "bsp":
+            raise UsageError(
+                f"--strategy ps --elastic needs --consistency bsp (got {args.consistency}): "
+                "a lost worker's step is undone and taken again, and only bsp has steps to "
+                "undo (ssp/asp apply every push on arrival)"
+            )
+        if args.checkpoint_dir:
+            raise UsageError(
+                "--strategy ps --elastic keeps the servers' state in memory (it survives lost "
+                "workers, not lost servers); --checkpoint-dir is for servers that restart "
+                "(ringcomm ps-server)"
+            )
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     pairs: list[tuple[int, ...]] = []
@@ -287,6 +304,8 @@ def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, ...], ..
         pairs.append(tuple(int(f) for f in fields))
     if len({p[0] for p in pairs}) >= n:
         raise UsageError("--fail-at: at least one rank must survive")
+    if servers and {p[0] for p in pairs} >= set(range(servers, n)):
+        raise UsageError("--fail-at: at least one ps worker must survive")
     return tuple(pairs)
 
 
@@ -414,7 +433,10 @@ def format_summary(result: dict[str, Any]) -> str:
 
 
 def format_elastic(result: dict[str, Any]) -> str:
-    head = (f"strategy dp (elastic), {result['world_size']} rank slot(s); step time "
+    ps = result.get("ps")
+    roles = f" ({ps['servers']} server(s), update on the {ps['update']})" if ps else ""
+    head = (f"strategy {result['strategy']} (elastic), {result['world_size']} rank slot(s)"
+            f"{roles}; step time "
             f"{result['step_time_s'] * 1e3:.1f} ms (median); final loss {result['losses'][-1]:.6f}")
     lines = [head]
     for c in result["membership"]:

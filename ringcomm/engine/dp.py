@@ -73,11 +73,30 @@ class DataParallel(Strategy):
         self.opt.step([(self.params, self.grads, 0)])
         return self.global_loss(loss)
 
-    # -- elastic training (ringcomm.engine.elastic) ---------------------------------
-    def regroup(self, pg: Any) -> None:
+    # -- elastic training (ringcomm.engine.elastic.ElasticStrategy) -------------------
+    #: Every rank's step counts when the survivors agree on one.
+    votes_step = True
+
+    @property
+    def replicas(self) -> Any:
+        """Every rank holds the whole state alike."""
+        return self.pg
+
+    @property
+    def opt_steps(self) -> int:
+        return self.opt.t
+
+    @opt_steps.setter
+    def opt_steps(self, t: int) -> None:
+        self.opt.t = t
+
+    def launches_per_step(self) -> int:
+        return len(self.layout.segments)
+
+    def regroup(self, pg: Any, step: int = 0) -> None:
         """Go on over ``pg`` (the world group after a shrink or grow; every rank calls
         it): this rank's rows of the global batch and the gradient buffer follow the new
-        group; parameters and optimizer state stay."""
+        group; parameters and optimizer state stay (``step``: not needed)."""
         self.pg, self.rank, self.n = pg, pg.rank, pg.world_size
         self.rows = split_rows(self.cfg.batch_size, self.n)[self.rank]
         self.symmetric_bytes = 0
@@ -93,6 +112,9 @@ class DataParallel(Strategy):
             except Exception:  # noqa: BLE001, S110 (they fail with the group; nothing to keep)
                 pass
         self.works.clear()
+
+    def finish(self) -> None:
+        """After the last step: nothing to close."""
 
     def state_arrays(self) -> list[Any]:
         """What a rank that joins needs from a survivor: parameters, optimizer state."""

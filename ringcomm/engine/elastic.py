@@ -1,6 +1,7 @@
-"""Elastic data parallel training: ``ringcomm train --strategy dp --elastic``.
+"""Elastic training: ``ringcomm train --strategy dp|ps --elastic``.
 
-The ``dp`` strategy, driven so that it survives a lost rank:
+The ``dp`` strategy (or ``ps`` under bsp: :mod:`ringcomm.engine.ps` says what its servers
+and workers do at each point), driven so that it survives a lost rank:
 
 * every step starts from a snapshot of the parameters and optimizer state; a step that
   fails because a peer failed (``PeerFailedError``) is undone on every survivor (the
@@ -17,7 +18,9 @@ The ``dp`` strategy, driven so that it survives a lost rank:
 Fault injection for tests and demonstrations: ``cfg.fail_at`` = ((slot, step), ...) —
 that slot's first process kills itself (SIGKILL) at the start of that step — or
 (slot, step, bucket): mid-step, once its ``bucket``-th gradient all-reduce of the step
-(0: the first launched) is done, so the survivors hold partly reduced gradients.
+(0: the first launched) is done, so the survivors hold partly reduced gradients (``ps``:
+its ``bucket``-th push_pull, so the servers hold partial sums of the step, and have
+applied it for the keys pushed before).
 
 A survivor can be a step ahead of another when it sees the failure: the dead rank's last
 contribution may have completed one survivor's step (its update applied) and not
@@ -25,6 +28,10 @@ another's. After each shrink the survivors agree on the earliest step among them
 that is ahead goes back to the snapshot before its last step.
 Each membership change is recorded: the step, the event (``shrink``/``grow``), the slots
 after it, and the time lost (from the failure seen to the new group ready).
+
+What the loop needs of a strategy is :class:`ElasticStrategy`: ``dp``'s
+:class:`~ringcomm.engine.dp.DataParallel` and ``ps``'s
+:class:`~ringcomm.engine.ps.ParameterServer` have it (:data:`ELASTIC_STRATEGIES`).
 """
 
 from __future__ import annotations
@@ -33,40 +40,104 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from ringcomm.errors import PeerFailedError
 
-from .dp import DataParallel
-from .strategy import TrainConfig
+from .strategy import TrainConfig, strategy_class
 
-__all__ = ["agree_step", "restore", "run_elastic", "snapshot", "summarize_elastic"]
+__all__ = [
+    "ELASTIC_STRATEGIES",
+    "ElasticStrategy",
+    "agree_step",
+    "restore",
+    "run_elastic",
+    "snapshot",
+    "summarize_elastic",
+]
+
+#: The strategies ``--elastic`` runs.
+ELASTIC_STRATEGIES = ("dp", "ps")
 
 
-def snapshot(strat: DataParallel) -> tuple[list[Any], int]:
+class ElasticStrategy(Protocol):
+    """What :func:`run_elastic` needs of a strategy besides ``step``."""
+
+    #: Called with each gradient transfer of a step once launched (fault injection).
+    after_launch: Callable[[Any], None] | None
+    #: What the group is handed for a model buffer (``Strategy.as_comm``).
+    as_comm: Any
+    #: The optimizer's step count (snapshotted with the state arrays).
+    opt_steps: int
+
+    @property
+    def votes_step(self) -> bool:
+        """Whether this rank's step counts when the survivors agree on one."""
+
+    @property
+    def replicas(self) -> Any:
+        """The group whose ranks hold :meth:`state_arrays` alike (a restarted rank gets
+        them from a survivor there); None: this rank holds none."""
+
+    @property
+    def numel(self) -> int: ...
+
+    def step(self, step: int) -> float | None: ...
+
+    def state_arrays(self) -> list[Any]:
+        """What a snapshot copies and a restarted rank gets."""
+
+    def launches_per_step(self) -> int:
+        """How many gradient transfers a step launches (``fail_at``'s bucket counts them)."""
+
+    def abandon(self) -> None:
+        """A step failed: let its outstanding transfers end (they fail too)."""
+
+    def regroup(self, pg: Any, step: int = 0) -> None:
+        """Go on over ``pg`` (after a shrink or grow) at the start of step ``step``."""
+
+    def finish(self) -> None:
+        """After the last step."""
+
+    def state_nbytes(self) -> dict[str, int]: ...
+
+    def export_params(self) -> dict[str, np.ndarray]: ...
+
+
+def make_elastic(pg: Any, cfg: TrainConfig) -> ElasticStrategy:
+    """``cfg.strategy``'s strategy on ``pg`` (one of :data:`ELASTIC_STRATEGIES`)."""
+    if cfg.strategy not in ELASTIC_STRATEGIES:
+        raise ValueError(f"elastic training runs {' or '.join(ELASTIC_STRATEGIES)}, "
+                         f"not {cfg.strategy!r}")  # fmt: skip
+    strat: ElasticStrategy = strategy_class(cfg.strategy)(pg, cfg)  # type: ignore[assignment]
+    return strat
+
+
+def snapshot(strat: ElasticStrategy) -> tuple[list[Any], int]:
     """A copy of ``strat``'s parameters and optimizer state (and its step count)."""
-    return [a.copy() for a in strat.state_arrays()], strat.opt.t
+    return [a.copy() for a in strat.state_arrays()], strat.opt_steps
 
 
-def restore(strat: DataParallel, snap: tuple[list[Any], int]) -> None:
+def restore(strat: ElasticStrategy, snap: tuple[list[Any], int]) -> None:
     """Put :func:`snapshot`'s copy back."""
     arrays, t = snap
     for dst, src in zip(strat.state_arrays(), arrays, strict=True):
         dst[...] = src
-    strat.opt.t = t
+    strat.opt_steps = t
 
 
-def _inject(strat: DataParallel, bucket: int | None) -> None:
+def _inject(strat: ElasticStrategy, bucket: int | None) -> None:
     """Fault injection: die now (``bucket`` None), or once the ``bucket``-th gradient
-    all-reduce of this step is done everywhere (it is waited for: every survivor has it)."""
+    transfer of this step is done (it is waited for: ``dp``, every survivor has that
+    all-reduce; ``ps``, every worker pushed that key)."""
     if bucket is None:
         os.kill(os.getpid(), signal.SIGKILL)
         return
-    if not 0 <= bucket < len(strat.layout.segments):
-        raise ValueError(f"fail_at: bucket {bucket} of a step of {len(strat.layout.segments)}")
+    if not 0 <= bucket < strat.launches_per_step():
+        raise ValueError(f"fail_at: bucket {bucket} of a step of {strat.launches_per_step()}")
     launched = [0]
 
     def after_launch(work: Any) -> None:
@@ -78,39 +149,50 @@ def _inject(strat: DataParallel, bucket: int | None) -> None:
     strat.after_launch = after_launch
 
 
-def agree_step(pg: Any, strat: DataParallel, step: int, prev_snap: Any) -> int:
+def agree_step(pg: Any, strat: ElasticStrategy, step: int, prev_snap: Any) -> int:
     """After a shrink: the step every survivor takes again, the earliest among them (a
     survivor whose last step completed before it saw the failure is one ahead: it goes
-    back to the snapshot before that step)."""
-    at = np.array([step], np.int64)
+    back to the snapshot before that step). A rank that does not vote (``votes_step``
+    False: a ps server) takes the step agreed."""
+    at = np.array([step if strat.votes_step else np.iinfo(np.int64).max], np.int64)
     pg.all_reduce(at, op="min")
     first = int(at[0])
-    if first == step:
-        return step
+    if first == step or not strat.votes_step:
+        return first
     if first != step - 1 or prev_snap is None:  # collectives keep ranks within one step
         raise RuntimeError(f"rank {pg.rank}: elastic: survivors at steps {first} and {step}")
     restore(strat, prev_snap)
     return first
 
 
-def _share_state(pg: Any, strat: DataParallel, step: int, have: bool) -> int:
-    """After a grow: the lowest-ranked survivor (``have``) sends the step number, the
-    parameters and the optimizer state to everyone; returns the step."""
-    flags = pg.all_gather(np.array([1 if have else 0], np.int8)).ravel()
-    root = int(np.flatnonzero(flags)[0])
-    meta = np.array([step, strat.opt.t], np.int64)
-    pg.broadcast(meta, root)
-    for a in strat.state_arrays():
-        pg.broadcast(strat.as_comm(a), root)
-    strat.opt.t = int(meta[1])
+def _lowest(group: Any, have: bool) -> int:
+    """The lowest rank of ``group`` that has the state (``have``)."""
+    flags = group.all_gather(np.array([1 if have else 0], np.int8)).ravel()
+    return int(np.flatnonzero(flags)[0])
+
+
+def _share_state(pg: Any, strat: ElasticStrategy, step: int, have: bool) -> int:
+    """After a grow: the lowest-ranked survivor (``have``) sends the step number to
+    everyone, and the lowest-ranked survivor of ``strat.replicas`` the parameters and the
+    optimizer state to its group; returns the step."""
+    meta = np.array([step], np.int64)
+    pg.broadcast(meta, _lowest(pg, have))
+    group = strat.replicas
+    if group is not None:
+        root = _lowest(group, have)
+        t = np.array([strat.opt_steps], np.int64)
+        group.broadcast(t, root)
+        for a in strat.state_arrays():
+            group.broadcast(strat.as_comm(a), root)
+        strat.opt_steps = int(t[0])
     return int(meta[0])
 
 
 def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
-    """Train ``cfg.steps`` steps of ``dp`` on ``pg`` through failures (module docstring).
-    Returns per step index the loss and the time (this process's steps only), the
-    membership changes, and the state bytes at the end."""
-    strat = DataParallel(pg, cfg)
+    """Train ``cfg.steps`` steps of ``cfg.strategy`` on ``pg`` through failures (module
+    docstring). Returns per step index the loss and the time (this process's steps
+    only), the membership changes, and the state bytes at the end."""
+    strat = make_elastic(pg, cfg)
     losses: dict[int, float] = {}
     times: dict[int, float] = {}
     changes: list[dict[str, Any]] = []
@@ -130,7 +212,7 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             grown = pg.grow(wait=True)  # a slot being started again: wait for it here
             if grown is not pg:
                 pg = grown
-                strat.regroup(pg)
+                strat.regroup(pg, step)
                 step = _share_state(pg, strat, step, have=True)
                 sent0, steps_in_group = pg.stats()["sent_bytes"], 0
                 changes.append({"step": step, "event": "grow", "slots": pg.slots,
@@ -147,19 +229,21 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             strat.abandon()
             restore(strat, snap)
             pg = pg.shrink()
-            strat.regroup(pg)
             seen_at, step = step, agree_step(pg, strat, step, prev_snap)
+            strat.regroup(pg, step)
             sent0, steps_in_group = pg.stats()["sent_bytes"], 0
             changes.append({"step": step, "seen_at": seen_at, "event": "shrink", "slots": pg.slots,
                             "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
             continue  # the same step again, on the survivors
         times[step] = time.perf_counter() - t0
-        losses[step] = loss
+        if loss is not None:  # (every rank of an elastic strategy has it)
+            losses[step] = loss
         steps_in_group += 1
-        if cfg.verbose and pg.rank == 0:
+        if cfg.verbose and pg.rank == 0 and loss is not None:
             print(f"[slot {pg.slot}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  "
                   f"{times[step] * 1e3:.1f} ms  ({pg.world_size} ranks)", flush=True)  # fmt: skip
         step += 1
+    strat.finish()
     return {
         "slot": pg.slot,
         "rank": pg.rank,
@@ -188,13 +272,17 @@ def summarize_elastic(
         got = [r["losses_by_step"][str(k)] for r in results if str(k) in r["losses_by_step"]]
         losses.append(got[0] if got else None)
         step_times.append(max((r["times_by_step"].get(str(k), 0.0) for r in results), default=0.0))
-    changes: dict[tuple[int, str], dict[str, Any]] = {}
+    changes: dict[tuple[int, str, tuple[int, ...]], dict[str, Any]] = {}
     for r in results:
         for c in r["membership"]:
-            key = (c["step"], c["event"])
+            key = (c["step"], c["event"], tuple(c["slots"]))  # (two shrinks in one step)
             if key not in changes or c["time_lost_s"] > changes[key]["time_lost_s"]:
                 changes[key] = c
     timed = step_times[1:] if len(step_times) > 1 else step_times
+    final_slots: list[int] = max((r["final_slots"] for r in results), key=len, default=[])
+    ps = ({"servers": cfg.ps_servers, "workers": len(final_slots) - cfg.ps_servers,
+           "consistency": cfg.consistency, "update": cfg.ps_update}
+          if cfg.strategy == "ps" else None)  # fmt: skip
     return {
         "strategy": cfg.strategy,
         "elastic": True,
@@ -204,7 +292,7 @@ def summarize_elastic(
         "step_time_s": statistics.median(timed) if timed else 0.0,
         "step_times_s": step_times,
         "membership": sorted(changes.values(), key=lambda c: float(c["at_s"])),
-        "final_slots": max((r["final_slots"] for r in results), key=len, default=[]),
+        "final_slots": final_slots,
         "per_rank": [
             {"rank": r["slot"], "rejoined": r["rejoined"], "param_bytes": r["param_bytes"],
              "grad_bytes": r["grad_bytes"], "optim_bytes": r["optim_bytes"],
@@ -220,4 +308,5 @@ def summarize_elastic(
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
         "model": {"params": results[0]["numel"] if results else 0},
+        **({"ps": ps} if ps is not None else {}),
     }

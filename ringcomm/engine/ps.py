@@ -33,6 +33,22 @@ is the ``loss_rank``, as for ``dp``. Workers never wait for each other's losses,
 and ``asp`` stay asynchronous. The servers' request loops run in a background thread
 from construction to the last step, which ends when every worker has closed its client.
 
+Elastic (``--elastic``, bsp only; driven by :func:`ringcomm.engine.elastic.run_elastic`):
+the loss of a step is instead all-reduced over the whole job (servers add 0), which also
+marks the step's end on every rank, so survivors of a lost worker are at most one step
+apart, as in ``dp``. A worker snapshots its replica (and, with ``--ps-update worker``, its
+optimizer state) before each step; a server keeps each shard's state from before its last
+applied step (``PSConfig.keep_undo``). After the survivors shrink and agree on the step to
+take again (the earliest among the workers; a server's step follows theirs),
+:meth:`ParameterServer.regroup` makes the sub-groups again, the servers go back to the
+start of that step for the new number of workers (partial sums dropped, a shard that
+applied the step put back: :meth:`~ringcomm.ps.state.ServerState.rebase`) and serve the
+new group, the workers re-split the same global batch and connect new clients. A restarted
+worker (``--max-restarts``) is admitted the same way, its replica and optimizer state
+broadcast from a surviving worker. A lost *server* ends the job with an error: the
+model's state on it is gone (standalone servers restart from checkpoints instead,
+:mod:`ringcomm.ps.membership`).
+
 Layering: ``engine`` and ``ps`` are sibling packages on top of the collectives
 (DESIGN.md §3); this strategy is the one place where the engine imports ``ringcomm.ps``,
 and like every strategy it talks only to its ``ProcessGroup`` (the parameter server runs
@@ -44,12 +60,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ringcomm.errors import CommTimeoutError, GroupClosedError
+from ringcomm.errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
 from ringcomm.ps import HashSlicer, KVWorker, PSConfig, PSServer
 from ringcomm.schedule.partition import flat_layout, split_rows
 
@@ -90,6 +106,7 @@ def ps_config(cfg: TrainConfig, num_workers: int) -> PSConfig:
         checkpoint_every_steps=cfg.ps_checkpoint_interval if cfg.ps_checkpoint_dir else 0,
         timeout_s=cfg.timeout_s,
         reduce="sum",
+        keep_undo=cfg.elastic,
     )
 
 
@@ -108,12 +125,17 @@ class ParameterServer(Strategy):
             raise ValueError(
                 f"rank {self.rank}: ps: --ps-servers must be in [1, {n - 1}] for {n} ranks, got {s}"
             )
+        if cfg.elastic and cfg.consistency != "bsp":
+            raise ValueError(f"rank {self.rank}: ps: --elastic needs --consistency bsp")
         self.num_servers, self.num_workers = s, n - s
         self.server_ranks = list(range(s))
         self.worker_ranks = list(range(s, n))
         self.is_server = self.rank < s
         self.loss_rank = 0
         self.config = ps_config(cfg, self.num_workers)
+        self.elastic = cfg.elastic
+        #: Elastic: called with each push_pull's Handle once issued (fault injection).
+        self.after_launch: Callable[[Any], None] | None = None
         L = len(self.layers)
         self.layout = flat_layout(param_shapes(self.layers), [(0, L)], 1)
         self.keys: list[tuple[int, int, int]] = []  # (key = layer, offset, size)
@@ -122,18 +144,27 @@ class ParameterServer(Strategy):
             if slots:
                 self.keys.append((i, slots[0].offset, sum(sl.size for sl in slots)))
         self.key_of = {k[0]: k for k in self.keys}
-        # Every rank makes the sub-group (collective); the PS traffic and losses use it.
-        self.group = pg.new_group(list(range(n)))
+        self._make_groups()
         self.start_step = 0
         if self.is_server:
             self._init_server()
         else:
             self._init_worker()
 
+    def _make_groups(self) -> None:
+        """Every rank makes the sub-groups (in one order): the PS traffic and losses use
+        ``group``; elastic: ``replicas``, the workers' (None on a server), shares a
+        replica with a restarted worker."""
+        self.group = self.pg.new_group(list(range(self.n)))
+        self.replicas = self.pg.new_group(self.worker_ranks) if self.elastic else None
+
     # -- servers -------------------------------------------------------------------------
     def _init_server(self) -> None:
         self.rows = (0, 0)
         self.server = PSServer(self.config, self.rank)
+        self._start_serving()
+
+    def _start_serving(self) -> None:
         self._serve_error: BaseException | None = None
         self._serve_ok = False
         self._thread = threading.Thread(
@@ -175,20 +206,16 @@ class ParameterServer(Strategy):
 
     def _server_step(self, step: int) -> float:
         """Wait until every worker finished ``step``; return the global loss."""
+        if self.elastic:  # the workers' partial losses, summed over the job
+            self._check_serving()
+            return self.global_loss(0.0)
         buf = np.zeros(1, np.float64)
         total = 0.0
         for src in self.worker_ranks:  # summed in worker order
             self._recv_loss(buf, src, step)
             total += float(buf[0])
         if step == self.cfg.steps - 1:  # the workers close their clients after this step
-            self._thread.join(self.cfg.timeout_s)
-            if self._thread.is_alive():
-                raise CommTimeoutError(
-                    f"rank {self.rank}: ps server: workers did not close within "
-                    f"{self.cfg.timeout_s:g} s (done: {sorted(self.server.byes)})"
-                )
-            self._check_serving()
-            self.group.close()
+            self.finish()
         return total
 
     # -- workers -------------------------------------------------------------------------
@@ -208,18 +235,12 @@ class ParameterServer(Strategy):
         if self.worker_update:
             self.summed = xp.zeros(total, self.dtype)  # the servers' sum of the gradients
             self.opt = make_optimizer(cfg.optimizer, xp, total, self.dtype, cfg.lr)
-        self.kv = KVWorker(
-            self.group,
-            self.index,
-            self.server_ranks,
-            slicer=HashSlicer(split_min_bytes=cfg.ps_split_min_bytes),
-            timeout_s=cfg.timeout_s,
-        )
-        handles = [self.kv.init(k, self.params[off : off + size]) for k, off, size in self.keys]
-        for h in handles:
-            h.wait()
+        self.handles: list[Any] = []
+        self.loss_sends: list[Any] = []
+        self._connect()
         # Servers restored from a checkpoint put our clock at their progress: resume there.
-        self.start_step = self.kv.clock
+        # (Elastic: a restarted worker's clock is the job's step; its state comes later.)
+        self.start_step = 0 if self.elastic else self.kv.clock
         if self.start_step:
             if self.worker_update:
                 raise ValueError(
@@ -231,8 +252,20 @@ class ParameterServer(Strategy):
             handles = [self.kv.pull(k, self.params[off : off + size]) for k, off, size in self.keys]
             for h in handles:
                 h.wait()
-        self.handles: list[Any] = []
-        self.loss_sends: list[Any] = []
+
+    def _connect(self) -> None:
+        """A client of the servers over ``group``, every key registered (a server keeps
+        the first value it got for a key: the initial parameters, in a new job)."""
+        self.kv = KVWorker(
+            self.group,
+            self.index,
+            self.server_ranks,
+            slicer=HashSlicer(split_min_bytes=self.cfg.ps_split_min_bytes),
+            timeout_s=self.cfg.timeout_s,
+        )
+        handles = [self.kv.init(k, self.params[off : off + size]) for k, off, size in self.keys]
+        for h in handles:
+            h.wait()
 
     def _layer_done(self, i: int) -> None:
         """Backward finished layer ``i``: its gradient is complete; send it."""
@@ -244,8 +277,15 @@ class ParameterServer(Strategy):
         self.handles.append(
             self.kv.push_pull(i, self.grads[off : off + size], out[off : off + size])
         )
+        if self.after_launch is not None:
+            self.after_launch(self.handles[-1])
 
-    def _worker_step(self, step: int) -> None:
+    def _worker_step(self, step: int) -> float | None:
+        if self.elastic and self.kv.clock != step:
+            raise RuntimeError(
+                f"rank {self.rank}: ps worker {self.index}: step {step}, but the servers are "
+                f"at step {self.kv.clock}"
+            )
         self.grads[...] = 0
         loss = self.forward_backward(
             self.start_step + step,
@@ -259,6 +299,8 @@ class ParameterServer(Strategy):
         self.kv.advance()
         if self.worker_update:
             self.opt.step([(self.params, self.summed, 0)])
+        if self.elastic:
+            return self.global_loss(loss)
         for w in self.loss_sends:  # the previous step's (long done: tiny messages)
             w.wait(timeout_s=self.cfg.timeout_s)
         msg = np.array([float(loss)], np.float64)
@@ -267,15 +309,113 @@ class ParameterServer(Strategy):
             for w in self.loss_sends:
                 w.wait(timeout_s=self.cfg.timeout_s)
             self.loss_sends = []
-            self.kv.close()
-            self.group.close()
+            self.finish()
+        return None
 
     # -- the interface -----------------------------------------------------------------
     def step(self, step: int) -> float | None:
         if self.is_server:
             return self._server_step(step)
-        self._worker_step(step)
-        return None
+        return self._worker_step(step)
+
+    def finish(self) -> None:
+        """After the last step: a worker closes its client (a bye to every server), a
+        server waits until every worker did."""
+        if self.is_server:
+            self._thread.join(self.cfg.timeout_s)
+            if self._thread.is_alive():
+                raise CommTimeoutError(
+                    f"rank {self.rank}: ps server: workers did not close within "
+                    f"{self.cfg.timeout_s:g} s (done: {sorted(self.server.byes)})"
+                )
+            self._check_serving()
+        else:
+            self.kv.close()
+        self.group.close()
+
+    # -- elastic training (ringcomm.engine.elastic) -----------------------------------
+    @property
+    def votes_step(self) -> bool:
+        """Whether this rank's step counts when survivors agree on one (a server's
+        follows its workers')."""
+        return not self.is_server
+
+    def launches_per_step(self) -> int:
+        """push_pulls per step (``fail_at``'s bucket counts them; a server: none)."""
+        return 0 if self.is_server else len(self.keys)
+
+    def state_arrays(self) -> list[Any]:
+        """What a worker snapshots and a restarted one gets: the replica (and, updating on
+        the workers, the optimizer state). A server: nothing (it keeps its undo copy)."""
+        if self.is_server:
+            return []
+        if self.worker_update:
+            return [self.params, *self.opt.state_arrays()]
+        return [self.params]
+
+    @property
+    def opt_steps(self) -> int:
+        return int(self.opt.t) if not self.is_server and self.worker_update else 0
+
+    @opt_steps.setter
+    def opt_steps(self, t: int) -> None:
+        if not self.is_server and self.worker_update:
+            self.opt.t = t
+
+    def abandon(self) -> None:
+        """The group failed (or is replaced): a server stops serving it, a worker drops
+        its client once its requests ended. Idempotent."""
+        if self.is_server:
+            self.server.interrupt()  # wakes pulls that wait on the state
+            try:
+                self.group.close()  # its receive loops' operations fail: they end
+            except RingcommError:
+                pass
+            self._thread.join(self.cfg.timeout_s)
+            if self._thread.is_alive():
+                raise CommTimeoutError(
+                    f"rank {self.rank}: ps server: its request loops did not end within "
+                    f"{self.cfg.timeout_s:g} s of the group's failure"
+                )
+        else:
+            self.kv.abandon()
+            self.handles.clear()
+
+    def regroup(self, pg: Any, step: int = 0) -> None:
+        """Go on over ``pg`` (the world group after a shrink or grow; every rank calls it)
+        at the start of step ``step``: new sub-groups; a server goes back to that step for
+        the new number of workers and serves the new group; a worker takes its rows of the
+        global batch among the new workers and connects a new client. A lost server slot
+        raises ``PeerFailedError``: the job ends (module docstring)."""
+        s = self.num_servers
+        if pg.slots[:s] != list(range(s)):
+            lost = sorted(set(range(s)) - set(pg.slots))
+            raise PeerFailedError(
+                f"rank {pg.rank} (slot {pg.slot}): ps --elastic: server "
+                f"slot{'s' if len(lost) > 1 else ''} "
+                f"{', '.join(map(str, lost))} lost at step {step}; elastic training replaces "
+                "lost workers only (a server's part of the model is gone with it): the job ends",
+                peer=lost[0],
+            )
+        self.abandon()
+        self.pg, self.rank, self.n = pg, pg.rank, pg.world_size
+        self.num_workers = self.n - s
+        self.worker_ranks = list(range(s, self.n))
+        self.config = ps_config(self.cfg, self.num_workers)
+        self._make_groups()
+        if self.is_server:
+            state = self.server.state.rebase(self.config, step)
+            self.server = PSServer(self.config, self.rank, restore=False, state=state)
+            self._start_serving()
+            return
+        self.index = self.rank - s
+        self.rows = split_rows(self.cfg.batch_size, self.num_workers)[self.index]
+        self._connect()
+        if self.kv.clock != step:
+            raise RuntimeError(
+                f"rank {self.rank}: ps worker {self.index}: regrouped at step {step}, but the "
+                f"servers are at step {self.kv.clock}"
+            )
 
     def state_nbytes(self) -> dict[str, int]:
         if not self.is_server:

@@ -123,11 +123,11 @@ class TrainConfig:
     ps_checkpoint_dir: str | None = None
     ps_checkpoint_interval: int = 0  # steps between server checkpoints (0: only at the end)
     ps_split_min_bytes: int = 1 << 20  # layers this big are split over every server
-    # Elastic dp (ringcomm/engine/elastic.py): survive lost ranks; restart them; inject.
+    # Elastic dp and ps (ringcomm/engine/elastic.py): survive lost ranks; restart them; inject.
     elastic: bool = False
     max_restarts: int = 0
     # (slot, step) or (slot, step, bucket): that slot's first process dies at the start of
-    # that step, or once that bucket's all-reduce (0: the first launched) is done everywhere
+    # that step, or once that bucket's all-reduce (0: the first launched; ps: push_pull) is done
     fail_at: tuple[tuple[int, ...], ...] = ()
     # The transformer (--model transformer; ``depth`` is its number of blocks).
     model: str = "mlp"

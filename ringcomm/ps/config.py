@@ -25,6 +25,9 @@ class PSConfig:
     ``reduce``: ``avg`` (a step's gradient is the workers' mean; an asp/ssp push counts
     ``1/W``) or ``sum`` (their sum; a push counts whole), for workers whose gradients are
     already divided by the global batch, as the engine's ``dp`` does before its all_reduce.
+    ``keep_undo`` (bsp only; elastic training): a shard keeps its parameters and optimizer
+    state from before its last applied step, so that a step a lost worker took part in can
+    be undone (:meth:`~ringcomm.ps.state.ServerState.rebase`).
     """
 
     num_workers: int
@@ -37,6 +40,7 @@ class PSConfig:
     checkpoint_every_steps: int = 0
     timeout_s: float = 300.0
     reduce: str = "avg"
+    keep_undo: bool = False
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -57,6 +61,11 @@ class PSConfig:
             )
         if self.checkpoint_every_steps and not self.checkpoint_dir:
             raise ValueError("ps: checkpoint_every_steps needs a checkpoint_dir")
+        if self.keep_undo and self.consistency != "bsp":
+            raise ValueError(
+                f"ps: keep_undo needs consistency 'bsp' (under {self.consistency!r} every push "
+                "is applied on arrival: there is no step to undo)"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"ps: timeout_s must be > 0, got {self.timeout_s}")
 

@@ -51,14 +51,25 @@ class PSServer:
     the job re-forms after a restart (:mod:`ringcomm.ps.membership`).
     """
 
-    def __init__(self, config: PSConfig, index: int = 0, *, restore: bool = True) -> None:
+    def __init__(
+        self,
+        config: PSConfig,
+        index: int = 0,
+        *,
+        restore: bool = True,
+        state: ServerState | None = None,
+    ) -> None:
+        """``state``: serve that one (made for ``config``, e.g. by
+        :meth:`~ringcomm.ps.state.ServerState.rebase`) instead of a fresh one."""
         self.config = config
         self.index = index
-        self.state = ServerState(config, index)
+        if state is not None and state.config != config:
+            raise ValueError(f"ps server {index}: the state given was made for another config")
+        self.state = state if state is not None else ServerState(config, index)
         self.cond = threading.Condition()
         self.byes: set[int] = set()
         self.restored = False
-        if restore and config.checkpoint_dir:
+        if restore and state is None and config.checkpoint_dir:
             self.restored = load_checkpoint(self.state, config.checkpoint_dir)
             if self.restored:
                 log.info(

@@ -26,6 +26,11 @@ Consistency.
   push, scaled by ``1/W``, to every worker's inbox, and a pull hands the worker its inbox
   (and empties it): every worker applies every gradient exactly once, as the server would.
   ``ssp`` delays a pull while its gap would exceed K; ``asp`` never delays.
+
+Undo (bsp, ``config.keep_undo``; elastic training, :mod:`ringcomm.engine.elastic`): before
+applying a step, a shard copies its parameters and optimizer state (server update), so
+that :meth:`ServerState.rebase` can put every shard back to where it was when a step
+began, after a worker was lost during it, for a new number of workers.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ class Shard:
         self.averages: dict[int, np.ndarray] = {}  # bsp worker update: step -> average
         self.served: dict[int, int] = {}  # bsp worker update: step -> pulls served
         self.inbox: dict[int, np.ndarray] = {}  # ssp/asp worker update: worker -> sum of g/W
+        # keep_undo, server update: the state before applying step ``undo_step`` (-1: none)
+        self.undo_step = -1
+        self.undo_param: np.ndarray | None = None
+        self.undo_opt: dict[str, np.ndarray] = {}
 
     @property
     def nelem(self) -> int:
@@ -164,6 +173,8 @@ class ServerState:
             if self.config.reduce == "avg":
                 avg /= self.num_workers
             if self.config.update == "server":
+                if self.config.keep_undo:
+                    _keep_undo(sh)
                 self.updater.apply(sh.param, avg, sh.opt_state)
             else:
                 sh.averages[sh.version] = avg
@@ -247,6 +258,49 @@ class ServerState:
                 sh.averages.clear()
                 sh.served.clear()
         self.needs_resync = False
+
+    def rebase(self, config: PSConfig, step: int) -> ServerState:
+        """This state for ``config`` (another number of workers: elastic training, after a
+        worker was lost or came back), every shard as it was when step ``step`` began.
+
+        A bsp shard is at ``step`` or one past it (every worker pushed ``step`` there
+        before one was lost): then its last update is undone (server update: the copy kept
+        under ``keep_undo``; worker update: the sum of that step is dropped, the
+        parameters never changed). Whatever was pushed for ``step`` or later is dropped
+        (partial sums of a lost worker's step), and every worker's clock is ``step``.
+        ``ValueError`` for a shard anywhere else. The shards move to the new state (this
+        one is done); the pull and drop counters go on."""
+        if config.consistency != "bsp" or self.config.consistency != "bsp":
+            raise ValueError(f"server {self.server_index}: rebase needs bsp")
+        new = ServerState(config, self.server_index, self.updater)
+        for key, sh in self.shards.items():
+            if sh.version == step + 1 and config.update == "server":
+                if sh.undo_step != step or sh.undo_param is None:
+                    raise ValueError(
+                        f"server {self.server_index}: {sh.describe()} applied step {step} "
+                        f"and kept no copy from before it (keep_undo: {config.keep_undo})"
+                    )
+                sh.param[...] = sh.undo_param
+                for name, value in sh.undo_opt.items():
+                    sh.opt_state[name][...] = value
+            elif sh.version not in (step, step + 1):
+                raise ValueError(
+                    f"server {self.server_index}: {sh.describe()} is at step {sh.version}, "
+                    f"cannot go back to step {step}"
+                )
+            if sh.version != step:
+                sh.applied -= 1
+            sh.version, sh.undo_step = step, -1
+            sh.clocks = np.full(config.num_workers, step, np.int64)
+            sh.pending.clear()
+            sh.averages.clear()
+            sh.served.clear()
+            sh.inbox.clear()
+            new.shards[key] = sh
+        new.gap_counts = self.gap_counts
+        new.dropped_pushes = self.dropped_pushes
+        self.shards = {}
+        return new
 
     def stats(self) -> dict[str, Any]:
         lo, hi = min(self.gap_counts, default=0), max(self.gap_counts, default=0)
@@ -342,6 +396,17 @@ class ServerState:
         self.last_checkpoint_progress = self.restored_progress
         self.needs_resync = True
         self.hello_clocks.clear()
+
+
+def _keep_undo(sh: Shard) -> None:
+    """Copy the shard's state before it applies step ``sh.version`` (buffers reused)."""
+    if sh.undo_param is None:
+        sh.undo_param = np.empty_like(sh.param)
+        sh.undo_opt = {name: np.empty_like(value) for name, value in sh.opt_state.items()}
+    np.copyto(sh.undo_param, sh.param)
+    for name, value in sh.opt_state.items():
+        np.copyto(sh.undo_opt[name], value)
+    sh.undo_step = sh.version
 
 
 def checkpoint_path(directory: str, server_index: int) -> str:

@@ -253,6 +253,20 @@ class KVWorker:
             if self.connector is not None:
                 self.connector.close()
 
+    def abandon(self) -> None:
+        """The group failed (elastic training goes on in a new group, with a new client):
+        wait until every request still outstanding has ended, as they all do with a failed
+        group, so that none writes into a caller's buffer later. No bye; the client is
+        closed."""
+        for part in list(self._outstanding):
+            for work in part.works:
+                try:
+                    work.wait(timeout_s=self.timeout_s)
+                except RingcommError:
+                    pass
+        self._outstanding.clear()
+        self._closed = True
+
     def __enter__(self) -> Self:
         return self
 
