@@ -565,7 +565,10 @@ class ProcessGroup:
             raise
         return pg
 
-    def grow(self, *, wait: bool = False, timeout_s: float | None = None) -> ProcessGroup:
+    def grow(
+        self, *, wait: bool = False, timeout_s: float | None = None,
+        on_admit: Callable[[], None] | None = None,
+    ) -> ProcessGroup:  # fmt: skip
         """Admit restarted ranks (``ringcomm run --max-restarts``) that wait to rejoin: a
         collective of this world group, called at a step boundary. Returns this group if
         nobody waits, else a new world group in which every rank slot present (the
@@ -574,7 +577,11 @@ class ProcessGroup:
         (``pg.rejoined`` is True there: it gets its state from a survivor, e.g. a
         broadcast from rank 0). Needs a store the launcher serves. ``wait=True``: first
         wait (within ``timeout_s``) for the slots the launcher says it is starting again
-        (``restarting/<slot>`` in the store) to ask, e.g. before the job ends."""
+        (``restarting/<slot>`` in the store) to ask, e.g. before the job ends.
+        ``on_admit``: called on every rank once they know ranks are admitted, before any
+        of them closes this group: stop work in the background on this group and its
+        sub-groups there (a receive still posted when a peer closes it fails, and says
+        so, as a peer's departure)."""
         core = self.core
         if not core.is_world:
             raise ValueError(f"rank {core.rank}: grow: call it on the world group")
@@ -600,6 +607,8 @@ class ProcessGroup:
         joiners = {int(s): int(f) - 1 for s, f in enumerate(flags) if f}
         if not joiners:
             return self
+        if on_admit is not None:  # (before the new group's barrier: so before any close)
+            on_admit()
         epoch = state.epoch + 1
         slots = sorted([*state.slots, *joiners])
         cfg = state.config

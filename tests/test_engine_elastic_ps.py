@@ -158,3 +158,21 @@ def test_the_cli_prints_and_records_the_membership_change(tmp_path: Path) -> Non
     assert [(c["step"], c["event"], c["slots"]) for c in result["membership"]] == [
         (3, "shrink", [0, 1, 3, 4])]  # fmt: skip
     assert result["lost_slots"] == [2] and None not in result["losses"]
+
+
+@pytest.mark.timeout(120)
+def test_a_grow_tells_nobody_a_peer_left_while_it_waited(tmp_path: Path) -> None:
+    # At a grow the servers' request loops let go of the old group before any rank
+    # closes it (pg.grow(on_admit=...)): no "left the group while this rank still
+    # expected messages" on the way, and only the killed worker is reported.
+    out = subprocess.run([sys.executable, "-m", "ringcomm", "train", "--strategy", "ps",
+                          "--elastic", "-n", "5", "--ps-servers", "1", "--fail-at", "2:3",
+                          "--max-restarts", "1", "--steps", "5", "--hidden", "32", "--layers",
+                          "2", "--batch-size", "32", "-q"],
+                         check=False, capture_output=True, text=True, timeout=110)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "step 3: grow -> ranks (slots) [0, 1, 2, 3, 4]" in out.stdout, out.stdout
+    assert "left the group" not in out.stderr, out.stderr
+    for line in out.stderr.splitlines():
+        if "failed" in line:
+            assert "peer rank 2 failed" in line, out.stderr

@@ -209,7 +209,9 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             fresh = False
         elif cfg.max_restarts:
             t0 = time.perf_counter()
-            grown = pg.grow(wait=True)  # a slot being started again: wait for it here
+            # A slot being started again: wait for it here; the strategy lets go of this
+            # group (a ps server's request loops) before anyone closes it.
+            grown = pg.grow(wait=True, on_admit=strat.abandon)
             if grown is not pg:
                 pg = grown
                 strat.regroup(pg, step)
