@@ -59,6 +59,7 @@ MODELLED: dict[str, bool] = {
 CHUNK_CANDIDATES: tuple[int, ...] = tuple(256 << 10 << i for i in range(6))
 #: Most cached answers per chooser (emptied when full: sizes that keep changing).
 MAX_CACHED = 4096
+_UNKNOWN = object()  # not in the cache yet (None is an answer)
 #: A piece size other than the group's is taken only if it is predicted this much faster.
 CHUNK_GAIN = 0.02
 
@@ -130,14 +131,12 @@ class ModelChooser:
         ``hier``: the group runs the hierarchical algorithm (the caller takes a ``"hier"``
         answer). None: the model does not price this collective here."""
         key = (collective, nbytes, hier)
-        try:
-            return self._answers[key]
-        except KeyError:
-            pass
-        if len(self._answers) >= MAX_CACHED:
-            self._answers.clear()
-        answer = self._answers[key] = self._choose(collective, nbytes, hier)
-        return answer
+        answer = self._answers.get(key, _UNKNOWN)
+        if answer is _UNKNOWN:
+            if len(self._answers) >= MAX_CACHED:
+                self._answers.clear()
+            answer = self._answers[key] = self._choose(collective, nbytes, hier)
+        return answer  # type: ignore[return-value]
 
     def _choose(self, collective: str, nbytes: int, hier: bool) -> ModelChoice | None:
         per_rank = MODELLED.get(collective)
