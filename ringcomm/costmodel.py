@@ -42,8 +42,9 @@ size). The algorithms (``S`` = the per-rank buffer as nccl-tests counts it, DESI
 * ``chain`` (broadcast): the pipelined chain ``0 -> 1 -> ... -> n-1``.
 
 :func:`predict` prices one algorithm, :func:`best` ranks them all, :func:`crossovers` finds
-the sizes where the winner changes. Nothing here runs a collective: the registry can call
-:func:`best` later with a model loaded by :meth:`CostModel.load`.
+the sizes where the winner changes. Nothing here runs a collective: a group with a model
+(:func:`load_tune_file`, ``RINGCOMM_TUNE_FILE``) chooses its algorithms and piece sizes by
+:func:`predict` through :mod:`ringcomm.collectives.choice`.
 """
 
 from __future__ import annotations
@@ -570,8 +571,8 @@ def best(
 ) -> tuple[str, list[Prediction]]:
     """The fastest algorithm and every algorithm's prediction, in :data:`ALGORITHMS` order.
 
-    This is the function a collectives registry can call to pick an algorithm (it is not
-    wired in: the runtime's own measured switch points still decide).
+    Over the model's own algorithm names (the registry's choice, which maps them to what
+    ringcomm runs and also prices piece sizes, is :mod:`ringcomm.collectives.choice`).
     """
     _check(op, hosts, ranks_per_host, size)
     names = ALGORITHMS[op] if algos is None else tuple(algos)

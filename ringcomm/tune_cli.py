@@ -6,9 +6,10 @@ reduce_scatter and all_gather at a few sizes, checked, then timed back to back),
 alpha, beta and gamma of :mod:`ringcomm.costmodel` by least squares and writes a JSON that
 ``ringcomm model --model FILE`` loads and a process group chooses its algorithms and
 piece sizes with (``RINGCOMM_TUNE_FILE``; the default ``--out``, ``ringcomm-model.json``,
-is where a group whose rank 0 starts in this directory looks). Across hosts there is nothing to measure from one
-host: the network parameters come from ``--net-gbps``/``--net-latency-us`` (a hostfile
-probe is left for the multi-host bench). Exit status: 0; 1 if a rank failed or a result was
+is where a group whose rank 0 starts in this directory looks). Across hosts there is
+nothing to measure from one host: the network parameters come from
+``--net-gbps``/``--net-latency-us`` (a hostfile probe is left for the multi-host bench).
+Exit status: 0; 1 if a rank failed or a result was
 wrong; 2 for a usage error.
 """
 
@@ -58,7 +59,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=DEFAULT_TUNE_FILE, metavar="FILE.json",
                    help="where to write the model (default %(default)s: where a group "
-                   "started in this directory finds it; elsewhere set RINGCOMM_TUNE_FILE)")  # fmt: skip
+                   "started here finds it; elsewhere set RINGCOMM_TUNE_FILE)")  # fmt: skip
     p.add_argument("-n", "--nproc", type=int, default=2, metavar="N",
                    help="local ranks of the probe (default %(default)s)")  # fmt: skip
     p.add_argument("--sizes", default=",".join(format_size(s) for s in DEFAULT_SIZES),
@@ -129,7 +130,7 @@ def _format_fit(fit: Fit) -> str:
 def _where_used(out: str) -> str:
     """How a group finds the model written to ``out`` (RINGCOMM_TUNE_FILE, docs/cost-model.md)."""
     if os.path.normpath(out) == DEFAULT_TUNE_FILE:
-        return f"those whose rank 0 starts in this directory, or RINGCOMM_TUNE_FILE={os.path.abspath(out)}"
+        return f"those whose rank 0 starts here, or RINGCOMM_TUNE_FILE={os.path.abspath(out)}"
     return f"RINGCOMM_TUNE_FILE={os.path.abspath(out)}"
 
 

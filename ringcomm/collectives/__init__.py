@@ -27,6 +27,10 @@ reduce_scatter_v   ``ring``
 all_to_all_v       ``direct``
 =================  =========================================================
 
+With a cost model loaded (``RINGCOMM_TUNE_FILE``: :mod:`ringcomm.collectives.choice`),
+all_reduce (past ``star`` and ``direct``, which keep their switch points), broadcast,
+reduce_scatter and all_gather take the algorithm and piece size it predicts cheapest.
+
 The uneven (``_v``) collectives have no ``shm`` algorithm: on a group with a workspace
 they run over the engine like elsewhere (after the group's earlier workspace calls).
 
