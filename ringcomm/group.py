@@ -314,8 +314,10 @@ class ProcessGroup:
         rop = parse_op(op)
         if rop is ReduceOp.AVG and x.dtype.kind in "iub":
             return False  # integer means: flat
+        if algo is not None or env is not None:  # algo="hier" or RINGCOMM_ALGO=hier
+            return True
         # A cost model (RINGCOMM_TUNE_FILE) decides by size; without one: always.
-        return algo is not None or _collectives.model_prefers_hier(self.core, x.nbytes) is not False
+        return _collectives.model_prefers_hier(self.core, x.nbytes) is not False
 
     def _hier(self) -> Hierarchy:
         if self._hierarchy is None:

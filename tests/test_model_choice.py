@@ -269,6 +269,12 @@ def test_a_loaded_model_changes_the_algorithm_on_pretend_hosts(tmp_path: Path) -
         assert algo == expect, (op, nbytes, algo, expect)
     assert slow[("all_reduce", 8)] == "star" and slow[("all_reduce", MiB)] == "hier"
 
+    # RINGCOMM_ALGO wins over the model: hier at every size again, a chain broadcast
+    forced = _calls(_run(hosts, cwd=tmp_path, env={"RINGCOMM_ALGO": "hier"}).stdout, 4)
+    assert {forced[("all_reduce", n)] for n in (8, 64 << 10, MiB)} == {"hier"}
+    forced = _calls(_run(hosts, cwd=tmp_path, env={"RINGCOMM_ALGO": "chain"}).stdout, 4)
+    assert {forced[("broadcast", n)] for n in (8, 64 << 10, MiB)} == {"chain"}
+
 
 @pytest.mark.timeout(120)
 def test_a_bad_model_file_fails_every_rank_naming_it(tmp_path: Path) -> None:
