@@ -86,6 +86,9 @@ def test_hier_only_where_the_caller_runs_it_and_only_implemented_algorithms() ->
             assert choice is not None and choice.algo in registry
             assert choice.algo in ALGORITHMS[collective]  # no tree all_reduce, no ps
     assert auto("reduce_scatter", 64 * MiB, 8, c, False) == "ring"  # the only one it has
+    # a caller that runs hierarchical reduce_scatter/all_gather (the group) may be told so
+    assert auto("reduce_scatter", 64 * MiB, 8, c, True) == "hier"
+    assert auto("all_gather", 8 * MiB, 8, c, True) == "hier"
     assert c.choose("reduce", MiB) is None and c.choose("all_to_all", MiB) is None
     assert auto("reduce", MiB, 8, c, False) == "tree"
 

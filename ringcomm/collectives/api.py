@@ -367,13 +367,14 @@ def model_chooser(group: GroupCore) -> ModelChooser | None:
     return chooser
 
 
-def model_prefers_hier(group: GroupCore, nbytes: int) -> bool | None:
-    """Whether the cost model runs an all_reduce of ``nbytes`` on this group (one that
-    spans hosts with several ranks on one) hierarchically; None without a model."""
+def model_prefers_hier(group: GroupCore, nbytes: int, collective: str = "all_reduce") -> bool | None:
+    """Whether the cost model runs ``collective`` of ``nbytes`` (as ``choose_algorithm``
+    counts them) on this group, one that spans hosts with several ranks on one,
+    hierarchically; None without a model."""
     model = model_chooser(group)
     if model is None:
         return None
-    algo = choose_algorithm("all_reduce", None, None, nbytes, group.world_size, model=model,
+    algo = choose_algorithm(collective, None, None, nbytes, group.world_size, model=model,
                             hier=True)  # fmt: skip
     return algo == HIER_ALGO
 
