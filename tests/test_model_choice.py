@@ -140,6 +140,10 @@ def test_the_piece_size_where_pieces_pay_and_the_groups_elsewhere() -> None:
     assert ring.chunk_bytes in CHUNK_CANDIDATES and ring.chunk_bytes < 4 * MiB
     tiny = c.choose("all_reduce", 8)
     assert tiny is not None and tiny.chunk_bytes is None  # one piece whatever the size
+    for world in (chooser(slow_reduce, 1, 4), chooser(SLOW_NET, 2, 4), chooser(FAST_NET, 4, 8)):
+        for collective in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+            for n in (1, 1000, 64 << 10, world.one_piece_bytes):  # (the calls skip asking)
+                assert world.choose(collective, n).chunk_bytes is None  # type: ignore[union-attr]
     fixed = chooser(slow_reduce, 1, 4, choose_chunk=False)
     assert fixed.choose("all_reduce", 16 * MiB).chunk_bytes is None  # type: ignore[union-attr]
     hier = chooser(SLOW_NET, 2, 2).choose("all_reduce", 64 * MiB, True)

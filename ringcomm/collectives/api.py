@@ -398,7 +398,7 @@ def all_reduce(
         async_op = _check_flag(async_op, what)
     chosen = _pick(group, "all_reduce", algo, x.nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None:
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
         chunk = _model_chunk(group, "all_reduce", chosen, algo, x.nbytes)
     call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape, chunk)
     return _run(group, call, timeout_s, async_op, what)
@@ -426,7 +426,7 @@ def reduce_scatter(
         raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
     algo = _pick(group, "reduce_scatter", None, x.nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None:
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
         chunk = _model_chunk(group, "reduce_scatter", algo, None, x.nbytes)
     call = Call("reduce_scatter", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape),
                 chunk_bytes=chunk)  # fmt: skip
@@ -449,7 +449,7 @@ def all_gather(
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     algo = _pick(group, "all_gather", None, x.nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None:
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
         chunk = _model_chunk(group, "all_gather", algo, None, x.nbytes)
     call = Call("all_gather", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
                 chunk_bytes=chunk)  # fmt: skip
@@ -472,7 +472,7 @@ def broadcast(
     async_op = _check_flag(async_op, what)
     chosen = _pick(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None:
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
         chunk = _model_chunk(group, "broadcast", chosen, algo, x.nbytes)
     call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape),
                 chunk_bytes=chunk)  # fmt: skip

@@ -114,6 +114,9 @@ class ModelChooser:
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
         self.choose_chunk = choose_chunk
+        #: Calls of at most this many bytes (the registry's count) run with the group's
+        #: piece size whatever the model says: one piece at every size it considers.
+        self.one_piece_bytes = min(CHUNK_CANDIDATES[0], chunk_bytes)
         self.candidates: dict[tuple[str, bool], tuple[str, ...]] = {}
         for collective in MODELLED:
             table = registry.get(collective, ())
