@@ -26,8 +26,10 @@ With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at 
 ``RINGCOMM_MAX_UNEXPECTED_MESSAGES``/``_BYTES``, ``RINGCOMM_LOCAL_LANE``, ``RINGCOMM_SHM``,
 ``RINGCOMM_BIND``, ``RINGCOMM_TRACE_DIR``/``RINGCOMM_TRACE``/``RINGCOMM_TRACE_ENTRIES``
 (the flight recorder, ringcomm.flight), ``RINGCOMM_HOST_ID`` (pretend hosts), ``RINGCOMM_RESTART`` (set by the launcher for a
-restarted rank). Every invalid value raises :class:`RendezvousError` naming the
-variable, its value and the convention it came from.
+restarted rank), ``RINGCOMM_TUNE_FILE`` (the cost model the group chooses algorithms
+with: :attr:`InitConfig.tune_file`; only its name is resolved here, the group reads it).
+Every invalid value raises :class:`RendezvousError` naming the variable, its value and the
+convention it came from.
 
 Settings that belong to no group are small pure functions of the same mapping, each
 raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
@@ -59,9 +61,11 @@ __all__ = [
     "DEFAULT_PS_LOG_LEVEL",
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "DEFAULT_TUNE_FILE",
     "MPIRUN_JOB_ID_VARS",
     "PS_LOG_LEVELS",
     "TRANSPORT_MODES",
+    "TUNE_FILE_OFF",
     "InitConfig",
     "UsageError",
     "bind_mode",
@@ -95,6 +99,12 @@ DEFAULT_STAGING_MAX_BYTES = 1 << 30
 #: RINGCOMM_PS_LOG values (logging's level names, any case) and the default.
 PS_LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
 DEFAULT_PS_LOG_LEVEL = "WARNING"
+#: Where ``ringcomm tune`` writes its cost model unless ``--out`` says otherwise, and where
+#: a group looks for one when RINGCOMM_TUNE_FILE is unset (relative: the working directory
+#: of the group's rank 0, whose model every rank uses).
+DEFAULT_TUNE_FILE = "ringcomm-model.json"
+#: RINGCOMM_TUNE_FILE values (any case) that turn the cost model off.
+TUNE_FILE_OFF = ("none", "off", "0")
 #: Where a group of more than one process looks for the store when no address is given.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -240,6 +250,13 @@ class InitConfig:
     #: How many times the launcher restarted this rank (``RINGCOMM_RESTART``, set by
     #: ``ringcomm run --max-restarts``): > 0 joins the running job (``ProcessGroup.grow``).
     restart: int = 0
+    #: The cost model the group chooses algorithms and piece sizes with (ringcomm.costmodel,
+    #: written by ``ringcomm tune``): ``RINGCOMM_TUNE_FILE``, else :data:`DEFAULT_TUNE_FILE`
+    #: if it exists; None: none (``RINGCOMM_TUNE_FILE=none``). Rank 0 reads it when the
+    #: group forms and every rank uses rank 0's. ``tune_file_required``: the variable named
+    #: it, so a missing or invalid file is an error (at the default place: a warning).
+    tune_file: str | None = DEFAULT_TUNE_FILE
+    tune_file_required: bool = False
     #: Where :attr:`master_port` came from when no one set it, for error messages, e.g.
     #: ``"derived from Open MPI's job id (PMIX_NAMESPACE=...)"``; None: it was set.
     master_port_origin: str | None = None
@@ -715,6 +732,7 @@ def resolve_init_config(
     restart_text = (env.get("RINGCOMM_RESTART") or "").strip()
     if restart_text and not restart_text.isdigit():
         raise RendezvousError(f"RINGCOMM_RESTART must be a count >= 0, got {restart_text!r}")
+    tune_file, tune_file_required = _tune_file(env)
     trace_f = _env_setting(env, "RINGCOMM_TRACE")
     trace_at_close = _parse_bool(trace_f) if trace_f is not None else False
 
@@ -751,8 +769,21 @@ def resolve_init_config(
         trace_dir=(env.get("RINGCOMM_TRACE_DIR") or "").strip() or None,
         trace_at_close=trace_at_close,
         restart=int(restart_text or 0),
+        tune_file=tune_file,
+        tune_file_required=tune_file_required,
         master_port_origin=port_origin,
     )
+
+
+def _tune_file(env: Mapping[str, str]) -> tuple[str | None, bool]:
+    """``RINGCOMM_TUNE_FILE``: (the path, whether it was named); unset or empty:
+    (:data:`DEFAULT_TUNE_FILE`, False); one of :data:`TUNE_FILE_OFF`: (None, False)."""
+    text = (env.get("RINGCOMM_TUNE_FILE") or "").strip()
+    if not text:
+        return DEFAULT_TUNE_FILE, False
+    if text.lower() in TUNE_FILE_OFF:
+        return None, False
+    return text, True
 
 
 def _mpirun_defaults(env: Mapping[str, str], world: int) -> tuple[int | None, str | None, str]:

@@ -42,8 +42,9 @@ size). The algorithms (``S`` = the per-rank buffer as nccl-tests counts it, DESI
 * ``chain`` (broadcast): the pipelined chain ``0 -> 1 -> ... -> n-1``.
 
 :func:`predict` prices one algorithm, :func:`best` ranks them all, :func:`crossovers` finds
-the sizes where the winner changes. Nothing here runs a collective: the registry can call
-:func:`best` later with a model loaded by :meth:`CostModel.load`.
+the sizes where the winner changes. Nothing here runs a collective: a group with a model
+(:func:`load_tune_file`, ``RINGCOMM_TUNE_FILE``) chooses its algorithms and piece sizes by
+:func:`predict` through :mod:`ringcomm.collectives.choice`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -77,6 +79,7 @@ __all__ = [
     "crossovers",
     "design_row",
     "fit_local",
+    "load_tune_file",
     "plan",
     "predict",
     "uplink_bytes",
@@ -236,6 +239,34 @@ class CostModel:
             f"reduce {gamma}; {self.overhead_s * 1e6:.3g} us per call; "
             f"pieces of {self.chunk_bytes} B [{self.source}]"
         )
+
+
+def load_tune_file(path: str | None, *, required: bool) -> CostModel | None:
+    """The cost model a group chooses with (``RINGCOMM_TUNE_FILE``, see
+    :attr:`ringcomm.config.InitConfig.tune_file`): :meth:`CostModel.load` of ``path``.
+
+    None when ``path`` is None, or does not exist and was not ``required``. A file that was
+    ``required`` (named by the variable) and is missing, unreadable or invalid raises
+    ``ValueError`` naming it; one found at the default place but invalid is skipped with a
+    ``RuntimeWarning`` naming it (the group then chooses as without a model).
+    """
+    if path is None:
+        return None
+    if not required and not os.path.exists(path):
+        return None
+    try:
+        return CostModel.load(path)
+    except (OSError, ValueError) as exc:
+        text = str(exc) if isinstance(exc, ValueError) else f"{path}: {exc.strerror or exc}"
+        if required:
+            raise ValueError(f"RINGCOMM_TUNE_FILE: {text}") from None
+        warnings.warn(
+            f"ringcomm: ignoring the cost model at {text} (write a new one with "
+            "ringcomm tune, or set RINGCOMM_TUNE_FILE=none)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 # --- plans: pure data ------------------------------------------------------------------------
@@ -540,8 +571,8 @@ def best(
 ) -> tuple[str, list[Prediction]]:
     """The fastest algorithm and every algorithm's prediction, in :data:`ALGORITHMS` order.
 
-    This is the function a collectives registry can call to pick an algorithm (it is not
-    wired in: the runtime's own measured switch points still decide).
+    Over the model's own algorithm names (the registry's choice, which maps them to what
+    ringcomm runs and also prices piece sizes, is :mod:`ringcomm.collectives.choice`).
     """
     _check(op, hosts, ranks_per_host, size)
     names = ALGORITHMS[op] if algos is None else tuple(algos)

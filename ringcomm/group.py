@@ -32,6 +32,7 @@ from .buffers import check_array, check_peer, check_tag
 from .collectives import HIER_ALGO
 from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
+from .costmodel import CostModel, load_tune_file
 from .device.p2p import recv_op_class, send_op_class
 from .elastic import (
     SHRINK_SLICE_S,
@@ -117,6 +118,13 @@ class ProcessGroup:
     @property
     def config(self) -> InitConfig:
         return self.core.config
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model this group chooses algorithms and piece sizes with (rank 0's
+        RINGCOMM_TUNE_FILE, read when the world group formed); None: the measured
+        switch points."""
+        return self.core.state.costmodel
 
     # Tunables of this group's calls (tests force tiny pieces with chunk_bytes).
     @property
@@ -304,7 +312,12 @@ class ProcessGroup:
         what = f"rank {self.rank}: all_reduce"
         x = check_array(x, what, writeable=True, device=True)
         rop = parse_op(op)
-        return not (rop is ReduceOp.AVG and x.dtype.kind in "iub")  # integer means: flat
+        if rop is ReduceOp.AVG and x.dtype.kind in "iub":
+            return False  # integer means: flat
+        if algo is not None or env is not None:  # algo="hier" or RINGCOMM_ALGO=hier
+            return True
+        # A cost model (RINGCOMM_TUNE_FILE) decides by size; without one: always.
+        return _collectives.model_prefers_hier(self.core, x.nbytes) is not False
 
     def _hier(self) -> Hierarchy:
         if self._hierarchy is None:
@@ -823,6 +836,37 @@ def _wait_all(
         watch()
 
 
+#: The store key under which rank 0 shares its cost model as the world group forms.
+COST_MODEL_KEY = "costmodel"
+
+
+def _share_cost_model(
+    cfg: InitConfig, store: Store | None, watch: Callable[[], None] | None
+) -> CostModel | None:
+    """Rank 0's cost model (RINGCOMM_TUNE_FILE), the same on every rank (so they choose
+    alike even where hosts hold different files): rank 0 reads the file and publishes it,
+    or why it is bad, and then raises; the others read that and raise too."""
+    if cfg.rank == 0:
+        error = None
+        try:
+            model = load_tune_file(cfg.tune_file, required=cfg.tune_file_required)
+        except ValueError as exc:
+            model, error = None, str(exc)
+        if store is not None:
+            shared = {"model": None if model is None else model.to_dict(), "error": error}
+            store.set(COST_MODEL_KEY, json.dumps(shared).encode())
+        if error is not None:
+            raise RendezvousError(f"rank 0: {error}")
+        return model
+    if store is None:
+        return None
+    _wait_all(store, [COST_MODEL_KEY], cfg.timeout_s, watch)
+    shared = json.loads(store.get(COST_MODEL_KEY))
+    if shared["error"] is not None:
+        raise RendezvousError(f"rank {cfg.rank}: rank 0's cost model: {shared['error']}")
+    return None if shared["model"] is None else CostModel.from_dict(shared["model"])
+
+
 def _serve_failover(addr: str, ports: list[int], token: str | None, rank: int) -> StoreServer:
     """The shrink's new store, on the first of ``ports`` that is free (one may be any
     socket's local port)."""
@@ -969,6 +1013,8 @@ def _form(
         infos = {cfg.rank: me}
         if store is not None:
             store.set(f"rank/{cfg.rank}", json.dumps(me.to_dict()).encode())
+        model = _share_cost_model(cfg, store, watch)
+        if store is not None:
             keys = [f"rank/{r}" for r in range(cfg.world_size)]
             _wait_all(store, keys, cfg.timeout_s, watch)
             for r in range(cfg.world_size):
@@ -1012,6 +1058,7 @@ def _form(
         )
         state = ProcessState(cfg, progress, store, server, cfg.effective_chunk_bytes)
         state.peers = infos
+        state.costmodel = model
         state.epoch = epoch
         state.store_port = port
         lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)

@@ -27,6 +27,7 @@ from typing import Any
 
 from . import lifecycle
 from .config import InitConfig
+from .costmodel import CostModel
 from .errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
 from .flight import FlightRecorder
 from .progress import DEPART_ERROR, Op, Progress, SerialQueue
@@ -94,6 +95,9 @@ class ProcessState:
         self.slots: list[int] = list(range(config.world_size))
         self.slots_total = config.world_size
         self.rejoined = False
+        #: The cost model the group's calls choose algorithms with (RINGCOMM_TUNE_FILE:
+        #: rank 0's, shared when the world group formed); None: the measured switch points.
+        self.costmodel: CostModel | None = None
         #: This process's last operations (ringcomm.flight; RINGCOMM_TRACE_*).
         self.recorder = FlightRecorder(
             config.trace_entries, config.rank, config.trace_dir, config.trace_at_close
@@ -297,6 +301,9 @@ class GroupCore:
         #: collectives' state on it (ringcomm.collectives.workspace, made on first use).
         self.workspace: ws_mod.Workspace | None = None
         self.workspace_calls: Any = None
+        #: The choices of the cost model for this group's world shape
+        #: (ringcomm.collectives.choice.ModelChooser, made at its first call), if any.
+        self.chooser: Any = None
         #: A sub-group that may have a workspace sets it up at its first collective
         #: (every member is in that call; ``new_group`` itself stays local).
         self.workspace_pending = False

@@ -4,9 +4,12 @@ Measures this machine's same-host link class with a short probe (one job of ``-n
 ranks through the benchmark harness, :mod:`ringcomm.bench`: ring all_reduce,
 reduce_scatter and all_gather at a few sizes, checked, then timed back to back), fits the per-call overhead,
 alpha, beta and gamma of :mod:`ringcomm.costmodel` by least squares and writes a JSON that
-``ringcomm model --model FILE`` loads. Across hosts there is nothing to measure from one
-host: the network parameters come from ``--net-gbps``/``--net-latency-us`` (a hostfile
-probe is left for the multi-host bench). Exit status: 0; 1 if a rank failed or a result was
+``ringcomm model --model FILE`` loads and a process group chooses its algorithms and
+piece sizes with (``RINGCOMM_TUNE_FILE``; the default ``--out``, ``ringcomm-model.json``,
+is where a group whose rank 0 starts in this directory looks). Across hosts there is
+nothing to measure from one host: the network parameters come from
+``--net-gbps``/``--net-latency-us`` (a hostfile probe is left for the multi-host bench).
+Exit status: 0; 1 if a rank failed or a result was
 wrong; 2 for a usage error.
 """
 
@@ -20,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .config import DEFAULT_CHUNK_BYTES, UsageError, format_size, parse_size
+from .config import DEFAULT_CHUNK_BYTES, DEFAULT_TUNE_FILE, UsageError, format_size, parse_size
 from .costmodel import CostModel, Fit, Sample, design_row, fit_local
 
 if TYPE_CHECKING:
@@ -41,8 +44,9 @@ PROBE_OPS: tuple[tuple[str, str], ...] = (
     ("reduce_scatter", "ring"),
     ("all_gather", "ring"),
 )
-#: What the probe sets for its ranks: the ring over the link, not the one-host workspace.
-PROBE_ENV = {"RINGCOMM_ALGO": "ring", "RINGCOMM_WORKSPACE": "0"}
+#: What the probe sets for its ranks: the ring over the link, not the one-host workspace,
+#: with the group's own piece size (no earlier model's).
+PROBE_ENV = {"RINGCOMM_ALGO": "ring", "RINGCOMM_WORKSPACE": "0", "RINGCOMM_TUNE_FILE": "none"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -53,8 +57,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="measure this host's links and fit the cost model (for ringcomm model --model)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    p.add_argument("--out", default="ringcomm-model.json", metavar="FILE.json",
-                   help="where to write the model (default %(default)s)")  # fmt: skip
+    p.add_argument("--out", default=DEFAULT_TUNE_FILE, metavar="FILE.json",
+                   help="where to write the model (default %(default)s: where a group "
+                   "started here finds it; elsewhere set RINGCOMM_TUNE_FILE)")  # fmt: skip
     p.add_argument("-n", "--nproc", type=int, default=2, metavar="N",
                    help="local ranks of the probe (default %(default)s)")  # fmt: skip
     p.add_argument("--sizes", default=",".join(format_size(s) for s in DEFAULT_SIZES),
@@ -120,6 +125,13 @@ def _format_fit(fit: Fit) -> str:
         f"({_rate(fit.beta_s_per_byte)}), gamma {fit.gamma_s_per_byte * 1e12:.1f} ps/B "
         f"({_rate(fit.gamma_s_per_byte)}); rms relative error {fit.rms_relative_error:.1%}\n"
     )
+
+
+def _where_used(out: str) -> str:
+    """How a group finds the model written to ``out`` (RINGCOMM_TUNE_FILE, docs/cost-model.md)."""
+    if os.path.normpath(out) == DEFAULT_TUNE_FILE:
+        return f"those whose rank 0 starts here, or RINGCOMM_TUNE_FILE={os.path.abspath(out)}"
+    return f"RINGCOMM_TUNE_FILE={os.path.abspath(out)}"
 
 
 def _rate(s_per_byte: float) -> str:
@@ -205,4 +217,5 @@ def main(args: argparse.Namespace) -> int:
     model.save(args.out)
     print(f"# net (from options, not measured): {model.net.describe()}")
     print(f"# probe took {elapsed:.1f} s; wrote {args.out} (ringcomm model --model {args.out})")
+    print(f"# groups choose algorithms and piece sizes with it: {_where_used(args.out)}")
     return 0

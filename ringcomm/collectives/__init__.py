@@ -27,6 +27,10 @@ reduce_scatter_v   ``ring``
 all_to_all_v       ``direct``
 =================  =========================================================
 
+With a cost model loaded (``RINGCOMM_TUNE_FILE``: :mod:`ringcomm.collectives.choice`),
+all_reduce (past ``star`` and ``direct``, which keep their switch points), broadcast,
+reduce_scatter and all_gather take the algorithm and piece size it predicts cheapest.
+
 The uneven (``_v``) collectives have no ``shm`` algorithm: on a group with a workspace
 they run over the engine like elsewhere (after the group's earlier workspace calls).
 
@@ -57,6 +61,7 @@ from .barrier import BarrierDissemination
 from .base import Call, CollectiveOp, Comm
 from .broadcast_chain import BroadcastChain
 from .broadcast_tree import BroadcastTree
+from .choice import ModelChooser
 from .gather_direct import GatherDirect
 from .reduce_scatter_ring import ReduceScatterRing
 from .reduce_scatter_v_ring import ReduceScatterVRing
@@ -75,6 +80,7 @@ __all__ = [
     "Call",
     "CollectiveOp",
     "Comm",
+    "ModelChooser",
     "choose_algorithm",
     "get_algorithm",
 ]
@@ -160,10 +166,18 @@ def choose_algorithm(
     world_size: int = 2,
     *,
     local: bool = False,
+    model: ModelChooser | None = None,
+    hier: bool = False,
 ) -> str:
     """The algorithm to run: ``requested`` (the ``algo=`` keyword), else ``env_algo``
     (``RINGCOMM_ALGO``) when it names one of this collective's algorithms, else
     :data:`WORKSPACE_ALGO` when the group has a workspace (``local``), else by size.
+
+    By size: all_reduce's ``star`` and ``direct`` at their measured switch points (the cost
+    model does not price them), then, with a cost model loaded (``model``, see
+    :mod:`ringcomm.collectives.choice`), the algorithm it predicts cheapest for the
+    collectives it prices; else the measured switch points. ``hier``: the group runs the
+    hierarchical all_reduce, so the model may answer :data:`HIER_ALGO`.
 
     An ``algo=`` naming no algorithm of the collective raises ValueError (``"shm"``
     without a workspace too); so does a ``RINGCOMM_ALGO`` that names no algorithm of any
@@ -197,6 +211,11 @@ def choose_algorithm(
             return "star"
         if nbytes <= ALL_REDUCE_DIRECT_MAX_BYTES and world_size <= ALL_REDUCE_DIRECT_MAX_WORLD:
             return "direct"
+    if model is not None:
+        choice = model.choose(collective, nbytes, hier)
+        if choice is not None:
+            return choice.algo
+    if collective == "all_reduce":
         return "rd" if nbytes <= ALL_REDUCE_RD_MAX_BYTES else "ring"
     if collective == "broadcast":
         return "tree" if nbytes <= BROADCAST_TREE_MAX_BYTES else "chain"

@@ -32,9 +32,11 @@ from ..flight import DONE, E_END, E_STATE, FOLD_BATCH, RUNNING, now
 from ..group_core import GroupCore, setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
 from ..progress import Op
+from ..schedule.topology import topology
 from ..work import Work
-from . import WORKSPACE_ALGO, choose_algorithm, get_algorithm
+from . import ALGORITHMS, HIER_ALGO, WORKSPACE_ALGO, choose_algorithm, get_algorithm
 from .base import Call, Comm
+from .choice import ModelChooser
 from .staged import PIPELINED, DeviceCall, staged_class
 from .workspace import WorkspaceCollectives
 
@@ -48,6 +50,8 @@ __all__ = [
     "barrier",
     "broadcast",
     "gather",
+    "model_chooser",
+    "model_prefers_hier",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_v",
@@ -214,7 +218,7 @@ def _run_call(
 ) -> Any:
     if what is None:
         what = _what(group, call.name)
-    chunk = group.chunk_bytes
+    chunk = call.chunk_bytes or group.chunk_bytes
     if type(chunk) is not int or chunk <= 0:
         chunk = _check_chunk_bytes(group, what)
     try:
@@ -325,11 +329,64 @@ def _pick(
         return WORKSPACE_ALGO  # the common case on one host, without the general rule
     local = host and (group.workspace is not None or group.workspace_pending)
     try:
+        if group.state.costmodel is None:
+            return choose_algorithm(
+                collective, requested, _env_algo(group), nbytes, group.world_size, local=local
+            )
         return choose_algorithm(
-            collective, requested, _env_algo(group), nbytes, group.world_size, local=local
-        )
+            collective, requested, _env_algo(group), nbytes, group.world_size, local=local,
+            model=group.chooser or model_chooser(group),
+        )  # fmt: skip
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
+
+
+def _model_chunk(
+    group: GroupCore, collective: str, algo: str, requested: str | None, nbytes: int
+) -> int | None:
+    """The piece size of a call whose algorithm is ``algo`` (picked by :func:`_pick`,
+    ``requested`` by ``algo=``), on a group with a cost model (``group.chooser``): the
+    model's when it chose the algorithm and no piece size was set (``chunk_bytes=`` /
+    RINGCOMM_CHUNK_BYTES / ``pg.chunk_bytes``); None: the group's."""
+    model = group.chooser
+    if requested is not None or not model.choose_chunk or group.chunk_bytes != model.chunk_bytes:
+        return None
+    env = group.config.algo
+    if env and env in ALGORITHMS[collective]:
+        return None
+    choice = model.choose(collective, nbytes)
+    return choice.chunk_bytes if choice is not None and choice.algo == algo else None
+
+
+def model_chooser(group: GroupCore) -> ModelChooser | None:
+    """The group's cost-model choices (:mod:`ringcomm.collectives.choice`), made at its
+    first call for its world shape (hosts from the endpoints published at rendezvous);
+    None when the process loaded no model (RINGCOMM_TUNE_FILE) or the group has one rank."""
+    chooser = group.chooser
+    model = group.state.costmodel
+    if chooser is not None or model is None or group.world_size < 2:
+        return chooser  # type: ignore[no-any-return]
+    state = group.state
+    topo = topology([
+        state.peers[g].host_id if g in state.peers else state.host_id for g in group.ranks
+    ])  # fmt: skip
+    chooser = group.chooser = ModelChooser(
+        model, topo.num_hosts, topo.max_local_size, group.world_size, ALGORITHMS,
+        chunk_bytes=group.chunk_bytes, choose_chunk=group.config.chunk_bytes is None,
+    )  # fmt: skip
+    return chooser
+
+
+def model_prefers_hier(group: GroupCore, nbytes: int, collective: str = "all_reduce") -> bool | None:
+    """Whether the cost model runs ``collective`` of ``nbytes`` (as ``choose_algorithm``
+    counts them) on this group, one that spans hosts with several ranks on one,
+    hierarchically; None without a model."""
+    model = model_chooser(group)
+    if model is None:
+        return None
+    algo = choose_algorithm(collective, None, None, nbytes, group.world_size, model=model,
+                            hier=True)  # fmt: skip
+    return algo == HIER_ALGO
 
 
 # -- the collectives -------------------------------------------------------------------
@@ -350,7 +407,10 @@ def all_reduce(
     if async_op is not False:
         async_op = _check_flag(async_op, what)
     chosen = _pick(group, "all_reduce", algo, x.nbytes, type(x) is np.ndarray, what)
-    call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape)
+    chunk = None  # the group's piece size, unless a cost model chose one
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
+        chunk = _model_chunk(group, "all_reduce", chosen, algo, x.nbytes)
+    call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape, chunk)
     return _run(group, call, timeout_s, async_op, what)
 
 
@@ -375,7 +435,11 @@ def reduce_scatter(
     if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
         raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
     algo = _pick(group, "reduce_scatter", None, x.nbytes, type(x) is np.ndarray, what)
-    call = Call("reduce_scatter", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape))
+    chunk = None  # the group's piece size, unless a cost model chose one
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
+        chunk = _model_chunk(group, "reduce_scatter", algo, None, x.nbytes)
+    call = Call("reduce_scatter", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape),
+                chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
 
@@ -394,7 +458,11 @@ def all_gather(
     shape = (group.world_size, *x.shape)
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     algo = _pick(group, "all_gather", None, x.nbytes, type(x) is np.ndarray, what)
-    call = Call("all_gather", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
+    chunk = None  # the group's piece size, unless a cost model chose one
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
+        chunk = _model_chunk(group, "all_gather", algo, None, x.nbytes)
+    call = Call("all_gather", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
+                chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
 
@@ -413,7 +481,11 @@ def broadcast(
     x = check_array(x, what, writeable=group.rank != src, device=True)
     async_op = _check_flag(async_op, what)
     chosen = _pick(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what)
-    call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape))
+    chunk = None  # the group's piece size, unless a cost model chose one
+    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
+        chunk = _model_chunk(group, "broadcast", chosen, algo, x.nbytes)
+    call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape),
+                chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
 

@@ -123,7 +123,8 @@ class Call(NamedTuple):
     """A checked collective call. Fields a collective does not use are None.
 
     ``shape``/``dtype``: the shape and dtype of ``x`` (for ``scatter`` on a rank that
-    passed ``x=None``, None: they come from the source's message).
+    passed ``x=None``, None: they come from the source's message). ``chunk_bytes``: this
+    call's piece size when the cost model chose one (None: the group's).
     """
 
     name: str
@@ -134,6 +135,7 @@ class Call(NamedTuple):
     root: int | None = None
     dtype: np.dtype[Any] | None = None
     shape: tuple[int, ...] | None = None
+    chunk_bytes: int | None = None
 
 
 #: Most call shapes a group keeps state for (the cache is emptied when it is full).
