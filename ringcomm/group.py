@@ -83,6 +83,12 @@ from .work import Work
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 
 
+def _flat(algo: str | None) -> str | None:
+    """The flat algorithm asked for: ``"hier"`` where the hierarchical one does not run
+    (``async_op=True``, integer means) leaves the choice to the flat rules."""
+    return None if algo == HIER_ALGO else algo
+
+
 class ProcessGroup:
     """A set of ranks that communicate. Use as a context manager; ``close()`` is idempotent.
 
@@ -273,7 +279,8 @@ class ProcessGroup:
         algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
         if async_op is False and self._hierarchical(x, op, algo):
             return self._hier().all_reduce(x, parse_op(op), timeout_s)
-        return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s, algo=algo)
+        return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s,
+                                       algo=_flat(algo))  # fmt: skip
 
     @property
     def topology(self) -> Topology:
@@ -288,6 +295,17 @@ class ProcessGroup:
 
     def _hierarchical(self, x: Any, op: Any, algo: str | None) -> bool:
         """Whether this all_reduce goes hierarchically (see :meth:`all_reduce`)."""
+        if not self._hier_fits("all_reduce", algo):
+            return False
+        what = f"rank {self.rank}: all_reduce"
+        x = check_array(x, what, writeable=True, device=True)
+        rop = parse_op(op)
+        return not (rop is ReduceOp.AVG and x.dtype.kind in "iub")  # integer means: flat
+
+    def _hier_fits(self, name: str, algo: str | None) -> bool:
+        """Whether the blocking ``name`` may go hierarchically: a group spanning hosts
+        with several ranks on one of them, and neither ``algo`` nor ``RINGCOMM_ALGO``
+        naming a flat algorithm; ``algo="hier"`` on a group it does not fit: ValueError."""
         if algo is not None and algo != HIER_ALGO:
             return False
         env = self.core.config.algo
@@ -296,15 +314,12 @@ class ProcessGroup:
         topo = self.topology
         fits = topo.num_hosts >= 2 and topo.max_local_size >= 2
         if algo == HIER_ALGO and not fits:
-            raise ValueError(f"rank {self.rank}: all_reduce: algo {HIER_ALGO!r} needs a group "
+            raise ValueError(f"rank {self.rank}: {name}: algo {HIER_ALGO!r} needs a group "
                              f"spanning hosts with several ranks on one ({topo.num_hosts} "
                              f"host(s), at most {topo.max_local_size} rank(s) on one)")  # fmt: skip
-        if not fits:
-            return False
-        what = f"rank {self.rank}: all_reduce"
-        x = check_array(x, what, writeable=True, device=True)
-        rop = parse_op(op)
-        return not (rop is ReduceOp.AVG and x.dtype.kind in "iub")  # integer means: flat
+        if fits:
+            self.core.check_usable(name)
+        return fits
 
     def _hier(self) -> Hierarchy:
         if self._hierarchy is None:
@@ -319,15 +334,37 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
-        """This rank's row of the reduction of ``x`` (``x.shape[0] == world_size``)."""
-        return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s)
+        """This rank's row of the reduction of ``x`` (``x.shape[0] == world_size``).
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
+        or ``"ring"``)."""
+        if async_op is False and self._hier_fits("reduce_scatter", algo):
+            x, out, rop = _collectives.check_reduce_scatter(self.core, x, out, op)
+            if not (rop is ReduceOp.AVG and x.dtype.kind in "iu"):  # integer means: flat
+                return self._hier().reduce_scatter(x, out, rop, timeout_s)
+        return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s,
+                                           algo=_flat(algo))  # fmt: skip
 
     def all_gather(
-        self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
+        self,
+        x: Any,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
-        """Every rank's ``x`` as ``(world_size, *x.shape)`` in rank order."""
-        return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s)
+        """Every rank's ``x`` as ``(world_size, *x.shape)`` in rank order.
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
+        or ``"ring"``)."""
+        if async_op is False and self._hier_fits("all_gather", algo):
+            x, out = _collectives.check_all_gather(self.core, x, out)
+            return self._hier().all_gather(x, out, timeout_s)
+        return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s,
+                                       algo=_flat(algo))  # fmt: skip
 
     def broadcast(
         self,
@@ -338,8 +375,15 @@ class ProcessGroup:
         timeout_s: float | None = None,
         algo: str | None = None,
     ) -> Any:
-        """``src``'s ``x`` into every rank's ``x`` (in place)."""
-        return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s, algo=algo)
+        """``src``'s ``x`` into every rank's ``x`` (in place).
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``,
+        ``"tree"`` or ``"chain"``)."""
+        if async_op is False and self._hier_fits("broadcast", algo):
+            x, src = _collectives.check_broadcast(self.core, x, src)
+            return self._hier().broadcast(x, src, timeout_s)
+        return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s,
+                                      algo=_flat(algo))  # fmt: skip
 
     def reduce(
         self,
@@ -428,9 +472,17 @@ class ProcessGroup:
             self.core, x, input_splits, output_splits, out, async_op, timeout_s=timeout_s
         )
 
-    def barrier(self, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
-        """Return once every rank of the group has entered the barrier."""
-        return _collectives.barrier(self.core, async_op, timeout_s=timeout_s)
+    def barrier(
+        self, async_op: bool = False, *, timeout_s: float | None = None, algo: str | None = None
+    ) -> Any:
+        """Return once every rank of the group has entered the barrier.
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
+        or ``"dissemination"``)."""
+        if async_op is False and self._hier_fits("barrier", algo):
+            self._hier().barrier(timeout_s)
+            return None
+        return _collectives.barrier(self.core, async_op, timeout_s=timeout_s, algo=_flat(algo))
 
     def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """A zeroed array that collectives use in place (a *symmetric buffer*, as NCCL's

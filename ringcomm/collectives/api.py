@@ -14,7 +14,8 @@ them piece by piece; every other algorithm stages the whole buffer (``collective
 Inputs and outputs of one call are all host or all on one device.
 
 Contracts: DESIGN.md §1. Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
-all_reduce and broadcast, ``async_op`` on every call, ``out`` on gather (used on ``dst``).
+all_reduce, reduce_scatter, all_gather, broadcast and barrier, ``async_op`` on every call,
+``out`` on gather (used on ``dst``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ __all__ = [
     "alloc",
     "barrier",
     "broadcast",
+    "check_all_gather",
+    "check_broadcast",
+    "check_reduce_scatter",
     "gather",
     "reduce",
     "reduce_scatter",
@@ -322,6 +326,36 @@ def _pick(
         raise ValueError(f"{what}: {exc}") from None
 
 
+# -- checks of the calls that also run hierarchically (ringcomm.hierarchy, above) --------
+def check_reduce_scatter(group: GroupCore, x: Any, out: Any, op: Any) -> tuple[Any, Any, ReduceOp]:
+    """reduce_scatter's arguments checked: ``(x, out, op)``, ``out`` allocated if None."""
+    what = _what(group, "reduce_scatter")
+    x = check_array(x, what, device=True)
+    _check_rows(x, group.world_size, what)
+    rop = _check_op(op, x.dtype, what)
+    shape = tuple(x.shape[1:])
+    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
+        raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
+    return x, out, rop
+
+
+def check_all_gather(group: GroupCore, x: Any, out: Any) -> tuple[Any, Any]:
+    """all_gather's arguments checked: ``(x, out)``, ``out`` allocated if None."""
+    what = _what(group, "all_gather")
+    x = check_array(x, what, device=True)
+    shape = (group.world_size, *x.shape)
+    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    return x, out
+
+
+def check_broadcast(group: GroupCore, x: Any, src: Any) -> tuple[Any, int]:
+    """broadcast's arguments checked: ``(x, src)``."""
+    what = _what(group, "broadcast")
+    src = _check_root(src, group, what, "src")
+    return check_array(x, what, writeable=group.rank != src, device=True), src
+
+
 # -- the collectives -------------------------------------------------------------------
 def all_reduce(
     group: GroupCore,
@@ -352,19 +386,14 @@ def reduce_scatter(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """Reduce ``x`` (``x.shape[0] == world_size``) and return this rank's row ``x[rank]``
     of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified."""
     what = _what(group, "reduce_scatter")
-    x = check_array(x, what, device=True)
-    _check_rows(x, group.world_size, what)
-    rop = _check_op(op, x.dtype, what)
+    x, out, rop = check_reduce_scatter(group, x, out, op)
     async_op = _check_flag(async_op, what)
-    shape = tuple(x.shape[1:])
-    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
-        raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
-    algo = _pick(group, "reduce_scatter", None, x.nbytes, type(x) is np.ndarray, what)
+    algo = _pick(group, "reduce_scatter", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("reduce_scatter", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -376,14 +405,13 @@ def all_gather(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order."""
     what = _what(group, "all_gather")
-    x = check_array(x, what, device=True)
+    x, out = check_all_gather(group, x, out)
     async_op = _check_flag(async_op, what)
-    shape = (group.world_size, *x.shape)
-    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    algo = _pick(group, "all_gather", None, x.nbytes, type(x) is np.ndarray, what)
+    algo = _pick(group, "all_gather", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("all_gather", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -399,8 +427,7 @@ def broadcast(
 ) -> Any:
     """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work)."""
     what = _what(group, "broadcast")
-    src = _check_root(src, group, what, "src")
-    x = check_array(x, what, writeable=group.rank != src, device=True)
+    x, src = check_broadcast(group, x, src)
     async_op = _check_flag(async_op, what)
     chosen = _pick(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape))
@@ -542,11 +569,17 @@ def all_to_all(
     return _run(group, call, timeout_s, async_op)
 
 
-def barrier(group: GroupCore, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
+def barrier(
+    group: GroupCore,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+    algo: str | None = None,
+) -> Any:
     """Return once every rank of the group has entered the barrier."""
     what = _what(group, "barrier")
     async_op = _check_flag(async_op, what)
-    algo = _pick(group, "barrier", None, 0, True, what)
+    algo = _pick(group, "barrier", algo, 0, True, what)
     return _run(group, Call("barrier", algo), timeout_s, async_op)
 
 
