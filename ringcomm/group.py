@@ -69,7 +69,7 @@ from .progress import (
     Progress,
 )
 from .rendezvous import Store, StoreServer
-from .schedule.topology import Topology, topology
+from .schedule.topology import Topology
 from .transport.endpoints import (
     EndpointInfo,
     choose_endpoint,
@@ -99,7 +99,6 @@ class ProcessGroup:
 
     def __init__(self, core: GroupCore) -> None:
         self.core = core
-        self._topology: Topology | None = None
         self._hierarchy: Hierarchy | None = None
 
     # -- identity ----------------------------------------------------------------------
@@ -286,12 +285,7 @@ class ProcessGroup:
     def topology(self) -> Topology:
         """Which of this group's ranks share a host (:class:`ringcomm.schedule.topology.
         Topology`: ranks per host, local ranks, leaders, a host-contiguous ring order)."""
-        if self._topology is None:
-            peers = self.core.state.peers
-            me = self.core.state.host_id
-            ids = [peers[g].host_id if g in peers else me for g in self.core.ranks]
-            self._topology = topology(ids)
-        return self._topology
+        return self.core.topology
 
     def _hierarchical(self, x: Any, op: Any, algo: str | None) -> bool:
         """Whether this all_reduce goes hierarchically (see :meth:`all_reduce`)."""

@@ -66,9 +66,9 @@ def test_the_all_reduce_matrix_on_pretend_hosts(
     ([0, 0, 1], "hier", 4096),      # uneven 2 + 1, segments of 4 KiB
     ([0, 0, 0, 1, 2, 2], "hier", None),  # 3 hosts: 3 + 1 + 2
     ([0, 1, 1, 1], "auto", None),   # 1 + 3
-    ([0, 0, 1, 1], "auto", 4096),   # 2 hosts x 2: overlapped segments
+    ([0, 0, 1, 1], "auto", 16384),  # 2 hosts x 2: overlapped segments
     ([0, 1, 0, 1], "hier", None),   # round-robin ranks, hosts of one size
-    ([0, 1, 1, 0, 2], "hier", 4096),  # not contiguous, uneven: 2 + 2 + 1
+    ([0, 1, 1, 0, 2], "hier", None),  # not contiguous, uneven: 2 + 2 + 1
     ([0, 0, 1, 1], "ring", None),   # the flat algorithms by name
     ([0, 0, 1], "env", None),       # RINGCOMM_ALGO=ring: flat
 ])  # fmt: skip
@@ -77,6 +77,28 @@ def test_the_other_collectives_on_pretend_hosts(
 ) -> None:
     stdout = _run(hosts, algo, segment_bytes=segment_bytes, collectives=OTHERS)
     _check(stdout, hosts, algo, OTHERS)
+
+
+@pytest.mark.timeout(300)
+def test_the_flat_rings_walk_the_hosts_in_order() -> None:
+    # A launcher's round-robin placement (h0 h1 h0 h1 h2): the flat ring algorithms and the
+    # broadcast chain visit the ranks host by host (0 2 1 3 4), each host boundary crossed
+    # once; every result still right and bit-identical.
+    hosts = [0, 1, 0, 1, 2]
+    every = f"{ALL_REDUCE},{OTHERS}"
+    stdout = _run(hosts, "ring", collectives=every)
+    _check(stdout, hosts, "ring", every)
+    order = topology([str(h) for h in hosts]).ring_order
+    assert order == (0, 2, 1, 3, 4)
+    right = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
+    peers = re.findall(r"^\[\d+\] PEERS (\d+) (\S+) \[(.*)\]$", stdout, re.MULTILINE)
+    seen = defaultdict(set)
+    for rank, name, sent_to in peers:
+        assert sent_to == str(right[int(rank)]), (rank, name, sent_to)
+        seen[name].add(int(rank))
+    for name in ("all_reduce:ring", "reduce_scatter:ring", "all_gather:ring"):
+        assert seen[name] == set(range(5)), seen
+    assert seen["broadcast:chain"] == {0, 2, 1, 3}, seen  # the chain from 0 ends at 4
 
 
 def _netns_run(tmp_path: Path, hosts: int, slots: str, ranks: list[int], collectives: str,

@@ -241,6 +241,7 @@ def _run_call(
         timeout,
         group.serial,
         group.plans,
+        group.ring_order,
     )
     op = cls(comm, call, async_op=async_op)
     if device is not None:

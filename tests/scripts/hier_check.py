@@ -32,6 +32,7 @@ if sys.argv[1] != "real":
 
 import ringcomm as rc  # noqa: E402
 from ringcomm import hierarchy  # noqa: E402
+from ringcomm.collectives.base import FP_STEP, CollectiveOp  # noqa: E402
 
 NAMES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"]
 FLAT = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring",
@@ -51,6 +52,21 @@ def _counting(name: str):  # type: ignore[no-untyped-def]
 
 for _name in NAMES:
     setattr(hierarchy.Hierarchy, _name, _counting(_name))
+
+# The group ranks each flat ring/chain algorithm sends data to (not fingerprints): the ring
+# order the test expects (host by host), whatever the rank order.
+RING_ALGOS = {"ring", "chain"}
+data_peers: dict[str, set[int]] = {}
+_send_piece = CollectiveOp.send_piece
+
+
+def _recording(self, peer, step, *args, **kwargs):  # type: ignore[no-untyped-def]
+    if self.algo in RING_ALGOS and step != FP_STEP and self.call.root in (None, 0):
+        data_peers.setdefault(f"{self.name}:{self.algo}", set()).add(self.comm.ranks[peer])
+    return _send_piece(self, peer, step, *args, **kwargs)
+
+
+CollectiveOp.send_piece = _recording  # type: ignore[method-assign]
 # Tiny segments (HIER_SEGMENT_BYTES): many overlapped segments even at these counts.
 hierarchy.SEGMENT_BYTES = int(os.environ.get("HIER_SEGMENT_BYTES", hierarchy.SEGMENT_BYTES))
 
@@ -191,6 +207,8 @@ def main() -> None:
             bad += broadcast_cases(pg, algo, [0, 1, m + 1, 1000, 100_003])
         else:
             bad += barrier_cases(pg, algo)
+    for name, peers in sorted(data_peers.items()):
+        print(f"PEERS {pg.rank} {name} {sorted(peers)}", flush=True)
     hier = ",".join(f"{k}:{v}" for k, v in calls.items())
     print(f"DONE {pg.rank} bad={bad} hier={hier}", flush=True)
     pg.close()
