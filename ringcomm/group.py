@@ -70,7 +70,7 @@ from .progress import (
     Progress,
 )
 from .rendezvous import Store, StoreServer
-from .schedule.topology import Topology, topology
+from .schedule.topology import Topology
 from .transport.endpoints import (
     EndpointInfo,
     choose_endpoint,
@@ -84,6 +84,16 @@ from .work import Work
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 
 
+#: The collectives a cost model prices hierarchically (ringcomm.costmodel.ALGORITHMS).
+_MODEL_HIER = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
+
+
+def _flat(algo: str | None) -> str | None:
+    """The flat algorithm asked for: ``"hier"`` where the hierarchical one does not run
+    (``async_op=True``, integer means) leaves the choice to the flat rules."""
+    return None if algo == HIER_ALGO else algo
+
+
 class ProcessGroup:
     """A set of ranks that communicate. Use as a context manager; ``close()`` is idempotent.
 
@@ -94,7 +104,6 @@ class ProcessGroup:
 
     def __init__(self, core: GroupCore) -> None:
         self.core = core
-        self._topology: Topology | None = None
         self._hierarchy: Hierarchy | None = None
 
     # -- identity ----------------------------------------------------------------------
@@ -281,21 +290,30 @@ class ProcessGroup:
         algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
         if async_op is False and self._hierarchical(x, op, algo):
             return self._hier().all_reduce(x, parse_op(op), timeout_s)
-        return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s, algo=algo)
+        return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s,
+                                       algo=_flat(algo))  # fmt: skip
 
     @property
     def topology(self) -> Topology:
         """Which of this group's ranks share a host (:class:`ringcomm.schedule.topology.
         Topology`: ranks per host, local ranks, leaders, a host-contiguous ring order)."""
-        if self._topology is None:
-            peers = self.core.state.peers
-            me = self.core.state.host_id
-            ids = [peers[g].host_id if g in peers else me for g in self.core.ranks]
-            self._topology = topology(ids)
-        return self._topology
+        return self.core.topology
 
     def _hierarchical(self, x: Any, op: Any, algo: str | None) -> bool:
         """Whether this all_reduce goes hierarchically (see :meth:`all_reduce`)."""
+        if not self._hier_fits("all_reduce", algo):
+            return False
+        what = f"rank {self.rank}: all_reduce"
+        x = check_array(x, what, writeable=True, device=True)
+        rop = parse_op(op)
+        if rop is ReduceOp.AVG and x.dtype.kind in "iub":
+            return False  # integer means: flat
+        return self._model_hier("all_reduce", algo, x.nbytes)
+
+    def _hier_fits(self, name: str, algo: str | None) -> bool:
+        """Whether the blocking ``name`` may go hierarchically: a group spanning hosts
+        with several ranks on one of them, and neither ``algo`` nor ``RINGCOMM_ALGO``
+        naming a flat algorithm; ``algo="hier"`` on a group it does not fit: ValueError."""
         if algo is not None and algo != HIER_ALGO:
             return False
         env = self.core.config.algo
@@ -304,20 +322,22 @@ class ProcessGroup:
         topo = self.topology
         fits = topo.num_hosts >= 2 and topo.max_local_size >= 2
         if algo == HIER_ALGO and not fits:
-            raise ValueError(f"rank {self.rank}: all_reduce: algo {HIER_ALGO!r} needs a group "
+            raise ValueError(f"rank {self.rank}: {name}: algo {HIER_ALGO!r} needs a group "
                              f"spanning hosts with several ranks on one ({topo.num_hosts} "
                              f"host(s), at most {topo.max_local_size} rank(s) on one)")  # fmt: skip
-        if not fits:
-            return False
-        what = f"rank {self.rank}: all_reduce"
-        x = check_array(x, what, writeable=True, device=True)
-        rop = parse_op(op)
-        if rop is ReduceOp.AVG and x.dtype.kind in "iub":
-            return False  # integer means: flat
-        if algo is not None or env is not None:  # algo="hier" or RINGCOMM_ALGO=hier
+        if fits:
+            self.core.check_usable(name)
+        return fits
+
+    def _model_hier(self, name: str, algo: str | None, nbytes: int) -> bool:
+        """After :meth:`_hier_fits`: whether a call of ``nbytes`` goes hierarchically.
+        Yes when ``algo`` or ``RINGCOMM_ALGO`` says ``"hier"``, or without a cost model
+        (RINGCOMM_TUNE_FILE); with one, for the collectives it prices hierarchically
+        (all_reduce, reduce_scatter, all_gather), when it predicts hier cheapest at that
+        size (broadcast and barrier: always)."""
+        if algo is not None or self.core.config.algo is not None or name not in _MODEL_HIER:
             return True
-        # A cost model (RINGCOMM_TUNE_FILE) decides by size; without one: always.
-        return _collectives.model_prefers_hier(self.core, x.nbytes) is not False
+        return _collectives.model_prefers_hier(self.core, nbytes, name) is not False
 
     def _hier(self) -> Hierarchy:
         if self._hierarchy is None:
@@ -332,15 +352,40 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
-        """This rank's row of the reduction of ``x`` (``x.shape[0] == world_size``)."""
-        return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s)
+        """This rank's row of the reduction of ``x`` (``x.shape[0] == world_size``).
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
+        or ``"ring"``)."""
+        if async_op is False and self._hier_fits("reduce_scatter", algo):
+            x, out, rop = _collectives.check_reduce_scatter(self.core, x, out, op)
+            if not (rop is ReduceOp.AVG and x.dtype.kind in "iu") and self._model_hier(
+                "reduce_scatter", algo, x.nbytes
+            ):  # (integer means: flat)
+                return self._hier().reduce_scatter(x, out, rop, timeout_s)
+        return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s,
+                                           algo=_flat(algo))  # fmt: skip
 
     def all_gather(
-        self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
+        self,
+        x: Any,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
-        """Every rank's ``x`` as ``(world_size, *x.shape)`` in rank order."""
-        return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s)
+        """Every rank's ``x`` as ``(world_size, *x.shape)`` in rank order.
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
+        or ``"ring"``)."""
+        if async_op is False and self._hier_fits("all_gather", algo):
+            x, out = _collectives.check_all_gather(self.core, x, out)
+            if self._model_hier("all_gather", algo, x.nbytes):
+                return self._hier().all_gather(x, out, timeout_s)
+        return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s,
+                                       algo=_flat(algo))  # fmt: skip
 
     def broadcast(
         self,
@@ -351,8 +396,15 @@ class ProcessGroup:
         timeout_s: float | None = None,
         algo: str | None = None,
     ) -> Any:
-        """``src``'s ``x`` into every rank's ``x`` (in place)."""
-        return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s, algo=algo)
+        """``src``'s ``x`` into every rank's ``x`` (in place).
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``,
+        ``"tree"`` or ``"chain"``)."""
+        if async_op is False and self._hier_fits("broadcast", algo):
+            x, src = _collectives.check_broadcast(self.core, x, src)
+            return self._hier().broadcast(x, src, timeout_s)
+        return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s,
+                                      algo=_flat(algo))  # fmt: skip
 
     def reduce(
         self,
@@ -441,9 +493,17 @@ class ProcessGroup:
             self.core, x, input_splits, output_splits, out, async_op, timeout_s=timeout_s
         )
 
-    def barrier(self, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
-        """Return once every rank of the group has entered the barrier."""
-        return _collectives.barrier(self.core, async_op, timeout_s=timeout_s)
+    def barrier(
+        self, async_op: bool = False, *, timeout_s: float | None = None, algo: str | None = None
+    ) -> Any:
+        """Return once every rank of the group has entered the barrier.
+
+        Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
+        or ``"dissemination"``)."""
+        if async_op is False and self._hier_fits("barrier", algo):
+            self._hier().barrier(timeout_s)
+            return None
+        return _collectives.barrier(self.core, async_op, timeout_s=timeout_s, algo=_flat(algo))
 
     def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """A zeroed array that collectives use in place (a *symmetric buffer*, as NCCL's

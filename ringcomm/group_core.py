@@ -32,6 +32,7 @@ from .errors import CommTimeoutError, GroupClosedError, PeerFailedError, Ringcom
 from .flight import FlightRecorder
 from .progress import DEPART_ERROR, Op, Progress, SerialQueue
 from .rendezvous import Store, StoreServer
+from .schedule.topology import Topology, topology
 from .transport import workspace as ws_mod
 from .transport.endpoints import EndpointInfo, host_identity
 from .work import Work
@@ -307,6 +308,30 @@ class GroupCore:
         #: A sub-group that may have a workspace sets it up at its first collective
         #: (every member is in that call; ``new_group`` itself stays local).
         self.workspace_pending = False
+        self._topology: Topology | None = None
+        self._ring_order: tuple[int, ...] | None = None
+
+    @property
+    def topology(self) -> Topology:
+        """Which of this group's ranks share a host (from every rank's published host
+        identity, so the same on every rank), made at first use."""
+        topo = self._topology
+        if topo is None:
+            peers, me = self.state.peers, self.state.host_id
+            topo = topology([peers[g].host_id if g in peers else me for g in self.ranks])
+            order = topo.ring_order
+            self._ring_order = None if order == tuple(range(self.world_size)) else order
+            self._topology = topo
+        return topo
+
+    @property
+    def ring_order(self) -> tuple[int, ...] | None:
+        """The order the ring collectives visit this group's ranks: host by host
+        (:attr:`Topology.ring_order`), so a ring crosses each host boundary once whatever
+        the launcher's rank order; None where that is rank order itself."""
+        if self._topology is None:
+            self.topology  # noqa: B018 (made on first use)
+        return self._ring_order
 
     def close_workspace(self) -> None:
         """Unmap the workspace (the group is closed: no call uses it any more)."""

@@ -9,6 +9,28 @@ number of ranks on every host the first and last steps are the host's reduce_sca
 all_gather (its shared workspace; the ``count % M`` elements left over go flat over the
 whole group); otherwise one reduce and one broadcast per piece.
 
+The other collectives use the same groups (``L`` ranks on every host, ``H`` hosts, one
+inter-host group per local rank index; every host's uplink carries ``(H-1)/H * S`` of an
+S-byte reduce_scatter or all_gather, as the all_reduce's halves):
+
+* all_gather: every local rank all-gathers its ``x`` with the ranks of its local index on
+  the other hosts, then the host all-gathers those (its workspace). Hosts of different
+  sizes: the host all-gathers its block first; piece j of each host's block travels
+  between the owners of piece j (``all_gather_v``) and is broadcast on each host by its
+  owner there.
+* reduce_scatter: the mirror. Local rank i reduce-scatters (over the host) the rows of the
+  ranks with local index i on every host, then reduce-scatters them with its inter-host
+  group. Hosts of different sizes: piece j of every host's block of rows is reduced onto
+  its owner on each host, reduce-scattered among the owners of piece j
+  (``reduce_scatter_v``: each gets its own host's piece), broadcast on the host.
+* broadcast: among the ranks of the source's local index (one per host: the source is its
+  host's), then on every host from that rank.
+* barrier: the host's, its leaders' (local rank 0 of every host), the host's again.
+
+Large all_reduce, all_gather, reduce_scatter and broadcast calls on hosts of one size go
+in segments of :data:`SEGMENT_BYTES` (per rank's row for the gathers): the inter-host step
+of a segment is asynchronous and overlaps the host's step of the one before.
+
 :class:`Hierarchy` makes its sub-groups once (every rank of the group makes all of them,
 in one order, as ``new_group`` requires) and runs the calls. It uses only the public
 calls of the groups it is given (ringcomm.group's ProcessGroup), so it imports no group.
@@ -16,7 +38,10 @@ calls of the groups it is given (ringcomm.group's ProcessGroup), so it imports n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from .ops import ReduceOp
 from .schedule.topology import Topology, hier_plan, piece_bounds
@@ -49,7 +74,43 @@ class Hierarchy:
             if group is not None:
                 self.cross[j] = group
         self.local_size = len(topo.hosts[self.host])
+        self.local_rank = topo.local_rank(pg.rank)
         self.even = topo.uniform  # every host L = M ranks: one piece per local rank
+        order = topo.ring_order
+        #: None when the ranks are host-contiguous in rank order (no reordering needed)
+        self.order: list[int] | None = None if order == tuple(range(len(order))) else list(order)
+        #: where each host's block of rows starts in host order
+        self.offsets = [sum(len(h) for h in topo.hosts[:k]) for k in range(topo.num_hosts)]
+
+    # -- helpers ------------------------------------------------------------------------
+    def _segments(self, count: int, itemsize: int, rows: int) -> list[tuple[int, int]]:
+        """``[c0, c1)`` spans of ``count`` elements of ``rows`` rows each, about
+        SEGMENT_BYTES a segment (at least one element, one empty span for count 0)."""
+        per = max(1, SEGMENT_BYTES // max(1, rows * itemsize))
+        return [(c0, min(count, c0 + per)) for c0 in range(0, count, per)] or [(0, 0)]
+
+    @staticmethod
+    def _overlapped(spans: list[tuple[int, int]], start: Callable[[int, int], Any],
+                    finish: Callable[[Any], None]) -> None:  # fmt: skip
+        """``start`` each span (it returns what ``finish`` needs, e.g. an asynchronous
+        inter-host Work), ``finish`` the one before: the two overlap."""
+        pending: list[Any] = []
+        for c0, c1 in spans:
+            pending.append(start(c0, c1))
+            if len(pending) > 1:
+                finish(pending.pop(0))
+        for item in pending:
+            finish(item)
+
+    def _block_pieces(self, count: int) -> list[list[tuple[int, int]]]:
+        """``[h][j]``: piece j of host h's block of rows (its ``L_h * count`` elements),
+        as offsets into the whole host-ordered buffer."""
+        out = []
+        for h, members in enumerate(self.topo.hosts):
+            base = self.offsets[h] * count
+            out.append([(base + a, base + b)
+                        for a, b in piece_bounds(len(members) * count, self.plan.pieces)])  # fmt: skip
+        return out
 
     def all_reduce(self, x: Any, op: ReduceOp, timeout_s: float | None) -> Any:
         """``x`` reduced over the whole group, in place (``op`` not AVG on integers)."""
@@ -109,3 +170,171 @@ class Hierarchy:
         if size > 1:
             for j, (a, b) in enumerate(bounds):
                 local.broadcast(flat[a:b], src=j % size, timeout_s=timeout_s)
+
+    # -- all_gather ---------------------------------------------------------------------
+    def all_gather(self, x: Any, out: Any, timeout_s: float | None) -> Any:
+        """Every rank's ``x`` into ``out`` (``(world_size, *x.shape)``, rank order)."""
+        count = int(x.size)
+        if count == 0:
+            return out
+        flat_x = x.reshape(-1)
+        rows = out.reshape(self.topo.world_size, count)
+        if self.even:
+            self._all_gather_even(flat_x, rows, timeout_s)
+        else:
+            self._all_gather_uneven(flat_x, rows, timeout_s)
+        return out
+
+    def _all_gather_even(self, flat_x: Any, rows: Any, timeout_s: float | None) -> None:
+        """Across the hosts among the ranks of my local index, then over the host."""
+        cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
+
+        def start(c0: int, c1: int) -> Any:
+            return cross.all_gather(flat_x[c0:c1], async_op=True, timeout_s=timeout_s), c0, c1
+
+        def finish(item: Any) -> None:
+            work, c0, c1 = item
+            mine = work.wait(timeout_s=timeout_s)  # (H, w): my local index on every host
+            both = local.all_gather(mine, timeout_s=timeout_s)  # (L, H, w)
+            for h, members in enumerate(hosts):
+                for i, r in enumerate(members):
+                    rows[r, c0:c1] = both[i, h]
+
+        self._overlapped(self._segments(int(flat_x.size), flat_x.itemsize,
+                                        self.topo.world_size), start, finish)  # fmt: skip
+
+    def _all_gather_uneven(self, flat_x: Any, rows: Any, timeout_s: float | None) -> None:
+        """The host's block first, then piece j of every host's block among piece j's
+        owners, broadcast on each host from its owner there."""
+        count, local, h = int(flat_x.size), self.local, self.host
+        ordered = rows if self.order is None else np.empty_like(rows)  # rows in host order
+        mine = ordered[self.offsets[h] : self.offsets[h] + self.local_size]
+        if self.local_size > 1:
+            local.all_gather(flat_x, out=mine, timeout_s=timeout_s)
+        else:
+            mine[0] = flat_x
+        flat = ordered.reshape(-1)
+        pieces = self._block_pieces(count)
+        for j in range(self.plan.pieces):
+            spans = [p[j] for p in pieces]
+            sizes = [b - a for a, b in spans]
+            got = np.empty(sum(sizes), flat.dtype)
+            if j in self.cross:
+                a, b = spans[h]
+                self.cross[j].all_gather_v(flat[a:b], sizes=sizes, out=got, timeout_s=timeout_s)
+            if self.local_size > 1:
+                local.broadcast(got, src=j % self.local_size, timeout_s=timeout_s)
+            at = 0
+            for (a, b), n in zip(spans, sizes, strict=True):
+                flat[a:b] = got[at : at + n]
+                at += n
+        if self.order is not None:
+            rows[self.order] = ordered
+
+    # -- reduce_scatter -----------------------------------------------------------------
+    def reduce_scatter(self, x: Any, out: Any, op: ReduceOp, timeout_s: float | None) -> Any:
+        """Row ``x[rank]`` of the reduction of ``x`` over the group, into ``out``
+        (``op`` not AVG on integers)."""
+        n = self.topo.world_size
+        count = int(x.size) // n
+        if count == 0:
+            return out
+        rows = x.reshape(n, count)
+        flat_out = out.reshape(-1)
+        avg = op is ReduceOp.AVG
+        rop = ReduceOp.SUM if avg else op
+        if self.even:
+            self._reduce_scatter_even(rows, flat_out, rop, timeout_s)
+        else:
+            self._reduce_scatter_uneven(rows, flat_out, rop, timeout_s)
+        if avg:
+            flat_out /= n
+        return out
+
+    def _reduce_scatter_even(self, rows: Any, flat_out: Any, op: ReduceOp,
+                             timeout_s: float | None) -> None:  # fmt: skip
+        """Over the host, the rows of each local index's ranks onto that local rank;
+        then across the hosts among the ranks of my local index."""
+        cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
+        m, nh = self.plan.pieces, self.topo.num_hosts
+
+        def start(c0: int, c1: int) -> Any:
+            by_local = np.empty((m, nh, c1 - c0), rows.dtype)  # [i][h]: rank hosts[h][i]'s row
+            for h, members in enumerate(hosts):
+                for i, r in enumerate(members):
+                    by_local[i, h] = rows[r, c0:c1]
+            host_sums = local.reduce_scatter(by_local, op=op, timeout_s=timeout_s)  # (H, w)
+            return cross.reduce_scatter(host_sums, out=flat_out[c0:c1], op=op, async_op=True,
+                                        timeout_s=timeout_s), host_sums  # fmt: skip
+
+        def finish(item: Any) -> None:
+            item[0].wait(timeout_s=timeout_s)
+
+        spans = self._segments(int(rows.shape[1]), rows.itemsize, self.topo.world_size)
+        self._overlapped(spans, start, finish)
+
+    def _reduce_scatter_uneven(self, rows: Any, flat_out: Any, op: ReduceOp,
+                               timeout_s: float | None) -> None:  # fmt: skip
+        """Piece j of every host's block of rows reduced onto its owner on each host,
+        reduce-scattered among piece j's owners, broadcast on the host from the owner."""
+        count, local, h = int(rows.shape[1]), self.local, self.host
+        ordered = rows if self.order is None else rows[self.order]  # rows in host order
+        flat = ordered.reshape(-1)
+        pieces = self._block_pieces(count)
+        block = np.empty(self.local_size * count, rows.dtype)  # my host's rows, reduced
+        base = self.offsets[h] * count
+        for j in range(self.plan.pieces):
+            spans = [p[j] for p in pieces]
+            sizes = [b - a for a, b in spans]
+            part = np.concatenate([flat[a:b] for a, b in spans])
+            owner = j % self.local_size
+            if self.local_size > 1:
+                local.reduce(part, dst=owner, op=op, timeout_s=timeout_s)
+            a, b = spans[h]
+            if j in self.cross:
+                self.cross[j].reduce_scatter_v(part, sizes, out=block[a - base : b - base],
+                                               op=op, timeout_s=timeout_s)  # fmt: skip
+        if self.local_size > 1:
+            for j in range(self.plan.pieces):
+                a, b = pieces[h][j]
+                local.broadcast(block[a - base : b - base], src=j % self.local_size,
+                                timeout_s=timeout_s)  # fmt: skip
+        me = self.local_rank
+        flat_out[...] = block[me * count : (me + 1) * count]
+
+    # -- broadcast and barrier ----------------------------------------------------------
+    def broadcast(self, x: Any, src: int, timeout_s: float | None) -> Any:
+        """``src``'s ``x`` into every rank's ``x``: across the hosts among the ranks of
+        ``src``'s local index, then on each host from that rank."""
+        flat = x.reshape(-1)
+        if flat.size == 0:
+            return x
+        topo = self.topo
+        index, src_host = topo.local_rank(src), topo.host_of[src]
+        cross = self.cross.get(index)  # I am the rank of src's local index on my host
+        local_src = index % self.local_size
+
+        def start(c0: int, c1: int) -> Any:
+            if cross is None:
+                return None, c0, c1
+            return cross.broadcast(flat[c0:c1], src=src_host, async_op=True,
+                                   timeout_s=timeout_s), c0, c1  # fmt: skip
+
+        def finish(item: Any) -> None:
+            work, c0, c1 = item
+            if work is not None:
+                work.wait(timeout_s=timeout_s)
+            if self.local_size > 1:
+                self.local.broadcast(flat[c0:c1], src=local_src, timeout_s=timeout_s)
+
+        self._overlapped(self._segments(int(flat.size), flat.itemsize, 1), start, finish)
+        return x
+
+    def barrier(self, timeout_s: float | None) -> None:
+        """The host's barrier, its leaders' across the hosts, the host's again."""
+        if self.local_size > 1:
+            self.local.barrier(timeout_s=timeout_s)
+        if self.local_rank == 0:
+            self.cross[0].barrier(timeout_s=timeout_s)
+        if self.local_size > 1:
+            self.local.barrier(timeout_s=timeout_s)

@@ -1,9 +1,11 @@
-"""Hierarchical all_reduce (ringcomm.hierarchy) on pretend hosts: each rank's
+"""Hierarchical collectives (ringcomm.hierarchy) on pretend hosts: each rank's
 ``RINGCOMM_HOST_ID`` says which host it is on, so ranks of different "hosts" talk over
 tcp:// and share no memory, ranks of one host use their workspace. The matrix
-(tests/scripts/hier_check.py): dtypes x ops x counts 0, 1, M-1, M, M+1, 2M+1, 1000,
-100003 (M: pieces, the most ranks on one host), against NumPy; integers exact; every
-rank's result bit-identical; the hierarchical path really taken (or not, when flat)."""
+(tests/scripts/hier_check.py): all_reduce over dtypes x ops x counts 0, 1, M-1, M, M+1,
+2M+1, 1000, 100003 (M: pieces, the most ranks on one host); reduce_scatter, all_gather,
+broadcast (every source at some counts) and barrier over dtypes x ops x counts 0, 1, M+1,
+7, 1000, 20001 and a 2-d row; against NumPy; integers exact; every rank's result
+bit-identical; the hierarchical path really taken (or not, when flat)."""
 
 from __future__ import annotations
 
@@ -23,15 +25,19 @@ SCRIPT = REPO / "tests" / "scripts" / "hier_check.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
 import netns_hosts  # noqa: E402
 
+ALL_REDUCE = "all_reduce"
+OTHERS = "reduce_scatter,all_gather,broadcast,barrier"
 
-def _run(hosts: list[int], algo: str, *launch: str, segment_bytes: int | None = None) -> str:
+
+def _run(hosts: list[int], algo: str, *launch: str, segment_bytes: int | None = None,
+         collectives: str = ALL_REDUCE) -> str:  # fmt: skip
     where = list(launch) or ["-n", str(len(hosts))]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if segment_bytes is not None:
         env["HIER_SEGMENT_BYTES"] = str(segment_bytes)
     out = subprocess.run(
         [sys.executable, "-m", "ringcomm", "run", *where, str(SCRIPT),
-         "real" if launch else ",".join(map(str, hosts)), algo],
+         "real" if launch else ",".join(map(str, hosts)), algo, collectives],
         check=False, capture_output=True, text=True, timeout=240,
         cwd=REPO, env=env,
     )  # fmt: skip
@@ -55,42 +61,104 @@ def test_the_all_reduce_matrix_on_pretend_hosts(
     _check(_run(hosts, algo, segment_bytes=segment_bytes), hosts, algo)
 
 
-@pytest.mark.needs_ssh
 @pytest.mark.timeout(300)
-def test_the_all_reduce_matrix_on_three_netns_hosts(tmp_path: Path) -> None:
-    # Real hosts (network namespaces with sshd, benchmarks/netns_hosts.py): 2 + 1 + 2 ranks.
+@pytest.mark.parametrize(("hosts", "algo", "segment_bytes"), [
+    ([0, 0, 1], "hier", 4096),      # uneven 2 + 1, segments of 4 KiB
+    ([0, 0, 0, 1, 2, 2], "hier", None),  # 3 hosts: 3 + 1 + 2
+    ([0, 1, 1, 1], "auto", None),   # 1 + 3
+    ([0, 0, 1, 1], "auto", 16384),  # 2 hosts x 2: overlapped segments
+    ([0, 1, 0, 1], "hier", None),   # round-robin ranks, hosts of one size
+    ([0, 1, 1, 0, 2], "hier", None),  # not contiguous, uneven: 2 + 2 + 1
+    ([0, 0, 1, 1], "ring", None),   # the flat algorithms by name
+    ([0, 0, 1], "env", None),       # RINGCOMM_ALGO=ring: flat
+])  # fmt: skip
+def test_the_other_collectives_on_pretend_hosts(
+    hosts: list[int], algo: str, segment_bytes: int | None
+) -> None:
+    stdout = _run(hosts, algo, segment_bytes=segment_bytes, collectives=OTHERS)
+    _check(stdout, hosts, algo, OTHERS)
+
+
+@pytest.mark.timeout(300)
+def test_the_flat_rings_walk_the_hosts_in_order() -> None:
+    # A launcher's round-robin placement (h0 h1 h0 h1 h2): the flat ring algorithms and the
+    # broadcast chain visit the ranks host by host (0 2 1 3 4), each host boundary crossed
+    # once; every result still right and bit-identical.
+    hosts = [0, 1, 0, 1, 2]
+    every = f"{ALL_REDUCE},{OTHERS}"
+    stdout = _run(hosts, "ring", collectives=every)
+    _check(stdout, hosts, "ring", every)
+    order = topology([str(h) for h in hosts]).ring_order
+    assert order == (0, 2, 1, 3, 4)
+    right = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
+    peers = re.findall(r"^\[\d+\] PEERS (\d+) (\S+) \[(.*)\]$", stdout, re.MULTILINE)
+    seen = defaultdict(set)
+    for rank, name, sent_to in peers:
+        assert sent_to == str(right[int(rank)]), (rank, name, sent_to)
+        seen[name].add(int(rank))
+    for name in ("all_reduce:ring", "reduce_scatter:ring", "all_gather:ring"):
+        assert seen[name] == set(range(5)), seen
+    assert seen["broadcast:chain"] == {0, 2, 1, 3}, seen  # the chain from 0 ends at 4
+
+
+def _netns_run(tmp_path: Path, hosts: int, slots: str, ranks: list[int], collectives: str,
+               prefix: str, subnet: str) -> str:  # fmt: skip
+    """The matrix on real hosts (network namespaces with sshd, benchmarks/netns_hosts.py);
+    ``slots``: the hostfile's lines' slots, e.g. "2,1,2"."""
     why = netns_hosts.unavailable()
     if why is not None:
         pytest.skip(f"network-namespace hosts: {why}")
-    bed = netns_hosts.start(hosts=3, rate="none", prefix="rchier", slots=2, subnet="10.75.0")
+    bed = netns_hosts.start(hosts=hosts, rate="none", prefix=prefix, slots=2, subnet=subnet)
     try:
         hostfile = tmp_path / "hosts"
-        hostfile.write_text("h0 slots=2\nh1 slots=1\nh2 slots=2\n")
-        stdout = _run([0, 0, 1, 2, 2], "auto", "--hostfile", str(hostfile),
-                      "--ssh-config", str(bed.ssh_config))  # fmt: skip
+        hostfile.write_text("".join(f"h{h} slots={s}\n" for h, s in enumerate(slots.split(","))))
+        stdout = _run(ranks, "auto", "--hostfile", str(hostfile),
+                      "--ssh-config", str(bed.ssh_config), collectives=collectives)  # fmt: skip
     finally:
-        netns_hosts.stop("rchier")
-    _check(stdout, [0, 0, 1, 2, 2], "auto")
+        netns_hosts.stop(prefix)
     topo = re.findall(r"^\[\d+\] TOPO (\d+) (\(.*?\)) ", stdout, re.MULTILINE)
-    assert {t for _, t in topo} == {"(0, 0, 1, 2, 2)"}, topo  # the hosts as ringcomm saw them
+    assert {t for _, t in topo} == {str(tuple(ranks))}, topo  # the hosts as ringcomm saw them
+    return stdout
 
 
-def _check(stdout: str, hosts: list[int], algo: str) -> None:
+@pytest.mark.needs_ssh
+@pytest.mark.timeout(300)
+def test_the_all_reduce_matrix_on_three_netns_hosts(tmp_path: Path) -> None:
+    # 2 + 1 + 2 ranks
+    stdout = _netns_run(tmp_path, 3, "2,1,2", [0, 0, 1, 2, 2], ALL_REDUCE, "rchier", "10.75.0")
+    _check(stdout, [0, 0, 1, 2, 2], "auto")
+
+
+@pytest.mark.needs_ssh
+@pytest.mark.timeout(300)
+def test_the_other_collectives_on_two_netns_hosts(tmp_path: Path) -> None:
+    # 2 + 1 ranks: the uneven pieces over real tcp:// between namespaces
+    stdout = _netns_run(tmp_path, 2, "2,1", [0, 0, 1], OTHERS, "rchier2", "10.76.0")
+    _check(stdout, [0, 0, 1], "auto", OTHERS)
+
+
+def _check(stdout: str, hosts: list[int], algo: str, collectives: str = ALL_REDUCE) -> None:
     """Every rank done, nothing wrong, the path expected, every case bit-identical."""
     n = len(hosts)
-    done = re.findall(r"^\[\d+\] DONE (\d+) bad=(\d+) hier_calls=(\d+)$", stdout, re.MULTILINE)
+    done = re.findall(r"^\[\d+\] DONE (\d+) bad=(\d+) hier=(\S+)$", stdout, re.MULTILINE)
     assert sorted(int(r) for r, _, _ in done) == list(range(n)), stdout[-2000:]
     assert all(bad == "0" for _, bad, _ in done), [line for line in stdout.splitlines()
-                                                   if line.startswith("CASE") and " 0 " in line][:10]  # fmt: skip
-    calls = {int(c) for _, _, c in done}
-    assert (calls == {0}) if algo == "ring" else (min(calls) > 200), calls
+                                                   if "CASE" in line and " 0 " in line][:10]  # fmt: skip
+    flat = algo in ("ring", "env")
+    for _, _, hier in done:
+        calls = {k: int(v) for k, v in (kv.split(":") for kv in hier.split(","))}
+        for name in collectives.split(","):
+            # barrier: 12 rounds; the rest: hundreds of cases each
+            assert (calls[name] == 0) if flat else (calls[name] >= 12), (name, calls)
     digests: dict[tuple[str, str, str], set[str]] = defaultdict(set)
     for _, dtype, op, count, ok, digest in re.findall(
-        r"^\[\d+\] CASE (\d+) (\S+) (\S+) (\d+) ([01]) (\w+)$", stdout, re.MULTILINE
+        r"^\[\d+\] CASE (\d+) (\S+) (\S+) (\S+) ([01]) (\w+)$", stdout, re.MULTILINE
     ):
         assert ok == "1", (dtype, op, count)
         digests[(dtype, op, count)].add(digest)
-    assert len(digests) > 250 and all(len(d) == 1 for d in digests.values()), [
+    want_cases = 250 if collectives == ALL_REDUCE else 400
+    assert len(digests) > want_cases, len(digests)
+    assert all(len(d) == 1 for d in digests.values()), [
         k for k, d in digests.items() if len(d) > 1][:5]  # fmt: skip
     topo = topology([str(h) for h in hosts])
     for line in re.findall(r"^\[\d+\] TOPO (\d+) .*$", stdout, re.MULTILINE):
@@ -119,6 +187,13 @@ def test_hier_on_a_group_it_does_not_fit_is_a_clear_error() -> None:
 
     import ringcomm as rc
 
-    with (rc.init_process_group(0, 1, master_addr="127.0.0.1", master_port=0) as pg,
-          pytest.raises(ValueError, match="algo 'hier' needs a group spanning hosts")):  # fmt: skip
-        pg.all_reduce(np.ones(3), algo="hier")
+    with rc.init_process_group(0, 1, master_addr="127.0.0.1", master_port=0) as pg:
+        for name, call in [("all_reduce", lambda: pg.all_reduce(np.ones(3), algo="hier")),
+                           ("reduce_scatter", lambda: pg.reduce_scatter(np.ones((1, 3)), algo="hier")),
+                           ("all_gather", lambda: pg.all_gather(np.ones(3), algo="hier")),
+                           ("broadcast", lambda: pg.broadcast(np.ones(3), algo="hier")),
+                           ("barrier", lambda: pg.barrier(algo="hier"))]:  # fmt: skip
+            with pytest.raises(ValueError, match=f"{name}: algo 'hier' needs a group spanning"):
+                call()
+        # asynchronous calls stay flat: "hier" then leaves the choice to the flat rules
+        assert pg.all_gather(np.ones(3), async_op=True, algo="hier").wait().shape == (1, 3)

@@ -17,8 +17,10 @@ from ringcomm.schedule.ring import (
     owned_segment,
     reduce_scatter_steps,
     ring_neighbors,
+    ring_position,
     segment_bounds,
 )
+from ringcomm.schedule.topology import topology
 from ringcomm.schedule.tree import (
     binomial_children,
     binomial_parent,
@@ -98,19 +100,22 @@ def test_ring_send_matches_right_neighbours_recv_and_forwards_last_recv(n):
                     assert mine[k][0] == mine[k - 1][1]  # r forwards what it just received
 
 
-def simulate_ring_allreduce(op: ReduceOp, inputs: list[np.ndarray]) -> tuple[list, list]:
-    """Run reduce-scatter then all-gather; return (buffers after RS, buffers after AG)."""
+def simulate_ring_allreduce(
+    op: ReduceOp, inputs: list[np.ndarray], order: tuple[int, ...] | None = None
+) -> tuple[list, list]:
+    """Run reduce-scatter then all-gather (ranks visited in ``order``); return (buffers
+    after RS, buffers after AG)."""
     n, count = len(inputs), inputs[0].size
     bufs = [x.copy() for x in inputs]
     seg = [slice(*b) for b in segment_bounds(count, n)]
 
     def run(steps_of, combine) -> None:
-        plans = [steps_of(r, n) for r in range(n)]
+        plans = [steps_of(r, n, order) for r in range(n)]
         for k in range(n - 1):
             # All ranks send at once: snapshot every outgoing segment first.
             sent = [bufs[r][seg[plans[r][k][0]]].copy() for r in range(n)]
             for r in range(n):
-                left = ring_neighbors(r, n)[1]
+                left = ring_neighbors(r, n, order)[1]
                 combine(bufs[r][seg[plans[r][k][1]]], sent[left])
 
     run(reduce_scatter_steps, lambda local, msg: reduce_into(op, local, msg))
@@ -147,6 +152,59 @@ def test_ring_allreduce_simulation_floats_close_and_identical_on_all_ranks(n):
         for r in range(n):
             np.testing.assert_allclose(after_ag[r], expected, rtol=1e-5, atol=1e-5)
             assert after_ag[r].tobytes() == after_ag[0].tobytes()
+
+
+#: ring orders: host-contiguous orders of round-robin and uneven placements
+ORDERS = [(0, 2, 1, 3), (0, 3, 1, 4, 2, 5), (0, 2, 4, 1, 3), (2, 0, 1), (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_ring_in_host_order_reduces_exactly_and_each_rank_owns_its_segment(order):
+    n = len(order)
+    for k, r in enumerate(order):
+        assert ring_position(r, n, order) == k
+        assert ring_neighbors(r, n, order) == (order[(k + 1) % n], order[(k - 1) % n])
+        rs, ag = reduce_scatter_steps(r, n, order), all_gather_steps(r, n, order)
+        assert rs[-1][1] == r and ag[0][0] == r  # rank r still owns segment r (x[rank])
+        right = ring_neighbors(r, n, order)[0]
+        for steps in (reduce_scatter_steps, all_gather_steps):
+            mine, theirs = steps(r, n, order), steps(right, n, order)
+            assert all(mine[i][0] == theirs[i][1] for i in range(n - 1))
+    for op in ALL_OPS:
+        for count in ring_counts(n):
+            inputs = rank_inputs(n, count, "int64")
+            expected = reference_reduce(op, inputs)
+            seg = [slice(*b) for b in segment_bounds(count, n)]
+            after_rs, after_ag = simulate_ring_allreduce(op, inputs, order)
+            for r in range(n):
+                np.testing.assert_array_equal(after_rs[r][seg[r]], expected[seg[r]])
+                np.testing.assert_array_equal(after_ag[r], expected)
+
+
+def test_a_ring_in_topology_order_crosses_each_host_boundary_once():
+    # ranks placed round-robin over 3 hosts (h0 h1 h2 h0 h1 h2 ...), as launchers may
+    topo = topology([f"h{r % 3}" for r in range(9)])
+    n, order = 9, topo.ring_order
+
+    def crossings(order):
+        return sum(topo.host_of[r] != topo.host_of[ring_neighbors(r, n, order)[0]]
+                   for r in range(n))  # fmt: skip
+
+    assert crossings(None) == 9 and crossings(order) == 3
+    for root in range(n):  # the chain too: one crossing per host boundary on its way
+        chain, node = [root], root
+        while (node := chain_neighbors(node, n, root, order)[1]) is not None:
+            chain.append(node)
+        assert sorted(chain) == list(range(n))
+        hops = sum(topo.host_of[a] != topo.host_of[b] for a, b in itertools.pairwise(chain))
+        assert hops <= 3
+
+
+def test_ring_order_must_be_a_permutation():
+    with pytest.raises(ValueError, match="permutation"):
+        ring_neighbors(0, 3, (0, 1, 1))
+    with pytest.raises(ValueError, match="permutation"):
+        reduce_scatter_steps(0, 3, (0, 1))
 
 
 def test_ring_rejects_bad_ranks():

@@ -42,7 +42,7 @@ class AllGatherRing(PipelinedOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n)[0],)  # step 0 (our row) goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 (our row) goes right at once
 
     def step_text(self, step: int) -> str:
         return f"all-gather step {step + 1}/{self.n - 1}"
@@ -84,8 +84,8 @@ class AllGatherRing(PipelinedOp):
         self.row_nbytes = x.nbytes
         self.dtype_str = x.dtype.str
         self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
-        self.right, self.left = ring_neighbors(r, n)
-        self.recv_row = [rs for _, rs in all_gather_steps(r, n)]
+        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
+        self.recv_row = [rs for _, rs in all_gather_steps(r, n, self.comm.ring_order)]
         self.will_send(self.right, n - 1)
         self.expect(self.left, n - 1)
         # Step 0 goes out from x itself; out[r] is filled once the left neighbour's first

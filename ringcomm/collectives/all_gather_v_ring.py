@@ -42,7 +42,7 @@ class AllGatherVRing(CollectiveOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n)[0],)  # step 0 (our rows) goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 (our rows) goes right at once
 
     def step_text(self, step: int) -> str:
         return f"all-gather-v step {step + 1}/{self.n - 1}"
@@ -74,8 +74,8 @@ class AllGatherVRing(CollectiveOp):
         chunk = self.comm.chunk_bytes
         self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
         self.dtype_str = x.dtype.str
-        self.right, self.left = ring_neighbors(r, n)
-        self.recv_seg = [rs for _, rs in all_gather_steps(r, n)]
+        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
+        self.recv_seg = [rs for _, rs in all_gather_steps(r, n, self.comm.ring_order)]
         self.will_send(self.right, n - 1)
         self.expect(self.left, n - 1)
         # Step 0 goes out from x itself; our segment of out is filled once the left

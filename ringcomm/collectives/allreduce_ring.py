@@ -56,7 +56,7 @@ class AllReduceRing(PipelinedOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 goes right at once
 
     def step_text(self, step: int) -> str:
         steps = self.n - 1
@@ -83,7 +83,7 @@ class AllReduceRing(PipelinedOp):
         self.dtype = x.dtype
         self.dtype_str = x.dtype.str
         itemsize = x.itemsize
-        self.right, self.left = ring_neighbors(r, n)
+        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         bounds = segment_bounds(x.size, n)
         self.seg_first = [a for a, _ in bounds]  # first element of each segment
         self.seg_spans = [
@@ -92,15 +92,15 @@ class AllReduceRing(PipelinedOp):
         self.seg_nbytes = [(b - a) * itemsize for a, b in bounds]
         self.itemsize = itemsize
         # Segment received at each global step: reduce-scatter steps, then all-gather steps.
-        self.recv_seg = [rs for _, rs in reduce_scatter_steps(r, n)] + [
-            ag for _, ag in all_gather_steps(r, n)
+        self.recv_seg = [rs for _, rs in reduce_scatter_steps(r, n, self.comm.ring_order)] + [
+            ag for _, ag in all_gather_steps(r, n, self.comm.ring_order)
         ]
         self.last_step = 2 * (n - 1) - 1
         self.will_send(self.right, 2 * (n - 1))
         self.expect(self.left, 2 * (n - 1))
         # Step 0: send our own data of segment r-1 to the right, all pieces now (staged:
         # every piece's copy is enqueued first, then each is sent once its copy is done).
-        seg = reduce_scatter_steps(r, n)[0][0]
+        seg = reduce_scatter_steps(r, n, self.comm.ring_order)[0][0]
         spans = self.seg_spans[seg]
         base, total = self.seg_first[seg] * itemsize, self.seg_nbytes[seg]
         for j, (off, length) in enumerate(spans):

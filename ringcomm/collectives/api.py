@@ -14,7 +14,8 @@ them piece by piece; every other algorithm stages the whole buffer (``collective
 Inputs and outputs of one call are all host or all on one device.
 
 Contracts: DESIGN.md §1. Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
-all_reduce and broadcast, ``async_op`` on every call, ``out`` on gather (used on ``dst``).
+all_reduce, reduce_scatter, all_gather, broadcast and barrier, ``async_op`` on every call,
+``out`` on gather (used on ``dst``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ __all__ = [
     "alloc",
     "barrier",
     "broadcast",
+    "check_all_gather",
+    "check_broadcast",
+    "check_reduce_scatter",
     "gather",
     "model_chooser",
     "model_prefers_hier",
@@ -251,6 +255,7 @@ def _run_call(
         timeout,
         group.serial,
         group.plans,
+        group.ring_order,
     )
     op = cls(comm, call, async_op=async_op)
     if device is not None:
@@ -389,6 +394,36 @@ def model_prefers_hier(group: GroupCore, nbytes: int, collective: str = "all_red
     return algo == HIER_ALGO
 
 
+# -- checks of the calls that also run hierarchically (ringcomm.hierarchy, above) --------
+def check_reduce_scatter(group: GroupCore, x: Any, out: Any, op: Any) -> tuple[Any, Any, ReduceOp]:
+    """reduce_scatter's arguments checked: ``(x, out, op)``, ``out`` allocated if None."""
+    what = _what(group, "reduce_scatter")
+    x = check_array(x, what, device=True)
+    _check_rows(x, group.world_size, what)
+    rop = _check_op(op, x.dtype, what)
+    shape = tuple(x.shape[1:])
+    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
+        raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
+    return x, out, rop
+
+
+def check_all_gather(group: GroupCore, x: Any, out: Any) -> tuple[Any, Any]:
+    """all_gather's arguments checked: ``(x, out)``, ``out`` allocated if None."""
+    what = _what(group, "all_gather")
+    x = check_array(x, what, device=True)
+    shape = (group.world_size, *x.shape)
+    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    return x, out
+
+
+def check_broadcast(group: GroupCore, x: Any, src: Any) -> tuple[Any, int]:
+    """broadcast's arguments checked: ``(x, src)``."""
+    what = _what(group, "broadcast")
+    src = _check_root(src, group, what, "src")
+    return check_array(x, what, writeable=group.rank != src, device=True), src
+
+
 # -- the collectives -------------------------------------------------------------------
 def all_reduce(
     group: GroupCore,
@@ -422,24 +457,19 @@ def reduce_scatter(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """Reduce ``x`` (``x.shape[0] == world_size``) and return this rank's row ``x[rank]``
     of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified."""
     what = _what(group, "reduce_scatter")
-    x = check_array(x, what, device=True)
-    _check_rows(x, group.world_size, what)
-    rop = _check_op(op, x.dtype, what)
+    x, out, rop = check_reduce_scatter(group, x, out, op)
     async_op = _check_flag(async_op, what)
-    shape = tuple(x.shape[1:])
-    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
-        raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
-    algo = _pick(group, "reduce_scatter", None, x.nbytes, type(x) is np.ndarray, what)
+    chosen = _pick(group, "reduce_scatter", algo, x.nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
     if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
-        chunk = _model_chunk(group, "reduce_scatter", algo, None, x.nbytes)
-    call = Call("reduce_scatter", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=tuple(x.shape),
-                chunk_bytes=chunk)  # fmt: skip
+        chunk = _model_chunk(group, "reduce_scatter", chosen, algo, x.nbytes)
+    call = Call("reduce_scatter", chosen, x=x, out=out, op=rop, dtype=x.dtype,
+                shape=tuple(x.shape), chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
 
@@ -450,18 +480,17 @@ def all_gather(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order."""
     what = _what(group, "all_gather")
-    x = check_array(x, what, device=True)
+    x, out = check_all_gather(group, x, out)
     async_op = _check_flag(async_op, what)
-    shape = (group.world_size, *x.shape)
-    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    algo = _pick(group, "all_gather", None, x.nbytes, type(x) is np.ndarray, what)
+    chosen = _pick(group, "all_gather", algo, x.nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
     if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
-        chunk = _model_chunk(group, "all_gather", algo, None, x.nbytes)
-    call = Call("all_gather", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
+        chunk = _model_chunk(group, "all_gather", chosen, algo, x.nbytes)
+    call = Call("all_gather", chosen, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
                 chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
@@ -477,8 +506,7 @@ def broadcast(
 ) -> Any:
     """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work)."""
     what = _what(group, "broadcast")
-    src = _check_root(src, group, what, "src")
-    x = check_array(x, what, writeable=group.rank != src, device=True)
+    x, src = check_broadcast(group, x, src)
     async_op = _check_flag(async_op, what)
     chosen = _pick(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
@@ -624,11 +652,17 @@ def all_to_all(
     return _run(group, call, timeout_s, async_op)
 
 
-def barrier(group: GroupCore, async_op: bool = False, *, timeout_s: float | None = None) -> Any:
+def barrier(
+    group: GroupCore,
+    async_op: bool = False,
+    *,
+    timeout_s: float | None = None,
+    algo: str | None = None,
+) -> Any:
     """Return once every rank of the group has entered the barrier."""
     what = _what(group, "barrier")
     async_op = _check_flag(async_op, what)
-    algo = _pick(group, "barrier", None, 0, True, what)
+    algo = _pick(group, "barrier", algo, 0, True, what)
     return _run(group, Call("barrier", algo), timeout_s, async_op)
 
 

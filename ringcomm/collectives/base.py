@@ -105,6 +105,8 @@ class Comm(NamedTuple):
     """The group, as one collective call sees it.
 
     ``plans``: the group's cache of per-call-shape state (:class:`ShapeCache`); None: no cache.
+    ``ring_order``: the order the ring algorithms visit the ranks (host by host, see
+    ``schedule.ring``); None: rank order.
     """
 
     progress: Progress
@@ -117,6 +119,7 @@ class Comm(NamedTuple):
     timeout_s: float
     serial: SerialQueue | None = None
     plans: dict[Any, ShapeCache] | None = None
+    ring_order: tuple[int, ...] | None = None
 
 
 class Call(NamedTuple):

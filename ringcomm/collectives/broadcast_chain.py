@@ -31,7 +31,7 @@ class BroadcastChain(PipelinedOp):
     def start_peers(self, rank: int) -> tuple[int, ...]:
         if rank != self.call.root:
             return ()
-        nxt = chain_neighbors(rank, self.n, rank)[1]
+        nxt = chain_neighbors(rank, self.n, rank, self.comm.ring_order)[1]
         return () if nxt is None else (nxt,)
 
     def step_text(self, step: int) -> str:
@@ -52,7 +52,7 @@ class BroadcastChain(PipelinedOp):
         self.data = st.bytes_of(self.u8)
         self.dtype_str = x.dtype.str
         self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
-        self.prev, self.next = chain_neighbors(self.rank, self.n, root)
+        self.prev, self.next = chain_neighbors(self.rank, self.n, root, self.comm.ring_order)
         if self.next is not None:
             self.will_send(self.next, 1)
         if self.prev is None:

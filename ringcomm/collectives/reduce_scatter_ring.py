@@ -50,7 +50,7 @@ class ReduceScatterRing(PipelinedOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 goes right at once
 
     def step_text(self, step: int) -> str:
         return f"reduce-scatter step {step + 1}/{self.n - 1}"
@@ -76,8 +76,8 @@ class ReduceScatterRing(PipelinedOp):
         self.dtype_str = x.dtype.str
         self.row_nbytes = self.row_size * self.itemsize
         self.spans = chunk_spans(self.row_nbytes, self.comm.chunk_bytes, self.itemsize)
-        self.right, self.left = ring_neighbors(r, n)
-        steps = reduce_scatter_steps(r, n)
+        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
+        steps = reduce_scatter_steps(r, n, self.comm.ring_order)
         self.recv_row = [rs for _, rs in steps]
         out_flat = out.reshape(-1)
         self.out_flat = out_flat

@@ -44,7 +44,7 @@ class ReduceScatterVRing(CollectiveOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n)[0],)  # step 0 goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 goes right at once
 
     def step_text(self, step: int) -> str:
         return f"reduce-scatter-v step {step + 1}/{self.n - 1}"
@@ -74,8 +74,8 @@ class ReduceScatterVRing(CollectiveOp):
         self.seg_nbytes = [s * row_size * x.itemsize for s in splits]
         chunk = self.comm.chunk_bytes
         self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
-        self.right, self.left = ring_neighbors(r, n)
-        steps = reduce_scatter_steps(r, n)
+        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
+        steps = reduce_scatter_steps(r, n, self.comm.ring_order)
         self.recv_seg = [rs for _, rs in steps]
         most = max(splits[s] for s in self.recv_seg[:-1]) * row_size if n > 2 else 0
         self.partial = [np.empty(most, x.dtype) for _ in range(2 if n > 3 else 1)]

@@ -22,15 +22,26 @@ All-gather, step ``k = 0 .. n-2`` on rank ``r``::
     recv segment (r - k - 1) % n   # overwrite it with the left neighbour's copy
 
 At every step, the segment rank ``r`` sends is the segment rank ``r+1`` receives.
+
+Ring order. Every function also takes ``order``: the ranks in the order the ring visits
+them (a permutation of ``range(n)``; None: ``0 .. n-1``), e.g. a group's host-contiguous
+:attr:`ringcomm.schedule.topology.Topology.ring_order`, so the ring crosses each host
+boundary once whatever the launcher's rank order. The schedule is then the one above for
+the rank's *position* ``p`` in ``order`` (right neighbour ``order[p + 1]``), with position
+``s``'s segment being segment ``order[s]``: rank ``r`` still owns segment ``r`` after
+reduce-scatter (``reduce_scatter`` still returns ``x[rank]``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "all_gather_steps",
     "owned_segment",
     "reduce_scatter_steps",
     "ring_neighbors",
+    "ring_position",
     "segment_bounds",
 ]
 
@@ -63,35 +74,53 @@ def segment_bounds(count: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def ring_neighbors(rank: int, world_size: int) -> tuple[int, int]:
-    """``(send_to, recv_from)``: the right and the left neighbour on the ring."""
+def ring_position(rank: int, world_size: int, order: Sequence[int] | None = None) -> int:
+    """Where ``rank`` is on the ring: its index in ``order`` (``rank`` itself for None)."""
     _check_rank(rank, world_size)
-    return (rank + 1) % world_size, (rank - 1) % world_size
+    if order is None:
+        return rank
+    if len(order) != world_size or sorted(order) != list(range(world_size)):
+        raise ValueError(f"order must be a permutation of range({world_size}), got {order}")
+    return list(order).index(rank)
+
+
+def ring_neighbors(
+    rank: int, world_size: int, order: Sequence[int] | None = None
+) -> tuple[int, int]:
+    """``(send_to, recv_from)``: the right and the left neighbour on the ring."""
+    p = ring_position(rank, world_size, order)
+    right, left = (p + 1) % world_size, (p - 1) % world_size
+    return (right, left) if order is None else (order[right], order[left])
 
 
 def owned_segment(rank: int, world_size: int) -> int:
-    """Segment that ``rank`` holds fully reduced after reduce-scatter: ``rank`` itself."""
+    """Segment that ``rank`` holds fully reduced after reduce-scatter: ``rank`` itself
+    (in any ring order)."""
     _check_rank(rank, world_size)
     return rank
 
 
-def reduce_scatter_steps(rank: int, world_size: int) -> list[tuple[int, int]]:
+def reduce_scatter_steps(
+    rank: int, world_size: int, order: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """``[(send_segment, recv_segment), ...]`` for steps ``0 .. n-2`` (empty when n == 1).
 
     Send ``send_segment`` right; receive the left neighbour's ``recv_segment`` and reduce it
     into the local one. Afterwards ``owned_segment(rank, n) == rank`` is fully reduced.
     """
-    _check_rank(rank, world_size)
-    n = world_size
-    return [((rank - k - 1) % n, (rank - k - 2) % n) for k in range(n - 1)]
+    p, n = ring_position(rank, world_size, order), world_size
+    steps = [((p - k - 1) % n, (p - k - 2) % n) for k in range(n - 1)]
+    return steps if order is None else [(order[a], order[b]) for a, b in steps]
 
 
-def all_gather_steps(rank: int, world_size: int) -> list[tuple[int, int]]:
+def all_gather_steps(
+    rank: int, world_size: int, order: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """``[(send_segment, recv_segment), ...]`` for steps ``0 .. n-2`` (empty when n == 1).
 
     Starts from the owned segment ``rank``; ``recv_segment`` is overwritten with the copy
     the left neighbour sends. Afterwards every rank holds every segment.
     """
-    _check_rank(rank, world_size)
-    n = world_size
-    return [((rank - k) % n, (rank - k - 1) % n) for k in range(n - 1)]
+    p, n = ring_position(rank, world_size, order), world_size
+    steps = [((p - k) % n, (p - k - 1) % n) for k in range(n - 1)]
+    return steps if order is None else [(order[a], order[b]) for a, b in steps]

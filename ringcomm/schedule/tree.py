@@ -20,6 +20,10 @@ Chain: ``root, root+1, ..., root-1`` (mod n); a pipelined broadcast sends chunk 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from .ring import ring_position
+
 __all__ = ["binomial_children", "binomial_parent", "binomial_rounds", "chain_neighbors"]
 
 
@@ -64,10 +68,22 @@ def binomial_rounds(world_size: int) -> int:
     return (world_size - 1).bit_length()
 
 
-def chain_neighbors(rank: int, world_size: int, root: int) -> tuple[int | None, int | None]:
-    """``(prev, next)`` along the chain ``root, root+1, ..., root-1``; None at the ends."""
+def chain_neighbors(
+    rank: int, world_size: int, root: int, order: Sequence[int] | None = None
+) -> tuple[int | None, int | None]:
+    """``(prev, next)`` along the chain ``root, root+1, ..., root-1``; None at the ends.
+
+    ``order``: the ranks in ring order (a permutation; None: ``0 .. n-1``, see
+    :mod:`ringcomm.schedule.ring`): the chain then runs from ``root`` along ``order``,
+    wrapping around (``root``'s position, the next position, ...)."""
     _check(rank, world_size, root)
-    vrank = (rank - root) % world_size
-    prev = None if vrank == 0 else (rank - 1) % world_size
-    nxt = None if vrank == world_size - 1 else (rank + 1) % world_size
+    if order is None:
+        vrank = (rank - root) % world_size
+        prev = None if vrank == 0 else (rank - 1) % world_size
+        nxt = None if vrank == world_size - 1 else (rank + 1) % world_size
+        return prev, nxt
+    p, q = ring_position(rank, world_size, order), ring_position(root, world_size, order)
+    vrank = (p - q) % world_size
+    prev = None if vrank == 0 else order[(p - 1) % world_size]
+    nxt = None if vrank == world_size - 1 else order[(p + 1) % world_size]
     return prev, nxt
