@@ -141,7 +141,7 @@ class Hierarchy:
             c1 = min(q, c0 + per)
             rows = flat[c0 * m : c1 * m].reshape(m, c1 - c0)
             mine = rows[me]
-            mine[...] = local.reduce_scatter(rows, op=op, timeout_s=timeout_s)
+            local.reduce_scatter(rows, out=mine, op=op, timeout_s=timeout_s)  # in place
             pending.append((self.cross[me].all_reduce(mine, op=op, async_op=True,
                                                       timeout_s=timeout_s), mine, rows))  # fmt: skip
             if len(pending) > 1:
@@ -154,7 +154,7 @@ class Hierarchy:
     def _gather(self, item: tuple[Any, Any, Any], timeout_s: float | None) -> None:
         work, mine, rows = item
         work.wait(timeout_s=timeout_s)
-        self.local.all_gather(mine.copy(), out=rows, timeout_s=timeout_s)
+        self.local.all_gather(mine, out=rows, timeout_s=timeout_s)  # in place: mine is rows[me]
 
     def _uneven(self, flat: Any, op: ReduceOp, timeout_s: float | None) -> None:
         """Hosts of different sizes: piece j reduced onto local rank ``j % L``, all-reduced
