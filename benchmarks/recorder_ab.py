@@ -3,10 +3,10 @@ the recorder on in even blocks and off in odd ones (both ranks switch together, 
 barrier), so drift hits both. Prints the max over ranks of the median of block medians.
 
     python benchmarks/recorder_ab.py [--world 2] [--bytes 8] [--blocks 40] [--per 500]
-                                     [--mode real|noop] [--runs 3]
+                                     [--runs 3]
 
-``--mode noop``: the recorder's start/end replaced by no-ops (what the call path's
-recording branch costs by itself).
+(A blocking collective records inline, ringcomm.collectives.api: there is no separate
+"branch only" variant to time any more.)
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ import numpy as np
 import ringcomm as rc
 
 
-def _body(pg: rc.ProcessGroup, blocks: int, per: int, nbytes: int, mode: str) -> dict[str, float]:
+def _body(pg: rc.ProcessGroup, blocks: int, per: int, nbytes: int) -> dict[str, float]:
     x = np.zeros(max(1, nbytes // 4), np.float32)
     rec = pg.core.state.recorder
-    if mode == "noop":
-        rec.start = lambda *a: None  # type: ignore[method-assign]
-        rec.end = lambda *a: None  # type: ignore[method-assign]
     for _ in range(min(200, per)):
         pg.all_reduce(x)
     out: dict[bool, list[float]] = {True: [], False: []}
@@ -48,13 +45,12 @@ def main() -> None:
     p.add_argument("--bytes", type=int, default=8)
     p.add_argument("--blocks", type=int, default=40)
     p.add_argument("--per", type=int, default=500)
-    p.add_argument("--mode", choices=("real", "noop"), default="real")
     p.add_argument("--runs", type=int, default=3)
     a = p.parse_args()
     for _ in range(a.runs):
-        res = rc.spawn(_body, a.world, args=(a.blocks, a.per, a.bytes, a.mode))
+        res = rc.spawn(_body, a.world, args=(a.blocks, a.per, a.bytes))
         on, off = max(r["on"] for r in res), max(r["off"] for r in res)
-        print(f"W={a.world} {a.bytes} B {a.mode}: on {on:.2f} us, off {off:.2f} us, "
+        print(f"W={a.world} {a.bytes} B: on {on:.2f} us, off {off:.2f} us, "
               f"on - off {on - off:+.2f} us ({(on / off - 1) * 100:+.1f} %)", flush=True)
 
 
