@@ -38,6 +38,7 @@ calls of the groups it is given (ringcomm.group's ProcessGroup), so it imports n
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,12 +47,33 @@ import numpy as np
 from .ops import ReduceOp
 from .schedule.topology import Topology, hier_plan, piece_bounds
 
-__all__ = ["FLAT_ALGO", "Hierarchy"]
+__all__ = ["FLAT_ALGO", "MIN_STEP_S", "Budget", "Hierarchy"]
 
 #: The flat all_reduce a few leftover elements take (fewer than the pieces).
 FLAT_ALGO = "ring"
 #: Bytes per segment of a hierarchical all_reduce (its steps overlap segment by segment).
 SEGMENT_BYTES = 8 << 20
+
+
+#: The least a step of a hierarchical call is given once its call's deadline has passed
+#: (it then times out at once, naming the step and its sub-group).
+MIN_STEP_S = 1e-3
+
+
+class Budget:
+    """One hierarchical call's deadline, shared by its steps: ``t()`` is the time left
+    (at least :data:`MIN_STEP_S`), so the whole call ends within its ``timeout_s``, not
+    each step."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.deadline = time.monotonic() + timeout_s
+
+    def __call__(self) -> float:
+        return max(self.deadline - time.monotonic(), MIN_STEP_S)
 
 
 class Hierarchy:
@@ -114,20 +136,21 @@ class Hierarchy:
 
     def all_reduce(self, x: Any, op: ReduceOp, timeout_s: float | None) -> Any:
         """``x`` reduced over the whole group, in place (``op`` not AVG on integers)."""
+        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         flat = x.reshape(-1)
         if flat.size == 0:
             return x
         avg = op is ReduceOp.AVG
         rop = ReduceOp.SUM if avg else op
         if self.even:
-            self._even(flat, rop, timeout_s)
+            self._even(flat, rop, t)
         else:
-            self._uneven(flat, rop, timeout_s)
+            self._uneven(flat, rop, t)
         if avg:  # a sum over every rank: the mean (every rank divides the same sums)
             flat /= self.topo.world_size
         return x
 
-    def _even(self, flat: Any, op: ReduceOp, timeout_s: float | None) -> None:
+    def _even(self, flat: Any, op: ReduceOp, t: Budget) -> None:
         """One piece per local rank: the host's reduce_scatter and all_gather (on its
         shared workspace) over the first ``M * (count // M)`` elements; the last
         ``count % M`` (fewer than M) are all-reduced flat over the whole group."""
@@ -141,61 +164,62 @@ class Hierarchy:
             c1 = min(q, c0 + per)
             rows = flat[c0 * m : c1 * m].reshape(m, c1 - c0)
             mine = rows[me]
-            local.reduce_scatter(rows, out=mine, op=op, timeout_s=timeout_s)  # in place
+            local.reduce_scatter(rows, out=mine, op=op, timeout_s=t())  # in place
             pending.append((self.cross[me].all_reduce(mine, op=op, async_op=True,
-                                                      timeout_s=timeout_s), mine, rows))  # fmt: skip
+                                                      timeout_s=t()), mine, rows))  # fmt: skip
             if len(pending) > 1:
-                self._gather(pending.pop(0), timeout_s)
+                self._gather(pending.pop(0), t)
         for item in pending:
-            self._gather(item, timeout_s)
+            self._gather(item, t)
         if r:
-            self.pg.all_reduce(flat[q * m :], op=op, timeout_s=timeout_s, algo=FLAT_ALGO)
+            self.pg.all_reduce(flat[q * m :], op=op, timeout_s=t(), algo=FLAT_ALGO)
 
-    def _gather(self, item: tuple[Any, Any, Any], timeout_s: float | None) -> None:
+    def _gather(self, item: tuple[Any, Any, Any], t: Budget) -> None:
         work, mine, rows = item
-        work.wait(timeout_s=timeout_s)
-        self.local.all_gather(mine, out=rows, timeout_s=timeout_s)  # in place: mine is rows[me]
+        work.wait(timeout_s=t())
+        self.local.all_gather(mine, out=rows, timeout_s=t())  # in place: mine is rows[me]
 
-    def _uneven(self, flat: Any, op: ReduceOp, timeout_s: float | None) -> None:
+    def _uneven(self, flat: Any, op: ReduceOp, t: Budget) -> None:
         """Hosts of different sizes: piece j reduced onto local rank ``j % L``, all-reduced
         across the hosts by its owners, broadcast back from the owner."""
         size, local = self.local_size, self.local
         bounds = piece_bounds(int(flat.size), self.plan.pieces)
         if size > 1:
             for j, (a, b) in enumerate(bounds):
-                local.reduce(flat[a:b], dst=j % size, op=op, timeout_s=timeout_s)
+                local.reduce(flat[a:b], dst=j % size, op=op, timeout_s=t())
         for j, group in sorted(self.cross.items()):
             a, b = bounds[j]
-            group.all_reduce(flat[a:b], op=op, timeout_s=timeout_s)
+            group.all_reduce(flat[a:b], op=op, timeout_s=t())
         if size > 1:
             for j, (a, b) in enumerate(bounds):
-                local.broadcast(flat[a:b], src=j % size, timeout_s=timeout_s)
+                local.broadcast(flat[a:b], src=j % size, timeout_s=t())
 
     # -- all_gather ---------------------------------------------------------------------
     def all_gather(self, x: Any, out: Any, timeout_s: float | None) -> Any:
         """Every rank's ``x`` into ``out`` (``(world_size, *x.shape)``, rank order)."""
+        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         count = int(x.size)
         if count == 0:
             return out
         flat_x = x.reshape(-1)
         rows = out.reshape(self.topo.world_size, count)
         if self.even:
-            self._all_gather_even(flat_x, rows, timeout_s)
+            self._all_gather_even(flat_x, rows, t)
         else:
-            self._all_gather_uneven(flat_x, rows, timeout_s)
+            self._all_gather_uneven(flat_x, rows, t)
         return out
 
-    def _all_gather_even(self, flat_x: Any, rows: Any, timeout_s: float | None) -> None:
+    def _all_gather_even(self, flat_x: Any, rows: Any, t: Budget) -> None:
         """Across the hosts among the ranks of my local index, then over the host."""
         cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
 
         def start(c0: int, c1: int) -> Any:
-            return cross.all_gather(flat_x[c0:c1], async_op=True, timeout_s=timeout_s), c0, c1
+            return cross.all_gather(flat_x[c0:c1], async_op=True, timeout_s=t()), c0, c1
 
         def finish(item: Any) -> None:
             work, c0, c1 = item
-            mine = work.wait(timeout_s=timeout_s)  # (H, w): my local index on every host
-            both = local.all_gather(mine, timeout_s=timeout_s)  # (L, H, w)
+            mine = work.wait(timeout_s=t())  # (H, w): my local index on every host
+            both = local.all_gather(mine, timeout_s=t())  # (L, H, w)
             for h, members in enumerate(hosts):
                 for i, r in enumerate(members):
                     rows[r, c0:c1] = both[i, h]
@@ -203,14 +227,14 @@ class Hierarchy:
         self._overlapped(self._segments(int(flat_x.size), flat_x.itemsize,
                                         self.topo.world_size), start, finish)  # fmt: skip
 
-    def _all_gather_uneven(self, flat_x: Any, rows: Any, timeout_s: float | None) -> None:
+    def _all_gather_uneven(self, flat_x: Any, rows: Any, t: Budget) -> None:
         """The host's block first, then piece j of every host's block among piece j's
         owners, broadcast on each host from its owner there."""
         count, local, h = int(flat_x.size), self.local, self.host
         ordered = rows if self.order is None else np.empty_like(rows)  # rows in host order
         mine = ordered[self.offsets[h] : self.offsets[h] + self.local_size]
         if self.local_size > 1:
-            local.all_gather(flat_x, out=mine, timeout_s=timeout_s)
+            local.all_gather(flat_x, out=mine, timeout_s=t())
         else:
             mine[0] = flat_x
         flat = ordered.reshape(-1)
@@ -221,9 +245,9 @@ class Hierarchy:
             got = np.empty(sum(sizes), flat.dtype)
             if j in self.cross:
                 a, b = spans[h]
-                self.cross[j].all_gather_v(flat[a:b], sizes=sizes, out=got, timeout_s=timeout_s)
+                self.cross[j].all_gather_v(flat[a:b], sizes=sizes, out=got, timeout_s=t())
             if self.local_size > 1:
-                local.broadcast(got, src=j % self.local_size, timeout_s=timeout_s)
+                local.broadcast(got, src=j % self.local_size, timeout_s=t())
             at = 0
             for (a, b), n in zip(spans, sizes, strict=True):
                 flat[a:b] = got[at : at + n]
@@ -235,6 +259,7 @@ class Hierarchy:
     def reduce_scatter(self, x: Any, out: Any, op: ReduceOp, timeout_s: float | None) -> Any:
         """Row ``x[rank]`` of the reduction of ``x`` over the group, into ``out``
         (``op`` not AVG on integers)."""
+        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         n = self.topo.world_size
         count = int(x.size) // n
         if count == 0:
@@ -244,15 +269,15 @@ class Hierarchy:
         avg = op is ReduceOp.AVG
         rop = ReduceOp.SUM if avg else op
         if self.even:
-            self._reduce_scatter_even(rows, flat_out, rop, timeout_s)
+            self._reduce_scatter_even(rows, flat_out, rop, t)
         else:
-            self._reduce_scatter_uneven(rows, flat_out, rop, timeout_s)
+            self._reduce_scatter_uneven(rows, flat_out, rop, t)
         if avg:
             flat_out /= n
         return out
 
     def _reduce_scatter_even(self, rows: Any, flat_out: Any, op: ReduceOp,
-                             timeout_s: float | None) -> None:  # fmt: skip
+                             t: Budget) -> None:  # fmt: skip
         """Over the host, the rows of each local index's ranks onto that local rank;
         then across the hosts among the ranks of my local index."""
         cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
@@ -263,18 +288,18 @@ class Hierarchy:
             for h, members in enumerate(hosts):
                 for i, r in enumerate(members):
                     by_local[i, h] = rows[r, c0:c1]
-            host_sums = local.reduce_scatter(by_local, op=op, timeout_s=timeout_s)  # (H, w)
+            host_sums = local.reduce_scatter(by_local, op=op, timeout_s=t())  # (H, w)
             return cross.reduce_scatter(host_sums, out=flat_out[c0:c1], op=op, async_op=True,
-                                        timeout_s=timeout_s), host_sums  # fmt: skip
+                                        timeout_s=t()), host_sums  # fmt: skip
 
         def finish(item: Any) -> None:
-            item[0].wait(timeout_s=timeout_s)
+            item[0].wait(timeout_s=t())
 
         spans = self._segments(int(rows.shape[1]), rows.itemsize, self.topo.world_size)
         self._overlapped(spans, start, finish)
 
     def _reduce_scatter_uneven(self, rows: Any, flat_out: Any, op: ReduceOp,
-                               timeout_s: float | None) -> None:  # fmt: skip
+                               t: Budget) -> None:  # fmt: skip
         """Piece j of every host's block of rows reduced onto its owner on each host,
         reduce-scattered among piece j's owners, broadcast on the host from the owner."""
         count, local, h = int(rows.shape[1]), self.local, self.host
@@ -289,16 +314,16 @@ class Hierarchy:
             part = np.concatenate([flat[a:b] for a, b in spans])
             owner = j % self.local_size
             if self.local_size > 1:
-                local.reduce(part, dst=owner, op=op, timeout_s=timeout_s)
+                local.reduce(part, dst=owner, op=op, timeout_s=t())
             a, b = spans[h]
             if j in self.cross:
                 self.cross[j].reduce_scatter_v(part, sizes, out=block[a - base : b - base],
-                                               op=op, timeout_s=timeout_s)  # fmt: skip
+                                               op=op, timeout_s=t())  # fmt: skip
         if self.local_size > 1:
             for j in range(self.plan.pieces):
                 a, b = pieces[h][j]
                 local.broadcast(block[a - base : b - base], src=j % self.local_size,
-                                timeout_s=timeout_s)  # fmt: skip
+                                timeout_s=t())  # fmt: skip
         me = self.local_rank
         flat_out[...] = block[me * count : (me + 1) * count]
 
@@ -306,6 +331,7 @@ class Hierarchy:
     def broadcast(self, x: Any, src: int, timeout_s: float | None) -> Any:
         """``src``'s ``x`` into every rank's ``x``: across the hosts among the ranks of
         ``src``'s local index, then on each host from that rank."""
+        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         flat = x.reshape(-1)
         if flat.size == 0:
             return x
@@ -318,23 +344,24 @@ class Hierarchy:
             if cross is None:
                 return None, c0, c1
             return cross.broadcast(flat[c0:c1], src=src_host, async_op=True,
-                                   timeout_s=timeout_s), c0, c1  # fmt: skip
+                                   timeout_s=t()), c0, c1  # fmt: skip
 
         def finish(item: Any) -> None:
             work, c0, c1 = item
             if work is not None:
-                work.wait(timeout_s=timeout_s)
+                work.wait(timeout_s=t())
             if self.local_size > 1:
-                self.local.broadcast(flat[c0:c1], src=local_src, timeout_s=timeout_s)
+                self.local.broadcast(flat[c0:c1], src=local_src, timeout_s=t())
 
         self._overlapped(self._segments(int(flat.size), flat.itemsize, 1), start, finish)
         return x
 
     def barrier(self, timeout_s: float | None) -> None:
         """The host's barrier, its leaders' across the hosts, the host's again."""
+        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         if self.local_size > 1:
-            self.local.barrier(timeout_s=timeout_s)
+            self.local.barrier(timeout_s=t())
         if self.local_rank == 0:
-            self.cross[0].barrier(timeout_s=timeout_s)
+            self.cross[0].barrier(timeout_s=t())
         if self.local_size > 1:
-            self.local.barrier(timeout_s=timeout_s)
+            self.local.barrier(timeout_s=t())

@@ -13,11 +13,13 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from ringcomm.hierarchy import MIN_STEP_S, Budget
 from ringcomm.schedule.topology import hier_plan, piece_bounds, topology
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,3 +199,15 @@ def test_hier_on_a_group_it_does_not_fit_is_a_clear_error() -> None:
                 call()
         # asynchronous calls stay flat: "hier" then leaves the choice to the flat rules
         assert pg.all_gather(np.ones(3), async_op=True, algo="hier").wait().shape == (1, 3)
+
+
+def test_the_steps_of_a_hierarchical_call_share_its_deadline() -> None:
+    # Each step gets what is left of the call's timeout_s (not the whole of it again), and
+    # at least MIN_STEP_S once it has passed: the call ends within its timeout_s.
+    t0 = time.monotonic()
+    budget = Budget(5.0)
+    assert 4.0 < budget() <= 5.0 - (time.monotonic() - t0) + 1e-6  # what is left, no more
+    budget.deadline = time.monotonic() - 1.0  # the deadline has passed
+    assert budget() == MIN_STEP_S
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        Budget(0.0)
