@@ -204,10 +204,9 @@ def test_hier_on_a_group_it_does_not_fit_is_a_clear_error() -> None:
 def test_the_steps_of_a_hierarchical_call_share_its_deadline() -> None:
     # Each step gets what is left of the call's timeout_s (not the whole of it again), and
     # at least MIN_STEP_S once it has passed: the call ends within its timeout_s.
-    t0 = time.monotonic()
     budget = Budget(5.0)
     left = budget()
-    assert 4.0 < left <= budget.deadline - t0 <= 5.0 + (budget.deadline - 5.0 - t0)
+    assert 4.0 < left <= 5.0
     assert budget() <= left  # what is left, never more
     budget.deadline = time.monotonic() - 1.0  # the deadline has passed
     assert budget() == MIN_STEP_S
