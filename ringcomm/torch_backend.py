@@ -124,8 +124,6 @@ _CLOSED_KEY = "ringcomm/closed"
 _CHECKOUT_MAX_S = 30.0
 #: Tags of monitored barriers in the point-to-point group (far above the all-to-all ones).
 _MONITORED_TAG0 = 1 << 40
-#: The longest the point-to-point poller sleeps between looks (adaptive from 50 us).
-_P2P_POLL_MAX_S = 0.002
 
 _RC_OPS = {
     ReduceOp.SUM: "sum",
@@ -410,18 +408,47 @@ def _unwrap(fut: Future[Any]) -> Any:
     return value
 
 
+def _when_done(work: RingcommWork, fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once every ringcomm operation under ``work`` is done (from the thread
+    that completes the last one, or here if they all are)."""
+    ops: list[RcWork] = []
+    stack = [work]
+    while stack:
+        for w in stack.pop()._works:
+            if isinstance(w, RingcommWork):
+                stack.append(w)
+            else:
+                ops.append(cast(RcWork, w))
+    if not ops:
+        fn()
+        return
+    left = [len(ops)]
+    lock = threading.Lock()
+
+    def one(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    for op in ops:
+        op.add_done_callback(one)
+
+
 class _Completer:
     """Completes the torch futures of one group without anyone calling ``wait()``.
 
     Collectives: one thread waits on them in issue order (ringcomm finishes a group's
     collectives in that order, so waiting on the oldest never holds up a younger one).
-    Point-to-point work may finish in any order: a second thread polls it.
+    Point-to-point work may finish in any order: each tells a second thread when it is
+    done (:func:`_when_done`, ringcomm's done callbacks), which settles it.
     """
 
     def __init__(self, name: str) -> None:
         self._colls: collections.deque[RingcommWork | None] = collections.deque()
         self._coll_cv = threading.Condition()
-        self._p2p: list[RingcommWork] = []
+        self._p2p: collections.deque[RingcommWork] = collections.deque()  # done, to settle
         self._p2p_cv = threading.Condition()
         self._closed = False
         self._coll_thread = threading.Thread(
@@ -434,17 +461,22 @@ class _Completer:
     def add(self, work: RingcommWork, p2p: bool) -> None:
         if p2p:
             with self._p2p_cv:
-                self._p2p.append(work)
                 if self._p2p_thread is None:
                     self._p2p_thread = threading.Thread(
                         target=self._p2p_main, name=f"ringcomm-torch-p2p-{self._name}", daemon=True
                     )
                     self._p2p_thread.start()
-                self._p2p_cv.notify()
+            _when_done(work, lambda: self._p2p_done(work))
         else:
             with self._coll_cv:
                 self._colls.append(work)
                 self._coll_cv.notify()
+
+    def _p2p_done(self, work: RingcommWork) -> None:
+        """Every ringcomm operation of ``work`` is done (a done callback: no waiting)."""
+        with self._p2p_cv:
+            self._p2p.append(work)
+            self._p2p_cv.notify()
 
     def _coll_main(self) -> None:
         while True:
@@ -457,24 +489,14 @@ class _Completer:
             work._settle()
 
     def _p2p_main(self) -> None:
-        sleep_s = 5e-5
         while True:
             with self._p2p_cv:
                 while not self._p2p and not self._closed:
                     self._p2p_cv.wait()
                 if self._closed:
                     return
-                pending = list(self._p2p)
-            ready = [w for w in pending if w._ready()]
-            for w in ready:
-                w._settle()
-            if ready:
-                with self._p2p_cv:
-                    self._p2p = [w for w in self._p2p if w not in ready]
-                sleep_s = 5e-5
-            else:
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, _P2P_POLL_MAX_S)
+                work = self._p2p.popleft()
+            work._settle()  # (its operations are done: nothing to wait for)
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._coll_cv:

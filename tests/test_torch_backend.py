@@ -417,6 +417,14 @@ def collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, st
         for w in dist.batch_isend_irecv(ops_):
             w.wait()
         assert torch.equal(got4, torch.full((4,), float(left)))
+        # Receives finishing in another order than posted: their futures complete with
+        # nobody calling wait() (the completer, woken by ringcomm's done callbacks).
+        bufs = [torch.empty(3) for _ in range(2)]
+        futs = [dist.irecv(bufs[k], src=left, tag=10 + k).get_future() for k in range(2)]
+        for k in (1, 0):
+            dist.send(torch.full((3,), float(R * 10 + k)), dst=right, tag=10 + k)
+        for k in (1, 0):
+            assert torch.equal(futs[k].wait()[0], torch.full((3,), float(left * 10 + k)))
 
     def barrier_and_names() -> None:
         dist.barrier()
