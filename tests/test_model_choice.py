@@ -30,6 +30,7 @@ from ringcomm.collectives.choice import CHUNK_CANDIDATES, ModelChooser, size_buc
 from ringcomm.config import DEFAULT_TUNE_FILE, resolve_init_config
 from ringcomm.costmodel import CostModel, LinkModel, load_tune_file
 from ringcomm.group import ProcessGroup
+from ringcomm.rendezvous import StoreServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -287,7 +288,30 @@ def test_a_loaded_model_changes_the_algorithm_on_pretend_hosts(tmp_path: Path) -
 def test_a_bad_model_file_fails_every_rank_naming_it(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
+    # Through the launcher: it stops the others once rank 0 fails (no timeout).
     out = _run([0, 0, 1, 1], cwd=tmp_path, env={"RINGCOMM_TUNE_FILE": str(bad)}, check=False)
     assert out.returncode != 0
     assert f"RINGCOMM_TUNE_FILE: {bad}: not JSON" in out.stderr
-    assert "rank 0's cost model" in out.stderr  # the other ranks say why too, not a timeout
+    # Plain processes, the store outliving rank 0: every other rank says why too.
+    server = StoreServer("127.0.0.1", 0, token="model-test").start()
+    try:
+        procs = []
+        for r in range(4):
+            env = {k: v for k, v in os.environ.items() if k != "RINGCOMM_TUNE_FILE"}
+            env.update(PYTHONPATH=str(REPO), RINGCOMM_RANK=str(r), RINGCOMM_WORLD_SIZE="4",
+                       RINGCOMM_MASTER_ADDR="127.0.0.1", RINGCOMM_MASTER_PORT=str(server.port),
+                       RINGCOMM_TOKEN="model-test", RINGCOMM_STORE_EXTERNAL="1",
+                       RINGCOMM_TUNE_FILE=str(bad))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "0,0,1,1"], cwd=tmp_path,
+                                          env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))  # fmt: skip
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.close()
+    assert all(p.returncode != 0 for p in procs), errs
+    assert f"RINGCOMM_TUNE_FILE: {bad}: not JSON" in errs[0]
+    for r in (1, 2, 3):
+        assert f"rank {r}: rank 0's cost model: RINGCOMM_TUNE_FILE: {bad}" in errs[r], errs[r]
