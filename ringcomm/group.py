@@ -654,7 +654,9 @@ class ProcessGroup:
         ``on_admit``: called on every rank once they know ranks are admitted, before any
         of them closes this group: stop work in the background on this group and its
         sub-groups there (a receive still posted when a peer closes it fails, and says
-        so, as a peer's departure)."""
+        so, as a peer's departure). Like any collective, it raises ``PeerFailedError``
+        if a rank went meanwhile (even one that finished the last call before it
+        died): shrink then, as after a failed step."""
         core = self.core
         if not core.is_world:
             raise ValueError(f"rank {core.rank}: grow: call it on the world group")

@@ -188,6 +188,19 @@ def _share_state(pg: Any, strat: ElasticStrategy, step: int, have: bool) -> int:
     return int(meta[0])
 
 
+def _shrink(pg: Any, strat: ElasticStrategy, step: int, back: Any, t0: float,
+            changes: list[dict[str, Any]]) -> tuple[Any, int]:  # fmt: skip
+    """A peer failed at ``step`` (in it, or in the grow at its start): the survivors'
+    group, and the step they take again (``back``: the snapshot before this rank's last
+    step, for a rank one ahead); the change recorded in ``changes``."""
+    pg = pg.shrink()
+    seen_at, step = step, agree_step(pg, strat, step, back)
+    strat.regroup(pg, step)
+    changes.append({"step": step, "seen_at": seen_at, "event": "shrink", "slots": pg.slots,
+                    "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
+    return pg, step
+
+
 def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     """Train ``cfg.steps`` steps of ``cfg.strategy`` on ``pg`` through failures (module
     docstring). Returns per step index the loss and the time (this process's steps
@@ -211,7 +224,13 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             t0 = time.perf_counter()
             # A slot being started again: wait for it here; the strategy lets go of this
             # group (a ps server's request loops) before anyone closes it.
-            grown = pg.grow(wait=True, on_admit=strat.abandon)
+            try:
+                grown = pg.grow(wait=True, on_admit=strat.abandon)
+            except PeerFailedError:  # a rank went right after the last step: as in a step
+                strat.abandon()
+                pg, step = _shrink(pg, strat, step, snap, t0, changes)
+                sent0, steps_in_group = pg.stats()["sent_bytes"], 0
+                continue
             if grown is not pg:
                 pg = grown
                 strat.regroup(pg, step)
@@ -230,12 +249,8 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
         except PeerFailedError:
             strat.abandon()
             restore(strat, snap)
-            pg = pg.shrink()
-            seen_at, step = step, agree_step(pg, strat, step, prev_snap)
-            strat.regroup(pg, step)
+            pg, step = _shrink(pg, strat, step, prev_snap, t0, changes)
             sent0, steps_in_group = pg.stats()["sent_bytes"], 0
-            changes.append({"step": step, "seen_at": seen_at, "event": "shrink", "slots": pg.slots,
-                            "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
             continue  # the same step again, on the survivors
         times[step] = time.perf_counter() - t0
         if loss is not None:  # (every rank of an elastic strategy has it)

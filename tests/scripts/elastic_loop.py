@@ -37,7 +37,12 @@ def main() -> None:
         changes.append([None, "rejoined", list(pg.core.state.slots)])
     while True:
         if not tell:
-            grown = pg.grow()  # a collective of the survivors (every step boundary)
+            try:
+                grown = pg.grow()  # a collective of the survivors (every step boundary)
+            except rc.PeerFailedError:  # a rank went right after the last step's all_reduce
+                pg = pg.shrink()
+                changes.append([step, "shrank", list(pg.core.state.slots)])
+                continue
             tell = grown is not pg
             if tell:
                 pg = grown
