@@ -363,6 +363,17 @@ def _model_chunk(
     return choice.chunk_bytes if choice is not None and choice.algo == algo else None
 
 
+def _chunk_of(
+    group: GroupCore, collective: str, algo: str, requested: str | None, nbytes: int
+) -> int | None:
+    """The piece size of a call: None (the group's) unless a cost model chose one
+    (:func:`_model_chunk`; all_reduce, the latency-bound one, has these lines inline)."""
+    model = group.chooser
+    if model is None or nbytes <= model.one_piece_bytes:
+        return None
+    return _model_chunk(group, collective, algo, requested, nbytes)
+
+
 def model_chooser(group: GroupCore) -> ModelChooser | None:
     """The group's cost-model choices (:mod:`ringcomm.collectives.choice`), made at its
     first call for its world shape (hosts from the endpoints published at rendezvous);
@@ -465,9 +476,7 @@ def reduce_scatter(
     x, out, rop = check_reduce_scatter(group, x, out, op)
     async_op = _check_flag(async_op, what)
     chosen = _pick(group, "reduce_scatter", algo, x.nbytes, type(x) is np.ndarray, what)
-    chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
-        chunk = _model_chunk(group, "reduce_scatter", chosen, algo, x.nbytes)
+    chunk = _chunk_of(group, "reduce_scatter", chosen, algo, x.nbytes)
     call = Call("reduce_scatter", chosen, x=x, out=out, op=rop, dtype=x.dtype,
                 shape=tuple(x.shape), chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
@@ -487,9 +496,7 @@ def all_gather(
     x, out = check_all_gather(group, x, out)
     async_op = _check_flag(async_op, what)
     chosen = _pick(group, "all_gather", algo, x.nbytes, type(x) is np.ndarray, what)
-    chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
-        chunk = _model_chunk(group, "all_gather", chosen, algo, x.nbytes)
+    chunk = _chunk_of(group, "all_gather", chosen, algo, x.nbytes)
     call = Call("all_gather", chosen, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
                 chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
@@ -509,9 +516,7 @@ def broadcast(
     x, src = check_broadcast(group, x, src)
     async_op = _check_flag(async_op, what)
     chosen = _pick(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what)
-    chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
-        chunk = _model_chunk(group, "broadcast", chosen, algo, x.nbytes)
+    chunk = _chunk_of(group, "broadcast", chosen, algo, x.nbytes)
     call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape),
                 chunk_bytes=chunk)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
