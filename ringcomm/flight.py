@@ -133,7 +133,7 @@ class FlightRecorder:
         self.at_close = at_close
         self.entries: deque[Entry] = deque(maxlen=self.capacity or 1)
         self._stats: dict[tuple[str, int], list[Any]] = {}  # (op, size bucket) -> stat
-        self._ended: list[Entry] = []  # ended since the last fold
+        self.ended: list[Entry] = []  # ended since the last fold
         self._lock = threading.Lock()  # dumps (a signal, a worker thread) against each other
         self.dumps = 0
         # The hot path, bound once. A caller may record inline (what start and done do,
@@ -141,8 +141,7 @@ class FlightRecorder:
         # ``push(entry)`` at the start, then ``entry[E_END] = now(); entry[E_STATE] = DONE;
         # ended_push(entry)``, and ``fold()`` once ``len(ended) >= FOLD_BATCH``.
         self.push = self.entries.append
-        self.ended = self._ended
-        self.ended_push = self._ended.append
+        self.ended_push = self.ended.append
 
     # -- the hot path ----------------------------------------------------------------
     def start(
@@ -162,7 +161,7 @@ class FlightRecorder:
         entry[E_END] = now()
         entry[E_STATE] = DONE
         self.ended_push(entry)
-        if len(self._ended) >= FOLD_BATCH:
+        if len(self.ended) >= FOLD_BATCH:
             self.fold()
 
     def end(self, entry: Entry | None, error: BaseException | None = None) -> None:
@@ -178,8 +177,8 @@ class FlightRecorder:
     def fold(self) -> None:
         """Add the operations ended since the last fold to the summary's counters (in
         batches: one loop costs less than a dictionary update on every call)."""
-        ended = self._ended[:]
-        self._ended.clear()  # (the same list: ended and ended_push stay bound to it)
+        ended = self.ended[:]
+        self.ended.clear()  # (the same list: ended_push stays bound to it)
         stats = self._stats
         last_op, last_shape, last_dtype, nbytes = None, None, None, 0
         stat = [0, 0, 0.0, 0]

@@ -32,6 +32,7 @@ from .buffers import check_array, check_peer, check_tag
 from .collectives import HIER_ALGO
 from .collectives import api as _collectives
 from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
+from .costmodel import ALGORITHMS as MODEL_ALGORITHMS
 from .costmodel import CostModel, load_tune_file
 from .device.p2p import recv_op_class, send_op_class
 from .elastic import (
@@ -84,8 +85,8 @@ from .work import Work
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 
 
-#: The collectives a cost model prices hierarchically (ringcomm.costmodel.ALGORITHMS).
-_MODEL_HIER = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
+#: The collectives a cost model prices hierarchically.
+_MODEL_HIER = frozenset(op for op, algos in MODEL_ALGORITHMS.items() if "hierarchical" in algos)
 
 
 def _flat(algo: str | None) -> str | None:

@@ -152,32 +152,27 @@ class Hierarchy:
 
     def _even(self, flat: Any, op: ReduceOp, t: Budget) -> None:
         """One piece per local rank: the host's reduce_scatter and all_gather (on its
-        shared workspace) over the first ``M * (count // M)`` elements; the last
-        ``count % M`` (fewer than M) are all-reduced flat over the whole group."""
+        shared workspace, in place) over the first ``M * (count // M)`` elements, in
+        segments: the host's steps of one overlap the inter-host all_reduce of the one
+        before; the last ``count % M`` (fewer than M) are all-reduced flat."""
         m, local, me = self.plan.pieces, self.local, self.local.rank
         q, r = divmod(int(flat.size), m)
-        # Segments of about SEGMENT_BYTES: the host's steps of one overlap the inter-host
-        # all_reduce of the one before (it is asynchronous).
-        per = max(1, SEGMENT_BYTES // (m * flat.itemsize))
-        pending: list[tuple[Any, Any, Any]] = []  # (work, my piece, the segment's rows)
-        for c0 in range(0, q, per):
-            c1 = min(q, c0 + per)
+
+        def start(c0: int, c1: int) -> Any:
             rows = flat[c0 * m : c1 * m].reshape(m, c1 - c0)
             mine = rows[me]
-            local.reduce_scatter(rows, out=mine, op=op, timeout_s=t())  # in place
-            pending.append((self.cross[me].all_reduce(mine, op=op, async_op=True,
-                                                      timeout_s=t()), mine, rows))  # fmt: skip
-            if len(pending) > 1:
-                self._gather(pending.pop(0), t)
-        for item in pending:
-            self._gather(item, t)
+            local.reduce_scatter(rows, out=mine, op=op, timeout_s=t())
+            return self.cross[me].all_reduce(mine, op=op, async_op=True, timeout_s=t()), rows
+
+        def finish(item: Any) -> None:
+            work, rows = item
+            work.wait(timeout_s=t())
+            local.all_gather(rows[me], out=rows, timeout_s=t())  # in place
+
+        if q:
+            self._overlapped(self._segments(q, flat.itemsize, m), start, finish)
         if r:
             self.pg.all_reduce(flat[q * m :], op=op, timeout_s=t(), algo=FLAT_ALGO)
-
-    def _gather(self, item: tuple[Any, Any, Any], t: Budget) -> None:
-        work, mine, rows = item
-        work.wait(timeout_s=t())
-        self.local.all_gather(mine, out=rows, timeout_s=t())  # in place: mine is rows[me]
 
     def _uneven(self, flat: Any, op: ReduceOp, t: Budget) -> None:
         """Hosts of different sizes: piece j reduced onto local rank ``j % L``, all-reduced

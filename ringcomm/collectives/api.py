@@ -33,7 +33,6 @@ from ..flight import DONE, E_END, E_STATE, FOLD_BATCH, RUNNING, now
 from ..group_core import GroupCore, setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
 from ..progress import Op
-from ..schedule.topology import topology
 from ..work import Work
 from . import ALGORITHMS, HIER_ALGO, WORKSPACE_ALGO, choose_algorithm, get_algorithm
 from .base import Call, Comm
@@ -382,10 +381,7 @@ def model_chooser(group: GroupCore) -> ModelChooser | None:
     model = group.state.costmodel
     if chooser is not None or model is None or group.world_size < 2:
         return chooser  # type: ignore[no-any-return]
-    state = group.state
-    topo = topology([
-        state.peers[g].host_id if g in state.peers else state.host_id for g in group.ranks
-    ])  # fmt: skip
+    topo = group.topology
     chooser = group.chooser = ModelChooser(
         model, topo.num_hosts, topo.max_local_size, group.world_size, ALGORITHMS,
         chunk_bytes=group.chunk_bytes, choose_chunk=group.config.chunk_bytes is None,
