@@ -35,6 +35,7 @@ __all__ = [
     "E_END",
     "E_STATE",
     "FOLD_BATCH",
+    "FOLD_MASK",
     "RUNNING",
     "Entry",
     "FlightRecorder",
@@ -43,21 +44,34 @@ __all__ = [
     "desync_report",
     "entry_bytes",
     "entry_dict",
+    "entry_state",
     "load_dir",
     "now",
     "size_bucket",
     "summary_table",
+    "wall_offset_s",
 ]
 
 #: Operations each rank remembers by default.
 DEFAULT_ENTRIES = 4096
-#: Ended operations the summary's counters take in at a time.
+#: Operations the summary's counters take in at a time (a power of two: an inline caller
+#: folds when ``seq & FOLD_MASK == 0``).
 FOLD_BATCH = 256
+FOLD_MASK = FOLD_BATCH - 1
 #: The version of the trace file's layout.
 FILE_VERSION = 1
 
-#: The clock of start and end times (wall clock: ranks' records line up across hosts).
-now = time.time
+#: The clock of start and end times in entries: ``time.monotonic`` (what a call's deadline
+#: counts from, so a recorded call reads the clock as often as an unrecorded one); the
+#: files hold wall-clock times (:func:`wall_offset_s` added when written), so ranks'
+#: records line up.
+now = time.monotonic
+
+
+def wall_offset_s() -> float:
+    """Wall clock minus :func:`now`, now (taken per dump: the newest entries, those a
+    desync report reads, line up best)."""
+    return time.time() - time.monotonic()
 
 RUNNING = "running"
 DONE = "done"
@@ -86,8 +100,11 @@ def entry_bytes(e: Entry) -> int:
     return count * int(getattr(dtype, "itemsize", 0))
 
 
-def entry_dict(e: Entry) -> dict[str, Any]:
-    """An entry as the trace file's JSON object."""
+def entry_dict(e: Entry, offset_s: float | None = None) -> dict[str, Any]:
+    """An entry as the trace file's JSON object, its times on the wall clock (``offset_s``:
+    :func:`wall_offset_s`, taken now if None)."""
+    if offset_s is None:
+        offset_s = wall_offset_s()
     dtype, shape = e[E_DTYPE], e[E_SHAPE]
     return {
         "group": e[E_GROUP],
@@ -98,10 +115,17 @@ def entry_dict(e: Entry) -> dict[str, Any]:
         "bytes": entry_bytes(e),
         "algo": e[E_ALGO],
         "peers": list(e[E_PEERS]),
-        "start_s": e[E_START],
-        "end_s": e[E_END],
-        "state": e[E_STATE],
+        "start_s": e[E_START] + offset_s,
+        "end_s": None if e[E_END] is None else e[E_END] + offset_s,
+        "state": entry_state(e),
     }
+
+
+def entry_state(e: Entry) -> str:
+    """``running``, ``done`` (ended with its state left ``running``: the hot path only
+    stores the end time), or ``failed: <the error>``."""
+    state: str = e[E_STATE]
+    return DONE if state is RUNNING and e[E_END] is not None else state
 
 
 def size_bucket(nbytes: int) -> int:
@@ -122,7 +146,20 @@ def bus_factor(op: str, n: int) -> float:
 
 class FlightRecorder:
     """The ring buffer of this process's last ``capacity`` operations (0: records
-    nothing), the per-op summary, and where the record goes (``trace_dir``)."""
+    nothing), the per-op summary, and where the record goes (``trace_dir``).
+
+    The hot path is two list operations and two clock reads per call. An operation is
+    pushed (``push(entry)``, an append to :attr:`pending`, the newest entries) as it
+    starts, and ended by storing its end time (``entry[E_END] = now()``: its state stays
+    ``running`` and reads as ``done``; a failed one gets ``failed: ...`` in
+    ``entry[E_STATE]``, :meth:`end`). Every so often :meth:`fold` moves the ended pending
+    entries into the ring (:attr:`entries`, the older ones, at most ``capacity``) and adds
+    them to the summary's counters, in one loop: inline callers (every blocking
+    collective, ``ringcomm.collectives.api``) fold when their group's sequence number is a
+    multiple of :data:`FOLD_BATCH` (``seq & FOLD_MASK == 0``: no counter to keep), the
+    others (:meth:`done`) when :data:`FOLD_BATCH` entries are pending, and every reader
+    before it reads. Between folds each group adds fewer than :data:`FOLD_BATCH` entries.
+    """
 
     def __init__(self, capacity: int, rank: int, trace_dir: str | None = None,
                  at_close: bool = False) -> None:  # fmt: skip
@@ -131,17 +168,14 @@ class FlightRecorder:
         self.rank = rank
         self.trace_dir = trace_dir
         self.at_close = at_close
-        self.entries: deque[Entry] = deque(maxlen=self.capacity or 1)
+        self.entries: deque[Entry] = deque(maxlen=self.capacity or 1)  # folded, oldest first
+        self.pending: list[Entry] = []  # pushed since the last fold (running or ended)
         self._stats: dict[tuple[str, int], list[Any]] = {}  # (op, size bucket) -> stat
-        self.ended: list[Entry] = []  # ended since the last fold
         self._lock = threading.Lock()  # dumps (a signal, a worker thread) against each other
+        self._fold_lock = threading.Lock()  # folds (a done callback's thread) likewise
         self.dumps = 0
-        # The hot path, bound once. A caller may record inline (what start and done do,
-        # without two calls: ringcomm.collectives.api does for every blocking collective):
-        # ``push(entry)`` at the start, then ``entry[E_END] = now(); entry[E_STATE] = DONE;
-        # ended_push(entry)``, and ``fold()`` once ``len(ended) >= FOLD_BATCH``.
-        self.push = self.entries.append
-        self.ended_push = self.ended.append
+        #: The hot path, bound once (see the class docstring).
+        self.push = self.pending.append
 
     # -- the hot path ----------------------------------------------------------------
     def start(
@@ -159,9 +193,7 @@ class FlightRecorder:
     def done(self, entry: Entry) -> None:
         """The operation of ``entry`` (not None) ended well: :meth:`end`'s fast path."""
         entry[E_END] = now()
-        entry[E_STATE] = DONE
-        self.ended_push(entry)
-        if len(self.ended) >= FOLD_BATCH:
+        if len(self.pending) >= FOLD_BATCH:
             self.fold()
 
     def end(self, entry: Entry | None, error: BaseException | None = None) -> None:
@@ -171,18 +203,32 @@ class FlightRecorder:
         if error is None:
             self.done(entry)
             return
-        entry[E_END] = now()
         entry[E_STATE] = f"failed: {type(error).__name__}: {error}"
+        entry[E_END] = now()
 
     def fold(self) -> None:
-        """Add the operations ended since the last fold to the summary's counters (in
-        batches: one loop costs less than a dictionary update on every call)."""
-        ended = self.ended[:]
-        self.ended.clear()  # (the same list: ended_push stays bound to it)
-        stats = self._stats
+        """Move the ended pending entries into the ring and add the well-ended ones to the
+        summary's counters (one loop for a batch: less than a dictionary update on every
+        call); running ones stay pending."""
+        with self._fold_lock:
+            pending = self.pending
+            n = len(pending)
+            batch = pending[:n]
+            del pending[:n]  # (the same list: push stays bound to it; later pushes kept)
+            self._fold(batch)
+
+    def _fold(self, batch: list[Entry]) -> None:
+        pending, stats, ring = self.pending, self._stats, self.entries
         last_op, last_shape, last_dtype, nbytes = None, None, None, 0
         stat = [0, 0, 0.0, 0]
-        for e in ended:
+        for e in batch:
+            end = e[E_END]
+            if end is None:  # still running (asynchronous): folded once it ends
+                pending.append(e)
+                continue
+            ring.append(e)
+            if e[E_STATE] is not RUNNING:  # failed: not in the summary
+                continue
             op, shape, dtype = e[E_OP], e[E_SHAPE], e[E_DTYPE]
             if op is not last_op or shape != last_shape or dtype is not last_dtype:
                 # (runs of one call are common: look its counters up once per run)
@@ -194,24 +240,30 @@ class FlightRecorder:
                     stat = stats[key] = [0, 0, 0.0, len(e[E_PEERS])]
             stat[0] += 1
             stat[1] += nbytes
-            stat[2] += e[E_END] - e[E_START]
+            stat[2] += end - e[E_START]
+
+    def newest(self) -> list[Entry]:
+        """The last ``capacity`` entries (folded or not), oldest first (by start time)."""
+        both = sorted([*self.entries, *self.pending], key=lambda e: e[E_START])
+        return both[-self.capacity:] if self.capacity else []
 
     # -- reading -----------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:
         """The entries, oldest first, as JSON-ready dicts."""
-        return [entry_dict(e) for e in list(self.entries)]
+        offset = wall_offset_s()
+        return [entry_dict(e, offset) for e in self.newest()]
 
     def summary(self) -> list[dict[str, Any]]:
         """Per op and size bucket (sorted): ``op``, ``bucket_bytes``, ``count``, ``bytes``,
         ``total_s``, ``median_s`` (of those still in the ring: the newest operations; the
         mean where none is), ``busbw_GBps`` (nccl-tests' bus bandwidth of the mean bytes
         at the median time)."""
+        self.fold()
         recent: dict[tuple[str, int], list[float]] = {}
         for e in list(self.entries):
-            if e[E_STATE] == DONE and e[E_END] is not None:
+            if entry_state(e) == DONE:
                 recent.setdefault((e[E_OP], size_bucket(entry_bytes(e))), []).append(
                     e[E_END] - e[E_START])
-        self.fold()
         rows = []
         for (op, bucket), (count, nbytes, total_s, world) in sorted(self._stats.items()):
             took = recent.get((op, bucket))

@@ -296,7 +296,9 @@ class GroupCore:
         self.closed = False
         #: The error of a collective that failed here: the group stays failed.
         self.failed: BaseException | None = None
-        self._coll_seq = 0
+        #: The sequence number of this group's latest collective (0: none yet); a plain
+        #: attribute, read on every call by the flight recorder (a property costs more).
+        self.collective_seq = 0
         self._subgroup_count = 0
         #: The shared workspace of a group on one host (:func:`setup_workspace`), and the
         #: collectives' state on it (ringcomm.collectives.workspace, made on first use).
@@ -393,15 +395,10 @@ class GroupCore:
                 self.failed = exc
             raise
 
-    @property
-    def collective_seq(self) -> int:
-        """The sequence number of this group's latest collective (0: none yet)."""
-        return self._coll_seq
-
     def next_collective_seq(self) -> int:
         """Sequence number tagging the next collective (all ranks call them in one order)."""
-        self._coll_seq += 1
-        return self._coll_seq
+        self.collective_seq += 1
+        return self.collective_seq
 
     def next_subgroup_index(self) -> int:
         """How many sub-groups this group has made, this one included (their ids)."""

@@ -39,6 +39,48 @@ def test_the_ring_keeps_the_newest_entries_and_the_summary_counts_every_call() -
     assert flight.summary_table(rec.summary()).splitlines()[1].startswith("all_reduce")
 
 
+def test_the_inline_protocol_folds_on_the_sequence_number_and_keeps_running_ops_pending() -> None:
+    """What ringcomm.collectives.api does per blocking call: push the entry, store the end
+    time (the state stays ``running`` and reads ``done``), fold at ``seq & FOLD_MASK == 0``;
+    an asynchronous one still running at a fold stays pending and is counted once, when
+    it ends; a failed one is in the ring but not in the summary."""
+    rec = flight.FlightRecorder(8, rank=0)
+    running = rec.start(0, 0, "all_gather", "int32", (3,), 12, "ring", (0, 1))
+    assert running is not None
+    for seq in range(1, flight.FOLD_BATCH + 3):
+        e = [0, seq, "all_reduce", np.dtype("float32"), (2,), None, "ws", (0, 1),
+             flight.now(), None, flight.RUNNING]  # fmt: skip
+        rec.push(e)
+        e[flight.E_END] = flight.now()
+        if not seq & flight.FOLD_MASK:
+            rec.fold()
+            assert rec.pending == [running]  # everything else went to the ring
+    assert len(rec.pending) == 3 and len(rec.entries) == 8  # the ring keeps 8
+    failed = rec.start(0, 999, "broadcast", "int8", (1,), 1, "chain", (0, 1))
+    rec.end(failed, RuntimeError("boom"))
+    records = rec.records()
+    assert len(records) == 8 and records[-1]["state"] == "failed: RuntimeError: boom"
+    assert records[-2]["state"] == "done" and records[-2]["seq"] == flight.FOLD_BATCH + 2
+    assert [r["seq"] for r in records if r["op"] == "all_gather"] == []  # older than the last 8
+    assert rec.newest()[0][flight.E_SEQ] == flight.FOLD_BATCH - 4
+    rows = {(r["op"], r["bucket_bytes"]): r["count"] for r in rec.summary()}
+    assert rows == {("all_reduce", 8): flight.FOLD_BATCH + 2}  # the running one: not yet
+    rec.end(running)
+    rows = {(r["op"], r["bucket_bytes"]): r["count"] for r in rec.summary()}
+    assert rows == {("all_reduce", 8): flight.FOLD_BATCH + 2, ("all_gather", 16): 1}
+    assert rec.pending == []
+    assert {(r["op"], r["bucket_bytes"]): r["count"] for r in rec.summary()} == rows  # once
+
+
+def test_records_are_on_the_wall_clock() -> None:
+    rec = flight.FlightRecorder(4, rank=0)
+    before = time.time()
+    rec.end(rec.start(0, 1, "barrier", None, None, 0, "shm", (0, 1)))
+    after = time.time()
+    (r,) = rec.records()
+    assert before - 0.01 <= r["start_s"] <= r["end_s"] <= after + 0.01
+
+
 def test_an_off_recorder_records_nothing_and_writes_nothing(tmp_path: Path) -> None:
     rec = flight.FlightRecorder(0, rank=0, trace_dir=str(tmp_path))
     assert rec.start(0, 1, "barrier", None, None, 0, "shm", (0,)) is None
@@ -171,6 +213,29 @@ def test_comm_summary_counts_each_op_and_size_bucket() -> None:
     got = {(r["op"], r["bucket_bytes"]): r["count"] for r in rows}
     assert got == {("all_reduce", 8): 1, ("all_reduce", 8192): 2, ("all_gather", 16): 1}
     assert all(r["busbw_GBps"] >= 0 and r["total_s"] > 0 for r in rows)
+
+
+def _many(pg: rc.ProcessGroup, calls: int) -> tuple[list[dict[str, Any]], list[int]]:
+    sub = pg.new_group([0, 1])
+    x = np.ones(2, np.float32)
+    for i in range(calls):
+        pg.all_reduce(x)
+        if i % 3 == 0 and sub is not None:  # (rank 2 is not in it)
+            sub.all_reduce(x)
+        if i % 50 == 0:
+            pg.all_reduce(x, async_op=True).wait()
+    seqs = [r["seq"] for r in pg.core.state.recorder.records() if r["group"] == pg.core.group_id]
+    return pg.comm_summary(), seqs
+
+
+@pytest.mark.timeout(120)
+def test_comm_summary_counts_every_call_across_many_folds() -> None:
+    calls = 3 * 256 + 7  # several folds of the world group's, the sub-group's in between
+    rows, seqs = rc.spawn(_many, 3, args=(calls,), timeout_s=100)[0]
+    got = {(r["op"], r["bucket_bytes"]): r["count"] for r in rows}
+    world = calls + len(range(0, calls, 50))
+    assert got == {("all_reduce", 8): world + len(range(0, calls, 3))}
+    assert seqs == sorted(seqs) and seqs[-1] == world  # the newest, in the order called
 
 
 def _close_writes(pg: rc.ProcessGroup) -> None:

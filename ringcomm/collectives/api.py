@@ -29,7 +29,7 @@ from ..buffers import check_array, check_peer
 from ..device.staging import backend_for
 from ..device.xp import get_xp, is_device_array
 from ..errors import CollectiveMismatchError, CommTimeoutError, PeerFailedError, RingcommError
-from ..flight import DONE, E_END, E_STATE, FOLD_BATCH, RUNNING, now
+from ..flight import E_END, FOLD_MASK, RUNNING, now
 from ..group_core import GroupCore, setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
 from ..progress import Op
@@ -181,17 +181,19 @@ def _run(
     recorder = group.state.recorder
     if not recorder.enabled:
         return _run_call(group, call, timeout_s, async_op, what)
-    # Inline, not recorder.start()/done(): two calls fewer on every collective (~0.15 us
-    # a call in a 2-rank job, a third of the recorder's cost at 8 B; ringcomm.flight).
-    # (bytes None: computed from dtype and shape when read; the dtype's name likewise)
-    seq = group.collective_seq + 1
+    # Inline, not recorder.start()/done(): the entry pushed here, ended by storing its end
+    # time (its state reads "done" then), folded into the summary when the sequence
+    # number is a multiple of FOLD_BATCH (ringcomm.flight.FlightRecorder). Every load
+    # here counts: this is on every collective (~0.5 us a call in a 2-rank job before).
     # (call[i]: Call's name 0, algo 1, dtype 6, shape 7; indexing a NamedTuple costs
-    # less than its properties)
+    # less than its properties; bytes None: computed from dtype and shape when read)
+    seq = group.collective_seq + 1
+    start_s = now()
     e = [group.group_id, seq, call[0], call[6], call[7], None, call[1], group.ranks,
-         now(), None, RUNNING]  # fmt: skip
+         start_s, None, RUNNING]  # fmt: skip
     recorder.push(e)
     try:
-        result = _run_call(group, call, timeout_s, async_op, what)
+        result = _run_call(group, call, timeout_s, async_op, what, start_s)
     except BaseException as exc:
         recorder.end(e, exc)
         if isinstance(exc, _TRACED):
@@ -201,9 +203,7 @@ def _run(
         result.add_done_callback(lambda w: _ended(group, e, w, f"op #{seq} {call.name}"))
         return result
     e[E_END] = now()
-    e[E_STATE] = DONE
-    recorder.ended_push(e)
-    if len(recorder.ended) >= FOLD_BATCH:
+    if not seq & FOLD_MASK:
         recorder.fold()
     return result
 
@@ -217,8 +217,16 @@ def _ended(group: GroupCore, entry: Any, work: Work, what: str) -> None:
 
 
 def _run_call(
-    group: GroupCore, call: Call, timeout_s: float | None, async_op: bool, what: str | None = None
+    group: GroupCore,
+    call: Call,
+    timeout_s: float | None,
+    async_op: bool,
+    what: str | None = None,
+    start_s: float | None = None,
 ) -> Any:
+    """Check, choose and run ``call``; its deadline counts from ``start_s`` (a
+    ``time.monotonic()`` instant: the flight recorder's start time, so that a recorded call
+    reads the clock no more often than an unrecorded one), or from now."""
     if what is None:
         what = _what(group, call.name)
     chunk = call.chunk_bytes or group.chunk_bytes
@@ -229,8 +237,10 @@ def _run_call(
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     group.check_usable(call.name)
+    if start_s is None:
+        start_s = time.monotonic()
     if call.algo == WORKSPACE_ALGO:
-        return _run_on_workspace(group, call, timeout, async_op)
+        return _run_on_workspace(group, call, timeout, async_op, start_s)
     cls = get_algorithm(call.name, call.algo)
     if group.workspace_calls is not None:  # earlier collectives of the group go first
         group.workspace_calls.drain(timeout)
@@ -242,7 +252,6 @@ def _run_call(
         device = DeviceCall(backend, backend.caller_event())
         if (call.name, call.algo) not in PIPELINED:
             cls = staged_class(cls)
-    start_s = time.monotonic()
     comm = Comm(
         group.progress,
         group.rank,
@@ -311,14 +320,16 @@ def alloc(group: GroupCore, shape: Any, dtype: Any = np.float32) -> np.ndarray:
     return calls.alloc(dims, dt)
 
 
-def _run_on_workspace(group: GroupCore, call: Call, timeout: float, async_op: bool) -> Any:
+def _run_on_workspace(
+    group: GroupCore, call: Call, timeout: float, async_op: bool, start_s: float
+) -> Any:
     calls = _workspace_calls(group, timeout)
     if calls is None:  # a sub-group found it has no workspace after all: as elsewhere
         arr = call.x if call.x is not None else call.out
         nbytes = 0 if arr is None else int(arr.nbytes)
         algo = choose_algorithm(call.name, None, _env_algo(group), nbytes, group.world_size)
-        return _run_call(group, call._replace(algo=algo), timeout, async_op)
-    return calls.run(call, group.next_collective_seq(), timeout, async_op)
+        return _run_call(group, call._replace(algo=algo), timeout, async_op, start_s=start_s)
+    return calls.run(call, group.next_collective_seq(), timeout, async_op, start_s)
 
 
 def _env_algo(group: GroupCore) -> str | None:

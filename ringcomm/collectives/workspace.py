@@ -186,8 +186,13 @@ class WorkspaceCollectives:
         self.in_place_calls = 0
 
     # -- entry ---------------------------------------------------------------------------
-    def run(self, call: Call, seq: int, timeout_s: float, async_op: bool) -> Any:
-        job = Job(self.core, call, seq, time.monotonic() + timeout_s, timeout_s)
+    def run(self, call: Call, seq: int, timeout_s: float, async_op: bool,
+            start_s: float | None = None) -> Any:  # fmt: skip
+        """Run ``call`` here, now (or queue it behind earlier asynchronous ones); its
+        deadline counts from ``start_s`` (``time.monotonic()``; default: now)."""
+        if start_s is None:
+            start_s = time.monotonic()
+        job = Job(self.core, call, seq, start_s + timeout_s, timeout_s)
         if not async_op:
             with self._cv:
                 busy = bool(self._queue) or self._worker_busy
