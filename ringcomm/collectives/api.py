@@ -185,11 +185,11 @@ def _run(
     # time (its state reads "done" then), folded into the summary when the sequence
     # number is a multiple of FOLD_BATCH (ringcomm.flight.FlightRecorder). Every load
     # here counts: this is on every collective (~0.5 us a call in a 2-rank job before).
-    # (call[i]: Call's name 0, algo 1, dtype 6, shape 7; indexing a NamedTuple costs
-    # less than its properties; bytes None: computed from dtype and shape when read)
+    # (call[i]: Call's name 0, algo 1, dtype 6, shape 7, nbytes 9; indexing a NamedTuple
+    # costs less than its properties; nbytes None: dtype times shape, when folded)
     seq = group.collective_seq + 1
     start_s = now()
-    e = [group.group_id, seq, call[0], call[6], call[7], None, call[1], group.ranks,
+    e = [group.group_id, seq, call[0], call[6], call[7], call[9], call[1], group.ranks,
          start_s, None, RUNNING]  # fmt: skip
     recorder.push(e)
     try:
@@ -459,11 +459,12 @@ def all_reduce(
     rop = _check_op(op, dtype, what)
     if async_op is not False:
         async_op = _check_flag(async_op, what)
-    chosen = _pick(group, "all_reduce", algo, x.nbytes, type(x) is np.ndarray, what)
+    nbytes = x.nbytes
+    chosen = _pick(group, "all_reduce", algo, nbytes, type(x) is np.ndarray, what)
     chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None and x.nbytes > group.chooser.one_piece_bytes:
-        chunk = _model_chunk(group, "all_reduce", chosen, algo, x.nbytes)
-    call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape, chunk)
+    if group.chooser is not None and nbytes > group.chooser.one_piece_bytes:
+        chunk = _model_chunk(group, "all_reduce", chosen, algo, nbytes)
+    call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape, chunk, nbytes)
     return _run(group, call, timeout_s, async_op, what)
 
 

@@ -127,7 +127,8 @@ class Call(NamedTuple):
 
     ``shape``/``dtype``: the shape and dtype of ``x`` (for ``scatter`` on a rank that
     passed ``x=None``, None: they come from the source's message). ``chunk_bytes``: this
-    call's piece size when the cost model chose one (None: the group's).
+    call's piece size when the cost model chose one (None: the group's). ``nbytes``: the
+    bytes the flight recorder counts for the call (``x.nbytes``; None: dtype times shape).
     """
 
     name: str
@@ -139,6 +140,7 @@ class Call(NamedTuple):
     dtype: np.dtype[Any] | None = None
     shape: tuple[int, ...] | None = None
     chunk_bytes: int | None = None
+    nbytes: int | None = None
 
 
 #: Most call shapes a group keeps state for (the cache is emptied when it is full).
