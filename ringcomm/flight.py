@@ -176,6 +176,10 @@ class FlightRecorder:
         self.dumps = 0
         #: The hot path, bound once (see the class docstring).
         self.push = self.pending.append
+        #: :meth:`done` folds once this many entries are pending (FOLD_BATCH more than
+        #: the running ones the last fold left: many outstanding receives do not make
+        #: every done() fold).
+        self.fold_at = FOLD_BATCH
 
     # -- the hot path ----------------------------------------------------------------
     def start(
@@ -193,7 +197,7 @@ class FlightRecorder:
     def done(self, entry: Entry) -> None:
         """The operation of ``entry`` (not None) ended well: :meth:`end`'s fast path."""
         entry[E_END] = now()
-        if len(self.pending) >= FOLD_BATCH:
+        if len(self.pending) >= self.fold_at:
             self.fold()
 
     def end(self, entry: Entry | None, error: BaseException | None = None) -> None:
@@ -216,6 +220,7 @@ class FlightRecorder:
             batch = pending[:n]
             del pending[:n]  # (the same list: push stays bound to it; later pushes kept)
             self._fold(batch)
+            self.fold_at = len(pending) + FOLD_BATCH
 
     def _fold(self, batch: list[Entry]) -> None:
         # Per run of calls of one op and size (the common case: one counter update a run,

@@ -72,6 +72,19 @@ def test_the_inline_protocol_folds_on_the_sequence_number_and_keeps_running_ops_
     assert {(r["op"], r["bucket_bytes"]): r["count"] for r in rec.summary()} == rows  # once
 
 
+def test_many_outstanding_calls_do_not_make_every_end_fold() -> None:
+    rec = flight.FlightRecorder(4096, rank=0)
+    waiting = [rec.start(0, t, "recv", "int8", (1,), 1, "p2p", (1,)) for t in range(300)]
+    rec.fold()  # all still running: all stay pending
+    assert len(rec.pending) == 300 and rec.fold_at == 300 + flight.FOLD_BATCH
+    rec.end(waiting[0])  # no fold for this one
+    assert len(rec.pending) == 300 and not rec.entries
+    for e in waiting[1:]:
+        rec.end(e)
+    assert {(r["op"], r["count"]) for r in rec.summary()} == {("recv", 300)}
+    assert len(rec.records()) == 300 and not rec.pending
+
+
 def test_records_are_on_the_wall_clock() -> None:
     rec = flight.FlightRecorder(4, rank=0)
     before = time.time()
