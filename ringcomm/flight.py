@@ -148,7 +148,8 @@ class FlightRecorder:
     """The ring buffer of this process's last ``capacity`` operations (0: records
     nothing), the per-op summary, and where the record goes (``trace_dir``).
 
-    The hot path is two list operations and two clock reads per call. An operation is
+    The hot path is one list, one append, one clock read and one store per call (the
+    start time is the clock read the call makes for its deadline). An operation is
     pushed (``push(entry)``, an append to :attr:`pending`, the newest entries) as it
     starts, and ended by storing its end time (``entry[E_END] = now()``: its state stays
     ``running`` and reads as ``done``; a failed one gets ``failed: ...`` in
