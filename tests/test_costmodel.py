@@ -393,6 +393,25 @@ def test_model_cli_prints_the_table_and_scan(capsys: pytest.CaptureFixture[str])
     assert "->" in out  # crossover points
 
 
+def test_model_cli_says_what_a_group_runs_with_a_cpu_term(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["model", "--hosts", "2", "--ranks-per-host", "2", "--size", "64M", "--no-scan"]
+    assert cli.main(base) == 0
+    assert "# a group of this shape runs: hier (segments of 8M)" in capsys.readouterr().out
+    cpu = CpuModel(0.3e-9, 0.6e-9, 0.3e-9, 2e-3, 2.0, 0)
+    for gbps, runs in ((1, "hier (segments of "), (10, "ring (pieces of ")):
+        path = tmp_path / f"m{gbps}.json"
+        CostModel(net=LinkModel.from_rate(gbps, 50.0), cpu=cpu, source=f"bed {gbps}").save(path)
+        assert cli.main([*base, "--model", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"bed {gbps}" in out and "cpu: net 300 ps/B" in out
+        line = out.split("# a group of this shape runs: ")[1]
+        assert line.startswith(runs), line
+        if gbps == 1:
+            assert not line.startswith("hier (segments of 8M)"), line
+
+
 def test_model_cli_options_json_and_model_file(tmp_path: Path) -> None:
     mfile, jfile = tmp_path / "m.json", tmp_path / "out.json"
     M.replace(source="hand").save(mfile)
