@@ -186,7 +186,7 @@ def run_probe(
 ) -> tuple[list[dict[str, Any]], list[HostInfo]]:
     """One probe job on ``hosts`` (:class:`ringcomm.bench.multihost.HostsSpec`) through
     the ssh launcher: every rank's report and host."""
-    from .bench.multihost import MARK, _run_collecting
+    from .bench.multihost import MARK, run_collecting
 
     config = {"specs": probe_specs(size), "iters": iters, "warmup": warmup}
     argv = [sys.executable, "-m", "ringcomm", "run"]
@@ -198,7 +198,7 @@ def run_probe(
     os.environ["RINGCOMM_TUNE_FILE"] = "none"  # (the launcher passes RINGCOMM_* on)
     os.environ.pop("RINGCOMM_ALGO", None)  # the probes name their algorithms
     try:
-        code, lines = _run_collecting(argv, timeout_s, "the probe job")
+        code, lines = run_collecting(argv, timeout_s, "the probe job")
     finally:
         for k, v in saved.items():
             if v is None:
