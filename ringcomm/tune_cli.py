@@ -1,8 +1,5 @@
 """``ringcomm tune [--out FILE.json] [-n 2] [--sizes 8,1K,...]``: fit the cost model here.
 
-``ringcomm tune --hostfile F | -H h1:2,h2:2 [--ssh-config F]``: fit it across hosts
-(:mod:`ringcomm.tune_hosts`).
-
 Measures this machine's same-host link class with a short probe (one job of ``-n`` local
 ranks through the benchmark harness, :mod:`ringcomm.bench`: ring all_reduce,
 reduce_scatter and all_gather at a few sizes, checked, then timed back to back), fits the per-call overhead,
@@ -15,6 +12,9 @@ probe across the hosts (every rank active, through the ssh launcher) measures th
 effective alpha and beta and the CPU the ranks of a host (and co-located hosts) share, and
 fits them (:mod:`ringcomm.tune_hosts`). Exit status: 0; 1 if a rank failed or a result was
 wrong; 2 for a usage error.
+
+``ringcomm tune --hostfile F | -H h1:2,h2:2 [--ssh-config F]``: fit it across hosts
+(:mod:`ringcomm.tune_hosts`).
 """
 
 from __future__ import annotations
@@ -89,10 +89,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed first (default %(default)s)")
     p.add_argument("--stat", choices=("min", "median"), default="min",
-                   help="what of each rank's iteration times is fitted (max over ranks): min "
-                   "resists a busy host, median is the bench's time (default %(default)s)")  # fmt: skip
-    p.add_argument("--timeout-s", type=float, default=60.0, metavar="S",
-                   help="bound on the probe job (default %(default)s)")  # fmt: skip
+                   help="on one host, what of each rank's iteration times is fitted (max over "
+                   "ranks): min resists a busy host, median is the bench's time (default "
+                   "%(default)s; across hosts: median)")  # fmt: skip
+    p.add_argument("--timeout-s", type=float, default=None, metavar="S",
+                   help="bound on the probe job (default 60; 300 across hosts)")  # fmt: skip
     add_link_options(p, local=False)
     p.set_defaults(main=main)
     return p
@@ -176,6 +177,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"-n must be >= 2 (a link needs two ranks), got {n}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.timeout_s is None:
+        args.timeout_s = 60.0
     if not args.timeout_s > 0:
         raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     sizes = _parse_sizes(args.sizes)
@@ -256,6 +259,8 @@ def _main_hosts(args: argparse.Namespace) -> int:
 
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.timeout_s is None:
+        args.timeout_s = 300.0
     if not args.timeout_s > 0:
         raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     if args.net_gbps is not None or args.net_latency_us is not None:
