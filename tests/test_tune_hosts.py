@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ringcomm import cli
+from ringcomm import cli, tune_hosts
 from ringcomm.bench.multihost import MARK
-from ringcomm.costmodel import CostModel, predict_sample
+from ringcomm.costmodel import CostModel, CpuModel, HostSample, LinkModel, predict_sample
 from ringcomm.tune_hosts import HostInfo, cpu_pools, fit, probe_specs, samples_from
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,6 +109,43 @@ def test_tune_across_hosts_usage_errors_exit_2(extra: list[str], tmp_path: Path)
     out = tmp_path / "x.json"
     assert cli.main(["tune", "--out", str(out), *extra]) == 2
     assert not out.exists()
+
+
+def test_tune_across_hosts_prints_the_fit_and_writes_a_version_2_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's side of the probe (ssh replaced by reports a known model makes)."""
+    truth = CostModel(net=LinkModel.from_rate(10.0, 60.0),
+                      cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0))  # fmt: skip
+    seen = {}
+
+    def fake_run_probe(hosts, size, iters, warmup, timeout_s):  # type: ignore[no-untyped-def]
+        seen.update(hosts=hosts.describe(), size=size, iters=iters, timeout_s=timeout_s)
+        records = []
+        for kind, nbytes, seg in probe_specs(size):
+            t = predict_sample(truth, HostSample(kind, 2, 2, nbytes, 1.0, seg))
+            records.append({"kind": kind, "size": nbytes, "segment": seg,
+                            "times_s": [t, t * 1.01, t * 0.99], "errors": 0})  # fmt: skip
+        per_rank = [{"host": r // 2, "hosts": 2, "ranks_per_host": 2, "boot_id": "one",
+                     "cores": 2, "records": records} for r in range(4)]  # fmt: skip
+        return per_rank, [HostInfo(r // 2, f"h{r // 2}", "one", 2) for r in range(4)]
+
+    monkeypatch.setattr(tune_hosts, "run_probe", fake_run_probe)
+    out = tmp_path / "bed.json"
+    assert cli.main(["tune", "-H", "h0:2,h1:2", "--out", str(out), "--iters", "3"]) == 0
+    text = capsys.readouterr().out
+    assert seen == {"hosts": "h0:2, h1:2", "size": 32 * MiB, "iters": 3, "timeout_s": 300.0}
+    assert "2 hosts on 1 machine(s)" in text and "shared by the ranks of every host" in text
+    assert len(re.findall(r"^(cross|host|flat|hier) ", text, re.MULTILINE)) == 6, text
+    assert "# predicted: flat all_reduce of 64M on 2 x 2" in text
+    model = CostModel.load(out)
+    assert json.loads(out.read_text())["version"] == 2
+    assert model.cpu is not None and model.cpu.cores == 2.0 and model.cpu.shared_hosts == 0
+    assert "ringcomm tune --hostfile on h0:2, h1:2" in model.source
+    for kind in ("flat", "hier"):
+        sample = HostSample(kind, 2, 2, 64 * MiB, 1.0, 8 * MiB)
+        assert predict_sample(model, sample) == pytest.approx(predict_sample(truth, sample),
+                                                              rel=0.05)  # fmt: skip
 
 
 @pytest.mark.needs_ssh
