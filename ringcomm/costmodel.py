@@ -167,8 +167,12 @@ class CpuModel:
     Per-byte costs in core-seconds: ``net_s_per_byte`` at each end of a transfer between
     hosts (the socket calls, the kernel's TCP and whatever shapes the link), and
     ``local_s_per_byte`` at each end of one on a host (a lane's copy in and its read out, a
-    workspace step's pass), ``reduce_s_per_byte`` per byte reduced, and ``segment_s`` per rank
-    per segment of a hierarchical call (its sub-calls, hand-offs and waits). The ranks of
+    workspace step's pass), ``reduce_s_per_byte`` per byte reduced, ``segment_s`` per rank
+    per segment of a hierarchical call (its sub-calls, hand-offs and waits) and
+    ``hier_s_per_byte`` per rank per byte of a hierarchical call's buffer: what its two
+    stages cost beyond their own transfers and reductions when they run at once on the same
+    cores (measured on the netns bed at 10 Gbit/s: the hierarchical all_reduce took about a
+    third more than its host steps and its cross-host steps each took alone). The ranks of
     ``shared_hosts`` hosts (0: every host of the world, as on a test bed of network
     namespaces on one machine) share one pool of ``cores`` cores.
 
@@ -188,9 +192,11 @@ class CpuModel:
     segment_s: float = 0.0
     cores: float = 1.0
     shared_hosts: int = 1
+    hier_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("net_s_per_byte", "local_s_per_byte", "reduce_s_per_byte", "segment_s"):
+        for name in ("net_s_per_byte", "local_s_per_byte", "reduce_s_per_byte", "segment_s",
+                     "hier_s_per_byte"):  # fmt: skip
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"CpuModel.{name} must be a finite number >= 0, got {v!r}")
@@ -216,6 +222,7 @@ class CpuModel:
             "segment_s": self.segment_s,
             "cores": self.cores,
             "shared_hosts": self.shared_hosts,
+            "hier_s_per_byte": self.hier_s_per_byte,
         }
 
     @classmethod
@@ -230,6 +237,7 @@ class CpuModel:
                 segment_s=float(data.get("segment_s", 0.0)),
                 cores=float(data["cores"]),
                 shared_hosts=int(data.get("shared_hosts", 1)),
+                hier_s_per_byte=float(data.get("hier_s_per_byte", 0.0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"cost model: missing or malformed cpu field {exc}") from None
@@ -239,8 +247,9 @@ class CpuModel:
         return (
             f"cpu: net {self.net_s_per_byte * 1e12:.3g} ps/B, local "
             f"{self.local_s_per_byte * 1e12:.3g} ps/B (per end), reduce "
-            f"{self.reduce_s_per_byte * 1e12:.3g} ps/B, {self.segment_s * 1e6:.3g} us per "
-            f"hierarchical segment; {self.cores:g} core(s) shared by the ranks of {pool}"
+            f"{self.reduce_s_per_byte * 1e12:.3g} ps/B, hierarchical {self.segment_s * 1e6:.3g} "
+            f"us per segment + {self.hier_s_per_byte * 1e12:.3g} ps/B; {self.cores:g} core(s) "
+            f"shared by the ranks of {pool}"
         )
 
 
@@ -622,7 +631,8 @@ def _segmented_time(model: CostModel, p: Plan, size: float, segment_bytes: int) 
     of those two stages (``m`` segments of the slower stage, plus the faster once: the
     pipeline fills and drains; each stage's steps at the segment's size, each step at least
     its CPU time), and the CPU pool doing all of the work (``m`` times the CPU work of every
-    step at the segment's size plus a segment's own, ``CpuModel.segment_s`` per rank)."""
+    step at the segment's size plus a segment's own: ``CpuModel.segment_s`` and
+    ``CpuModel.hier_s_per_byte`` times the segment's bytes, per rank)."""
     m = _pieces(size, segment_bytes)
     g = size / m
     host_t = sum(s.repeat * _step_time(model, s, g, p.hosts) for s in p.steps if not _crosses(s))
@@ -630,7 +640,8 @@ def _segmented_time(model: CostModel, p: Plan, size: float, segment_bytes: int) 
     cpu_t = sum(s.repeat * _cpu_time(model, s, g, p.hosts) for s in p.steps)
     cpu = model.cpu
     if cpu is not None:
-        cpu_t += cpu.segment_s * p.ranks_per_host * cpu.pool(p.hosts) / cpu.cores
+        own = cpu.segment_s + cpu.hier_s_per_byte * g
+        cpu_t += own * p.ranks_per_host * cpu.pool(p.hosts) / cpu.cores
     pipeline = m * max(host_t, cross_t) + min(host_t, cross_t)
     return model.overhead_s + max(pipeline, m * cpu_t)
 
@@ -917,6 +928,7 @@ HOST_FIT_PARAMETERS: tuple[str, ...] = (
     "cpu.local_s_per_byte",
     "cpu.reduce_s_per_byte",
     "cpu.segment_s",
+    "cpu.hier_s_per_byte",
 )
 
 
@@ -982,7 +994,8 @@ class HostFit:
         m, cpu = self.model, self.model.cpu
         assert cpu is not None
         return (m.net.alpha_s, m.net.beta_s_per_byte, cpu.net_s_per_byte,
-                cpu.local_s_per_byte, cpu.reduce_s_per_byte, cpu.segment_s)  # fmt: skip
+                cpu.local_s_per_byte, cpu.reduce_s_per_byte, cpu.segment_s,
+                cpu.hier_s_per_byte)  # fmt: skip
 
 
 def _with(base: CostModel, x: np.ndarray, cores: float, shared_hosts: int) -> CostModel:
@@ -990,7 +1003,9 @@ def _with(base: CostModel, x: np.ndarray, cores: float, shared_hosts: int) -> Co
     return replace(
         base,
         net=LinkModel(float(v[0]), float(v[1])),
-        cpu=CpuModel(float(v[2]), float(v[3]), float(v[4]), float(v[5]), cores, shared_hosts),
+        cpu=CpuModel(
+            float(v[2]), float(v[3]), float(v[4]), float(v[5]), cores, shared_hosts, float(v[6])
+        ),
     )
 
 
@@ -1041,14 +1056,15 @@ def fit_hosts(
     ``shared_hosts`` are what the probe found (the cores a host's ranks may run on, and how
     many of the hosts share them). The model is not linear in the parameters (a step lasts
     as long as the slower of its link and its CPU pool), so the fit minimises the sum of
-    squared log ratios (predicted / measured) over the log of the six parameters by Nelder
+    squared log ratios (predicted / measured) over the log of the seven parameters by Nelder
     and Mead's simplex, restarted twice from the best point, with a small pull (weight
     1e-3 per squared log-unit) towards the start: a parameter the samples do not show (the
     CPU cost of a byte across hosts where every probe waits on the link) keeps its
     starting value. The start: beta from the largest ``cross`` probe (its time over the
-    bytes its busiest uplink carries), alpha from ``base``, every CPU cost per byte from
-    the largest ``host`` probe (its time over the work of its busiest pool), 100 us per
-    segment.
+    bytes its busiest uplink carries), alpha from ``base``, every CPU cost per byte
+    (``hier_s_per_byte`` too) from the largest ``host`` probe (its time over the work of its
+    busiest pool), 100 us per segment. (The two ``hier`` probes, in two segment sizes, tell
+    the cost per segment from the cost per byte.)
     """
     if not samples:
         raise ValueError("fit_hosts: no samples")
@@ -1076,7 +1092,7 @@ def fit_hosts(
         work = sum(s.repeat * (s.cpu_local + s.cpu_reduce) for s in p.steps) * host.size
         if work > 0:
             c0 = host.time_s * cores / (pool0.pool(host.hosts) * work)
-    x0 = np.log(np.maximum([base.net.alpha_s or 1e-6, beta0, c0, c0, c0, 1e-4], 1e-15))
+    x0 = np.log(np.maximum([base.net.alpha_s or 1e-6, beta0, c0, c0, c0, 1e-4, c0], 1e-15))
     measured = np.array([s.time_s for s in samples])
 
     def predictions(x: np.ndarray) -> np.ndarray:

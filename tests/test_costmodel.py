@@ -310,7 +310,7 @@ def _probe_samples(model: CostModel, hosts: int, per_host: int) -> list[HostSamp
 @pytest.mark.parametrize("gbps", [1.0, 10.0])
 def test_fit_hosts_recovers_what_the_probes_show(gbps: float) -> None:
     truth = CostModel(net=LinkModel.from_rate(gbps, 60.0),
-                      cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0))  # fmt: skip
+                      cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0, 0.25e-9))  # fmt: skip
     samples = _probe_samples(truth, 2, 2)
     fit = fit_hosts(samples, CostModel(), cores=2.0, shared_hosts=0, source="synthetic")
     assert fit.max_relative_error < 0.02, fit

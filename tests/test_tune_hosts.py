@@ -116,7 +116,7 @@ def test_tune_across_hosts_prints_the_fit_and_writes_a_version_2_file(
 ) -> None:
     """The command's side of the probe (ssh replaced by reports a known model makes)."""
     truth = CostModel(net=LinkModel.from_rate(10.0, 60.0),
-                      cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0))  # fmt: skip
+                      cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0, 0.25e-9))  # fmt: skip
     seen = {}
 
     def fake_run_probe(hosts, size, iters, warmup, timeout_s):  # type: ignore[no-untyped-def]
