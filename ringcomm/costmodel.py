@@ -932,6 +932,12 @@ HOST_FIT_PARAMETERS: tuple[str, ...] = (
 )
 
 
+#: The log error (about 5 %) beyond which :func:`fit_hosts` counts a probe's error as its
+#: size, not its square (soft L1): one probe the model cannot describe does not pull the
+#: others off.
+ROBUST_SCALE = 0.05
+
+
 @functools.lru_cache(maxsize=64)
 def probe_plan(kind: str, hosts: int, ranks_per_host: int) -> Plan:
     """The :class:`Plan` of a probe of :data:`PROBE_KINDS` on ``hosts`` x ``ranks_per_host``
@@ -1101,7 +1107,8 @@ def fit_hosts(
 
     def cost(x: np.ndarray) -> float:
         err = np.log(predictions(x) / measured)
-        return float(np.sum(err**2) + 1e-3 * np.sum((x - x0) ** 2))
+        robust = 2 * ROBUST_SCALE**2 * (np.sqrt(1 + (err / ROBUST_SCALE) ** 2) - 1)
+        return float(np.sum(robust) + 1e-3 * np.sum((x - x0) ** 2))
 
     x, _ = _nelder_mead(cost, x0, 1.0, 1500)
     for _ in range(2):
