@@ -65,10 +65,17 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "FIT_PARAMETERS",
     "FORMAT_VERSION",
+    "HIER_SEGMENT_BYTES",
+    "HOST_FIT_PARAMETERS",
     "OPS",
+    "PROBE_KINDS",
+    "READ_VERSIONS",
     "CostModel",
+    "CpuModel",
     "Crossover",
     "Fit",
+    "HostFit",
+    "HostSample",
     "LinkModel",
     "Plan",
     "Prediction",
@@ -78,10 +85,13 @@ __all__ = [
     "busbw_factor",
     "crossovers",
     "design_row",
+    "fit_hosts",
     "fit_local",
     "load_tune_file",
     "plan",
     "predict",
+    "predict_sample",
+    "probe_plan",
     "uplink_bytes",
 ]
 
@@ -96,8 +106,14 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
 OPS: tuple[str, ...] = tuple(ALGORITHMS)
 #: Piece size of pipelined transfers (ringcomm's own default, RINGCOMM_CHUNK_BYTES).
 DEFAULT_CHUNK_BYTES = 4 << 20
-#: ``"version"`` of the JSON a :class:`CostModel` is saved as.
-FORMAT_VERSION = 1
+#: ``"version"`` of the JSON a :class:`CostModel` is saved as: 1 without a CPU term (what
+#: ringcomm wrote before the term existed, still written and read), 2 with one.
+FORMAT_VERSION = 2
+#: The versions :meth:`CostModel.from_dict` reads.
+READ_VERSIONS = (1, 2)
+#: Bytes (of the per-rank buffer ``S``) per segment of a hierarchical call when nothing
+#: chose another (``ringcomm.hierarchy.SEGMENT_BYTES``).
+HIER_SEGMENT_BYTES = 8 << 20
 _CLASSES = ("local", "net")
 
 
@@ -145,6 +161,99 @@ class LinkModel:
 
 
 @dataclass(frozen=True)
+class CpuModel:
+    """The CPU work of a collective, shared by the ranks of a host (and by co-located hosts).
+
+    Per-byte costs in core-seconds: ``net_s_per_byte`` at each end of a transfer between
+    hosts (the socket calls, the kernel's TCP and whatever shapes the link), and
+    ``local_s_per_byte`` at each end of one on a host (a lane's copy in and its read out, a
+    workspace step's pass), ``reduce_s_per_byte`` per byte reduced, ``segment_s`` per rank
+    per segment of a hierarchical call (its sub-calls, hand-offs and waits) and
+    ``hier_s_per_byte`` per rank per byte of a hierarchical call's buffer: what its two
+    stages cost beyond their own transfers and reductions when they run at once on the same
+    cores (measured on the netns bed at 10 Gbit/s: the hierarchical all_reduce took about a
+    third more than its host steps and its cross-host steps each took alone). The ranks of
+    ``shared_hosts`` hosts (0: every host of the world, as on a test bed of network
+    namespaces on one machine) share one pool of ``cores`` cores.
+
+    A step's CPU time is the work of the busiest host's ranks over one step, times the hosts
+    in its pool, over ``cores``; the step lasts at least that long (:func:`predict`). Why
+    not per rank: on a host whose ranks outnumber its cores (or on one machine holding
+    several "hosts") the ranks, the kernel's network stack and the shaping take turns on the
+    same cores, so their work adds up; measured on the netns bed at 10 Gbit/s, where the
+    link is not the bottleneck, the flat ring and the hierarchical schedule both took about
+    twice the link-only prediction. Fitted from probes across the hosts (:func:`fit_hosts`,
+    ``ringcomm tune --hostfile``), not set by hand.
+    """
+
+    net_s_per_byte: float = 0.0
+    local_s_per_byte: float = 0.0
+    reduce_s_per_byte: float = 0.0
+    segment_s: float = 0.0
+    cores: float = 1.0
+    shared_hosts: int = 1
+    hier_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("net_s_per_byte", "local_s_per_byte", "reduce_s_per_byte", "segment_s",
+                     "hier_s_per_byte"):  # fmt: skip
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"CpuModel.{name} must be a finite number >= 0, got {v!r}")
+        if not (isinstance(self.cores, (int, float)) and math.isfinite(self.cores)
+                and self.cores > 0):  # fmt: skip
+            raise ValueError(f"CpuModel.cores must be a finite number > 0, got {self.cores!r}")
+        if isinstance(self.shared_hosts, bool) or not (
+            isinstance(self.shared_hosts, int) and self.shared_hosts >= 0
+        ):
+            raise ValueError(
+                f"CpuModel.shared_hosts must be an int >= 0, got {self.shared_hosts!r}"
+            )
+
+    def pool(self, hosts: int) -> int:
+        """How many of ``hosts`` hosts share one pool of cores."""
+        return hosts if self.shared_hosts == 0 else min(self.shared_hosts, hosts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "net_s_per_byte": self.net_s_per_byte,
+            "local_s_per_byte": self.local_s_per_byte,
+            "reduce_s_per_byte": self.reduce_s_per_byte,
+            "segment_s": self.segment_s,
+            "cores": self.cores,
+            "shared_hosts": self.shared_hosts,
+            "hier_s_per_byte": self.hier_s_per_byte,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CpuModel:
+        if not isinstance(data, dict):
+            raise ValueError("cost model: 'cpu' is not a JSON object")  # noqa: TRY004
+        try:
+            return cls(
+                net_s_per_byte=float(data["net_s_per_byte"]),
+                local_s_per_byte=float(data["local_s_per_byte"]),
+                reduce_s_per_byte=float(data["reduce_s_per_byte"]),
+                segment_s=float(data.get("segment_s", 0.0)),
+                cores=float(data["cores"]),
+                shared_hosts=int(data.get("shared_hosts", 1)),
+                hier_s_per_byte=float(data.get("hier_s_per_byte", 0.0)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"cost model: missing or malformed cpu field {exc}") from None
+
+    def describe(self) -> str:
+        pool = "every host" if self.shared_hosts == 0 else f"{self.shared_hosts} host(s)"
+        return (
+            f"cpu: net {self.net_s_per_byte * 1e12:.3g} ps/B, local "
+            f"{self.local_s_per_byte * 1e12:.3g} ps/B (per end), reduce "
+            f"{self.reduce_s_per_byte * 1e12:.3g} ps/B, hierarchical {self.segment_s * 1e6:.3g} "
+            f"us per segment + {self.hier_s_per_byte * 1e12:.3g} ps/B; {self.cores:g} core(s) "
+            f"shared by the ranks of {pool}"
+        )
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Parameters of both link classes, the reduction and the per-call overhead.
 
@@ -159,6 +268,7 @@ class CostModel:
     overhead_s: float = 10e-6
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     source: str = "defaults"  # where the numbers came from (printed with predictions)
+    cpu: CpuModel | None = None  # None: CPU is not a shared resource (format version 1)
 
     def __post_init__(self) -> None:
         for name in ("gamma_s_per_byte", "overhead_s"):
@@ -177,8 +287,10 @@ class CostModel:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": FORMAT_VERSION,
+        """The JSON of the model: version 1 (what every ringcomm reads) without a CPU
+        term, version 2 with one."""
+        data: dict[str, Any] = {
+            "version": 1 if self.cpu is None else FORMAT_VERSION,
             "local": {"alpha_s": self.local.alpha_s, "beta_s_per_byte": self.local.beta_s_per_byte},
             "net": {"alpha_s": self.net.alpha_s, "beta_s_per_byte": self.net.beta_s_per_byte},
             "gamma_s_per_byte": self.gamma_s_per_byte,
@@ -186,17 +298,24 @@ class CostModel:
             "chunk_bytes": self.chunk_bytes,
             "source": self.source,
         }
+        if self.cpu is not None:
+            data["cpu"] = self.cpu.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> CostModel:
         """The inverse of :meth:`to_dict`; ``ValueError`` naming what is wrong or missing."""
         if not isinstance(data, dict):
             raise ValueError("a cost model is a JSON object")  # noqa: TRY004 (a bad file)
-        version = data.get("version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
+        version = data.get("version", 1)
+        if isinstance(version, bool) or version not in READ_VERSIONS:
             raise ValueError(
-                f"cost model version {version!r}; this ringcomm reads {FORMAT_VERSION}"
+                f"cost model version {version!r}; this ringcomm reads "
+                + " and ".join(map(str, READ_VERSIONS))
             )
+        cpu = data.get("cpu")
+        if cpu is not None and version < 2:
+            raise ValueError("cost model: a 'cpu' term needs version 2")
         try:
             links = {
                 c: LinkModel(float(data[c]["alpha_s"]), float(data[c]["beta_s_per_byte"]))
@@ -209,6 +328,7 @@ class CostModel:
                 overhead_s=float(data["overhead_s"]),
                 chunk_bytes=int(data.get("chunk_bytes", DEFAULT_CHUNK_BYTES)),
                 source=str(data.get("source", "file")),
+                cpu=None if cpu is None else CpuModel.from_dict(cpu),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"cost model: missing or malformed field {exc}") from None
@@ -237,7 +357,9 @@ class CostModel:
         return (
             f"local {self.local.describe()}; net {self.net.describe()} per host uplink; "
             f"reduce {gamma}; {self.overhead_s * 1e6:.3g} us per call; "
-            f"pieces of {self.chunk_bytes} B [{self.source}]"
+            f"pieces of {self.chunk_bytes} B"
+            + ("" if self.cpu is None else f"; {self.cpu.describe()}")
+            + f" [{self.source}]"
         )
 
 
@@ -287,6 +409,11 @@ class Step:
     loads: tuple[tuple[str, Load], ...]  # ("local" | "net", load) for the classes it uses
     reduce_frac: float  # bytes reduced by the busiest rank, / S
     uplink_frac: float  # bytes the busiest host sends over its uplink, / S
+    # The CPU work of the busiest host's ranks (each the most any host has, / S): bytes
+    # sent plus received across hosts, the same on the host, and bytes reduced.
+    cpu_net: float = 0.0
+    cpu_local: float = 0.0
+    cpu_reduce: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -320,6 +447,8 @@ def _step(
     net = host_of[src] != host_of[dst]
     loads: list[tuple[str, Load]] = []
     uplink = 0.0
+    hosts = int(host_of.max()) + 1
+    cpu_ends = {"local": 0.0, "net": 0.0}
     for cls, mask in (("local", ~net), ("net", net)):
         if not mask.any():
             continue
@@ -331,8 +460,11 @@ def _step(
             uplink = float(out.max())
         msgs = max(int(np.bincount(s).max()), int(np.bincount(d).max()))
         loads.append((cls, Load(link, msgs, float(fm.max()))))
+        per_host = np.bincount(host_of[s], fm, hosts) + np.bincount(host_of[d], fm, hosts)
+        cpu_ends[cls] = float(per_host.max())
     red = float(np.bincount(dst, f).max()) if reduce else 0.0
-    return Step(repeat, tuple(loads), red, uplink)
+    host_red = float(np.bincount(host_of[dst], f, hosts).max()) if reduce else 0.0
+    return Step(repeat, tuple(loads), red, uplink, cpu_ends["net"], cpu_ends["local"], host_red)
 
 
 def _ring_steps(
@@ -468,20 +600,63 @@ def _comm(model: CostModel, step: Step, size: float) -> tuple[float, int]:
     return comm, k_max
 
 
-def _step_time(model: CostModel, step: Step, size: float) -> float:
+def _cpu_time(model: CostModel, step: Step, size: float, hosts: int) -> float:
+    """The time the CPU pool of the busiest host needs for ``step`` (0 without a CPU term):
+    its ranks' work times the hosts sharing the pool, over the pool's cores."""
+    cpu = model.cpu
+    if cpu is None:
+        return 0.0
+    work = (
+        cpu.net_s_per_byte * step.cpu_net
+        + cpu.local_s_per_byte * step.cpu_local
+        + cpu.reduce_s_per_byte * step.cpu_reduce
+    )
+    return cpu.pool(hosts) * work * size / cpu.cores
+
+
+def _step_time(model: CostModel, step: Step, size: float, hosts: int = 1) -> float:
     comm, k = _comm(model, step, size)
     red = model.gamma_s_per_byte * step.reduce_frac * size
-    return max(comm, red) + min(comm, red) / k
+    return max(max(comm, red) + min(comm, red) / k, _cpu_time(model, step, size, hosts))
 
 
-def _plan_time(model: CostModel, p: Plan, size: float) -> float:
+def _crosses(step: Step) -> bool:
+    return any(cls == "net" for cls, _ in step.loads)
+
+
+def _segmented_time(model: CostModel, p: Plan, size: float, segment_bytes: int) -> float:
+    """A hierarchical plan run in segments of ``segment_bytes`` (of ``S``), as
+    :mod:`ringcomm.hierarchy` runs it: the host's steps of one segment overlap the steps
+    across hosts of the one before. The call lasts as long as the slower of: the pipeline
+    of those two stages (``m`` segments of the slower stage, plus the faster once: the
+    pipeline fills and drains; each stage's steps at the segment's size, each step at least
+    its CPU time), and the CPU pool doing all of the work (``m`` times the CPU work of every
+    step at the segment's size plus a segment's own: ``CpuModel.segment_s`` and
+    ``CpuModel.hier_s_per_byte`` times the segment's bytes, per rank)."""
+    m = _pieces(size, segment_bytes)
+    g = size / m
+    host_t = sum(s.repeat * _step_time(model, s, g, p.hosts) for s in p.steps if not _crosses(s))
+    cross_t = sum(s.repeat * _step_time(model, s, g, p.hosts) for s in p.steps if _crosses(s))
+    cpu_t = sum(s.repeat * _cpu_time(model, s, g, p.hosts) for s in p.steps)
+    cpu = model.cpu
+    if cpu is not None:
+        own = cpu.segment_s + cpu.hier_s_per_byte * g
+        cpu_t += own * p.ranks_per_host * cpu.pool(p.hosts) / cpu.cores
+    pipeline = m * max(host_t, cross_t) + min(host_t, cross_t)
+    return model.overhead_s + max(pipeline, m * cpu_t)
+
+
+def _plan_time(model: CostModel, p: Plan, size: float, segment_bytes: int | None = None) -> float:
+    if segment_bytes is not None and p.algo == "hierarchical":
+        return _segmented_time(model, p, size, segment_bytes)
     if not p.pipelined:
-        return model.overhead_s + sum(s.repeat * _step_time(model, s, size) for s in p.steps)
+        return model.overhead_s + sum(s.repeat * _step_time(model, s, size, p.hosts)
+                                      for s in p.steps)  # fmt: skip
     if not p.steps:
         return model.overhead_s
     k = _pieces(size, model.chunk_bytes)
     piece = size / k
-    stage = [s.repeat * _step_time(model, s, piece) for s in p.steps]
+    stage = [s.repeat * _step_time(model, s, piece, p.hosts) for s in p.steps]
     # the first piece passes every stage; the other k-1 follow at the slowest stage's pace
     return model.overhead_s + sum(stage) + (k - 1) * max(stage)
 
@@ -549,12 +724,22 @@ def predict(
     size: int,
     *,
     servers: int | None = None,
+    segment_bytes: int | None = None,
 ) -> Prediction:
     """The predicted time of one call of ``op`` by ``algo`` on ``size`` bytes per rank
-    (``servers``: the parameter server's, default one per host)."""
+    (``servers``: the parameter server's, default one per host).
+
+    ``segment_bytes``: ``hierarchical`` runs in segments of that many bytes of ``S``, the
+    host's steps of one overlapping the steps across hosts of the one before (default: a
+    model with a CPU term prices the :data:`HIER_SEGMENT_BYTES` segments ringcomm runs; one
+    without prices the steps one after another, as before the CPU term existed)."""
     _check(op, hosts, ranks_per_host, size)
+    if segment_bytes is not None and segment_bytes < 1:
+        raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
     p = plan(op, algo, hosts, ranks_per_host, servers if algo == "ps" else None)
-    t = _plan_time(model, p, float(size))
+    if segment_bytes is None and model.cpu is not None:
+        segment_bytes = HIER_SEGMENT_BYTES
+    t = _plan_time(model, p, float(size), segment_bytes)
     up = sum(s.repeat * s.uplink_frac for s in p.steps) * size
     return Prediction(op, algo, hosts, ranks_per_host, size, t, up)
 
@@ -726,3 +911,214 @@ def fit_local(samples: Sequence[Sample], chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     rms = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
     o, alpha, beta, gamma = (float(v) for v in x)
     return Fit(o, alpha, beta, gamma, tuple(float(p) for p in pred), rms)
+
+
+# --- fitting across hosts ----------------------------------------------------------------
+#: What ``ringcomm tune --hostfile`` runs, every rank of every host at once (all_reduce):
+#: ``flat`` the ring over the whole group, ``hier`` the hierarchical schedule (in segments),
+#: ``cross`` only its steps across hosts (every local rank's ring with the ranks of its
+#: local index on the other hosts, all at once), ``host`` only its steps on the hosts (each
+#: host's reduce_scatter then all_gather, all hosts at once).
+PROBE_KINDS: tuple[str, ...] = ("flat", "hier", "cross", "host")
+#: The parameters :func:`fit_hosts` fits, in the order of :attr:`HostFit.parameters`.
+HOST_FIT_PARAMETERS: tuple[str, ...] = (
+    "net.alpha_s",
+    "net.beta_s_per_byte",
+    "cpu.net_s_per_byte",
+    "cpu.local_s_per_byte",
+    "cpu.reduce_s_per_byte",
+    "cpu.segment_s",
+    "cpu.hier_s_per_byte",
+)
+
+
+#: The log error (about 5 %) beyond which :func:`fit_hosts` counts a probe's error as its
+#: size, not its square (soft L1): one probe the model cannot describe does not pull the
+#: others off.
+ROBUST_SCALE = 0.05
+
+
+@functools.lru_cache(maxsize=64)
+def probe_plan(kind: str, hosts: int, ranks_per_host: int) -> Plan:
+    """The :class:`Plan` of a probe of :data:`PROBE_KINDS` on ``hosts`` x ``ranks_per_host``
+    (each rank's buffer is the size priced)."""
+    H, L = hosts, ranks_per_host
+    if kind == "flat":
+        return plan("all_reduce", "ring", H, L)
+    if kind == "hier":
+        return plan("all_reduce", "hierarchical", H, L)
+    if H < 1 or L < 1:
+        raise ValueError(f"hosts and ranks per host must be >= 1, got {H} x {L}")
+    host_of = np.arange(H * L) // L
+    grid = np.arange(H * L).reshape(H, L)
+    steps: list[Step | None] = []
+    if kind == "cross":  # L rings of H ranks, each over the whole buffer
+        for reduce in (True, False):
+            steps.append(_ring_steps(host_of, grid.T, 1.0 / H, reduce=reduce, repeat=H - 1))
+    elif kind == "host":  # H rings of L ranks
+        for reduce in (True, False):
+            steps.append(_ring_steps(host_of, grid, 1.0 / L, reduce=reduce, repeat=L - 1))
+    else:
+        raise ValueError(f"unknown probe {kind!r}; expected one of {', '.join(PROBE_KINDS)}")
+    return Plan("all_reduce", kind, H, L, tuple(s for s in steps if s is not None))
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """One measured probe across hosts: ``kind`` (:data:`PROBE_KINDS`) on ``hosts`` x
+    ``ranks_per_host`` ranks, ``size`` bytes per rank, the hierarchical one in segments of
+    ``segment_bytes``."""
+
+    kind: str
+    hosts: int
+    ranks_per_host: int
+    size: int
+    time_s: float
+    segment_bytes: int | None = None
+
+
+def predict_sample(model: CostModel, sample: HostSample) -> float:
+    """The model's time of ``sample``'s probe."""
+    p = probe_plan(sample.kind, sample.hosts, sample.ranks_per_host)
+    segment = None
+    if sample.kind == "hier":
+        segment = sample.segment_bytes or HIER_SEGMENT_BYTES
+    return _plan_time(model, p, float(sample.size), segment)
+
+
+@dataclass(frozen=True)
+class HostFit:
+    """What :func:`fit_hosts` found: the model, its time for each sample, the errors."""
+
+    model: CostModel
+    predicted_s: tuple[float, ...]
+    rms_relative_error: float
+    max_relative_error: float
+
+    @property
+    def parameters(self) -> tuple[float, ...]:
+        m, cpu = self.model, self.model.cpu
+        assert cpu is not None
+        return (m.net.alpha_s, m.net.beta_s_per_byte, cpu.net_s_per_byte,
+                cpu.local_s_per_byte, cpu.reduce_s_per_byte, cpu.segment_s,
+                cpu.hier_s_per_byte)  # fmt: skip
+
+
+def _with(base: CostModel, x: np.ndarray, cores: float, shared_hosts: int) -> CostModel:
+    v = np.exp(x)
+    return replace(
+        base,
+        net=LinkModel(float(v[0]), float(v[1])),
+        cpu=CpuModel(
+            float(v[2]), float(v[3]), float(v[4]), float(v[5]), cores, shared_hosts, float(v[6])
+        ),
+    )
+
+
+def _nelder_mead(f: Any, x0: np.ndarray, step: float, iters: int) -> tuple[np.ndarray, float]:
+    """Minimise ``f`` from ``x0`` (Nelder and Mead's simplex, the usual coefficients)."""
+    n = len(x0)
+    pts = [x0.copy()] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts = [pts[i] for i in order]
+        vals = [vals[i] for i in order]
+        if vals[-1] - vals[0] < 1e-12:
+            break
+        centre = np.mean(pts[:-1], axis=0)
+        refl = centre + (centre - pts[-1])
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = centre + 2.0 * (centre - pts[-1])
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = centre + 0.5 * (pts[-1] - centre)
+            fc = f(con)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = con, fc
+            else:  # shrink towards the best
+                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    i = int(np.argmin(vals))
+    return pts[i], float(vals[i])
+
+
+def fit_hosts(
+    samples: Sequence[HostSample],
+    base: CostModel,
+    *,
+    cores: float,
+    shared_hosts: int,
+    source: str = "fit across hosts",
+) -> HostFit:
+    """The network's effective alpha and beta and the CPU terms (:class:`CpuModel`) that
+    make :func:`predict_sample` closest to ``samples``, measured on one world.
+
+    ``base`` gives the rest (the same-host link, gamma, overhead, piece size); ``cores`` and
+    ``shared_hosts`` are what the probe found (the cores a host's ranks may run on, and how
+    many of the hosts share them). The model is not linear in the parameters (a step lasts
+    as long as the slower of its link and its CPU pool), so the fit minimises the sum of
+    squared log ratios (predicted / measured) over the log of the seven parameters by Nelder
+    and Mead's simplex, restarted twice from the best point, with a small pull (weight
+    1e-3 per squared log-unit) towards the start: a parameter the samples do not show (the
+    CPU cost of a byte across hosts where every probe waits on the link) keeps its
+    starting value. The start: beta from the largest ``cross`` probe (its time over the
+    bytes its busiest uplink carries), alpha from ``base``, every CPU cost per byte
+    (``hier_s_per_byte`` too) from the largest ``host`` probe (its time over the work of its
+    busiest pool), 100 us per segment. (The two ``hier`` probes, in two segment sizes, tell
+    the cost per segment from the cost per byte.)
+    """
+    if not samples:
+        raise ValueError("fit_hosts: no samples")
+    if any(not s.time_s > 0 for s in samples):
+        raise ValueError("fit_hosts: every sample needs a time > 0")
+    if not cores > 0:
+        raise ValueError(f"fit_hosts: cores must be > 0, got {cores}")
+    pool0 = CpuModel(cores=cores, shared_hosts=shared_hosts)
+
+    def largest(kind: str) -> HostSample | None:
+        of = [s for s in samples if s.kind == kind]
+        return max(of, key=lambda s: s.size) if of else None
+
+    beta0 = base.net.beta_s_per_byte
+    cross = largest("cross")
+    if cross is not None:
+        p = probe_plan("cross", cross.hosts, cross.ranks_per_host)
+        up = sum(s.repeat * s.uplink_frac for s in p.steps) * cross.size
+        if up > 0:
+            beta0 = cross.time_s / up
+    c0 = 1e-10
+    host = largest("host")
+    if host is not None:
+        p = probe_plan("host", host.hosts, host.ranks_per_host)
+        work = sum(s.repeat * (s.cpu_local + s.cpu_reduce) for s in p.steps) * host.size
+        if work > 0:
+            c0 = host.time_s * cores / (pool0.pool(host.hosts) * work)
+    x0 = np.log(np.maximum([base.net.alpha_s or 1e-6, beta0, c0, c0, c0, 1e-4, c0], 1e-15))
+    measured = np.array([s.time_s for s in samples])
+
+    def predictions(x: np.ndarray) -> np.ndarray:
+        model = _with(base, x, cores, shared_hosts)
+        return np.array([predict_sample(model, s) for s in samples])
+
+    def cost(x: np.ndarray) -> float:
+        err = np.log(predictions(x) / measured)
+        robust = 2 * ROBUST_SCALE**2 * (np.sqrt(1 + (err / ROBUST_SCALE) ** 2) - 1)
+        return float(np.sum(robust) + 1e-3 * np.sum((x - x0) ** 2))
+
+    x, _ = _nelder_mead(cost, x0, 1.0, 1500)
+    for _ in range(2):
+        x, _ = _nelder_mead(cost, x, 0.3, 1500)
+    model = replace(_with(base, x, cores, shared_hosts), source=source)
+    pred = np.array([predict_sample(model, s) for s in samples])
+    rel = (pred - measured) / measured
+    return HostFit(
+        model,
+        tuple(float(p) for p in pred),
+        float(np.sqrt(np.mean(rel**2))),
+        float(np.max(np.abs(rel))),
+    )

@@ -290,7 +290,8 @@ class ProcessGroup:
         group per local rank) unless ``algo`` (or ``RINGCOMM_ALGO``) names a flat
         algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
         if async_op is False and self._hierarchical(x, op, algo):
-            return self._hier().all_reduce(x, parse_op(op), timeout_s)
+            return self._hier().all_reduce(x, parse_op(op), timeout_s,
+                                           self._hier_segment("all_reduce", x.nbytes))  # fmt: skip
         return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s,
                                        algo=_flat(algo))  # fmt: skip
 
@@ -340,6 +341,13 @@ class ProcessGroup:
             return True
         return _collectives.model_prefers_hier(self.core, nbytes, name) is not False
 
+    def _hier_segment(self, name: str, nbytes: int) -> int | None:
+        """The segment size of a hierarchical ``name`` of ``nbytes``: the cost model's
+        (one with a CPU term, RINGCOMM_TUNE_FILE), else None (the hierarchy's 8 MiB)."""
+        if self.core.state.costmodel is None:
+            return None
+        return _collectives.model_hier_segment(self.core, nbytes, name)
+
     def _hier(self) -> Hierarchy:
         if self._hierarchy is None:
             self._hierarchy = Hierarchy(self, self.topology)
@@ -364,7 +372,9 @@ class ProcessGroup:
             if not (rop is ReduceOp.AVG and x.dtype.kind in "iu") and self._model_hier(
                 "reduce_scatter", algo, x.nbytes
             ):  # (integer means: flat)
-                return self._hier().reduce_scatter(x, out, rop, timeout_s)
+                return self._hier().reduce_scatter(
+                    x, out, rop, timeout_s, self._hier_segment("reduce_scatter", x.nbytes)
+                )
         return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s,
                                            algo=_flat(algo))  # fmt: skip
 
@@ -384,7 +394,9 @@ class ProcessGroup:
         if async_op is False and self._hier_fits("all_gather", algo):
             x, out = _collectives.check_all_gather(self.core, x, out)
             if self._model_hier("all_gather", algo, x.nbytes):
-                return self._hier().all_gather(x, out, timeout_s)
+                return self._hier().all_gather(
+                    x, out, timeout_s, self._hier_segment("all_gather", x.nbytes)
+                )
         return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s,
                                        algo=_flat(algo))  # fmt: skip
 

@@ -28,8 +28,10 @@ S-byte reduce_scatter or all_gather, as the all_reduce's halves):
 * barrier: the host's, its leaders' (local rank 0 of every host), the host's again.
 
 Large all_reduce, all_gather, reduce_scatter and broadcast calls on hosts of one size go
-in segments of :data:`SEGMENT_BYTES` (per rank's row for the gathers): the inter-host step
-of a segment is asynchronous and overlaps the host's step of the one before.
+in segments of ``segment_bytes`` bytes of the buffer as nccl-tests counts it (default
+:data:`SEGMENT_BYTES`; a cost model with a CPU term chooses it per call,
+:meth:`ringcomm.collectives.choice.ModelChooser.hier_segment`): the inter-host step of a
+segment is asynchronous and overlaps the host's step of the one before.
 
 :class:`Hierarchy` makes its sub-groups once (every rank of the group makes all of them,
 in one order, as ``new_group`` requires) and runs the calls. It uses only the public
@@ -44,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from .costmodel import HIER_SEGMENT_BYTES
 from .ops import ReduceOp
 from .schedule.topology import Topology, hier_plan, piece_bounds
 
@@ -51,8 +54,9 @@ __all__ = ["FLAT_ALGO", "MIN_STEP_S", "Budget", "Hierarchy"]
 
 #: The flat all_reduce a few leftover elements take (fewer than the pieces).
 FLAT_ALGO = "ring"
-#: Bytes per segment of a hierarchical all_reduce (its steps overlap segment by segment).
-SEGMENT_BYTES = 8 << 20
+#: Bytes per segment of a hierarchical call when nothing chose another (its steps overlap
+#: segment by segment).
+SEGMENT_BYTES = HIER_SEGMENT_BYTES
 
 
 #: The least a step of a hierarchical call is given once its call's deadline has passed
@@ -105,10 +109,15 @@ class Hierarchy:
         self.offsets = [sum(len(h) for h in topo.hosts[:k]) for k in range(topo.num_hosts)]
 
     # -- helpers ------------------------------------------------------------------------
-    def _segments(self, count: int, itemsize: int, rows: int) -> list[tuple[int, int]]:
+    @staticmethod
+    def _segments(
+        count: int, itemsize: int, rows: int, segment_bytes: int | None = None
+    ) -> list[tuple[int, int]]:
         """``[c0, c1)`` spans of ``count`` elements of ``rows`` rows each, about
-        SEGMENT_BYTES a segment (at least one element, one empty span for count 0)."""
-        per = max(1, SEGMENT_BYTES // max(1, rows * itemsize))
+        ``segment_bytes`` (default SEGMENT_BYTES) a segment (at least one element, one
+        empty span for count 0)."""
+        seg = SEGMENT_BYTES if segment_bytes is None else segment_bytes
+        per = max(1, seg // max(1, rows * itemsize))
         return [(c0, min(count, c0 + per)) for c0 in range(0, count, per)] or [(0, 0)]
 
     @staticmethod
@@ -134,8 +143,11 @@ class Hierarchy:
                         for a, b in piece_bounds(len(members) * count, self.plan.pieces)])  # fmt: skip
         return out
 
-    def all_reduce(self, x: Any, op: ReduceOp, timeout_s: float | None) -> Any:
-        """``x`` reduced over the whole group, in place (``op`` not AVG on integers)."""
+    def all_reduce(
+        self, x: Any, op: ReduceOp, timeout_s: float | None, segment_bytes: int | None = None
+    ) -> Any:
+        """``x`` reduced over the whole group, in place (``op`` not AVG on integers), in
+        segments of ``segment_bytes`` (None: :data:`SEGMENT_BYTES`)."""
         t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         flat = x.reshape(-1)
         if flat.size == 0:
@@ -143,14 +155,14 @@ class Hierarchy:
         avg = op is ReduceOp.AVG
         rop = ReduceOp.SUM if avg else op
         if self.even:
-            self._even(flat, rop, t)
+            self._even(flat, rop, t, segment_bytes)
         else:
             self._uneven(flat, rop, t)
         if avg:  # a sum over every rank: the mean (every rank divides the same sums)
             flat /= self.topo.world_size
         return x
 
-    def _even(self, flat: Any, op: ReduceOp, t: Budget) -> None:
+    def _even(self, flat: Any, op: ReduceOp, t: Budget, segment_bytes: int | None) -> None:
         """One piece per local rank: the host's reduce_scatter and all_gather (on its
         shared workspace, in place) over the first ``M * (count // M)`` elements, in
         segments: the host's steps of one overlap the inter-host all_reduce of the one
@@ -170,7 +182,7 @@ class Hierarchy:
             local.all_gather(rows[me], out=rows, timeout_s=t())  # in place
 
         if q:
-            self._overlapped(self._segments(q, flat.itemsize, m), start, finish)
+            self._overlapped(self._segments(q, flat.itemsize, m, segment_bytes), start, finish)
         if r:
             self.pg.all_reduce(flat[q * m :], op=op, timeout_s=t(), algo=FLAT_ALGO)
 
@@ -190,8 +202,11 @@ class Hierarchy:
                 local.broadcast(flat[a:b], src=j % size, timeout_s=t())
 
     # -- all_gather ---------------------------------------------------------------------
-    def all_gather(self, x: Any, out: Any, timeout_s: float | None) -> Any:
-        """Every rank's ``x`` into ``out`` (``(world_size, *x.shape)``, rank order)."""
+    def all_gather(
+        self, x: Any, out: Any, timeout_s: float | None, segment_bytes: int | None = None
+    ) -> Any:
+        """Every rank's ``x`` into ``out`` (``(world_size, *x.shape)``, rank order), in
+        segments of ``segment_bytes`` of ``out`` (None: :data:`SEGMENT_BYTES`)."""
         t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         count = int(x.size)
         if count == 0:
@@ -199,12 +214,14 @@ class Hierarchy:
         flat_x = x.reshape(-1)
         rows = out.reshape(self.topo.world_size, count)
         if self.even:
-            self._all_gather_even(flat_x, rows, t)
+            self._all_gather_even(flat_x, rows, t, segment_bytes)
         else:
             self._all_gather_uneven(flat_x, rows, t)
         return out
 
-    def _all_gather_even(self, flat_x: Any, rows: Any, t: Budget) -> None:
+    def _all_gather_even(
+        self, flat_x: Any, rows: Any, t: Budget, segment_bytes: int | None
+    ) -> None:
         """Across the hosts among the ranks of my local index, then over the host."""
         cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
 
@@ -220,7 +237,8 @@ class Hierarchy:
                     rows[r, c0:c1] = both[i, h]
 
         self._overlapped(self._segments(int(flat_x.size), flat_x.itemsize,
-                                        self.topo.world_size), start, finish)  # fmt: skip
+                                        self.topo.world_size, segment_bytes),
+                         start, finish)  # fmt: skip
 
     def _all_gather_uneven(self, flat_x: Any, rows: Any, t: Budget) -> None:
         """The host's block first, then piece j of every host's block among piece j's
@@ -251,9 +269,17 @@ class Hierarchy:
             rows[self.order] = ordered
 
     # -- reduce_scatter -----------------------------------------------------------------
-    def reduce_scatter(self, x: Any, out: Any, op: ReduceOp, timeout_s: float | None) -> Any:
+    def reduce_scatter(
+        self,
+        x: Any,
+        out: Any,
+        op: ReduceOp,
+        timeout_s: float | None,
+        segment_bytes: int | None = None,
+    ) -> Any:
         """Row ``x[rank]`` of the reduction of ``x`` over the group, into ``out``
-        (``op`` not AVG on integers)."""
+        (``op`` not AVG on integers), in segments of ``segment_bytes`` of ``x`` (None:
+        :data:`SEGMENT_BYTES`)."""
         t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
         n = self.topo.world_size
         count = int(x.size) // n
@@ -264,15 +290,15 @@ class Hierarchy:
         avg = op is ReduceOp.AVG
         rop = ReduceOp.SUM if avg else op
         if self.even:
-            self._reduce_scatter_even(rows, flat_out, rop, t)
+            self._reduce_scatter_even(rows, flat_out, rop, t, segment_bytes)
         else:
             self._reduce_scatter_uneven(rows, flat_out, rop, t)
         if avg:
             flat_out /= n
         return out
 
-    def _reduce_scatter_even(self, rows: Any, flat_out: Any, op: ReduceOp,
-                             t: Budget) -> None:  # fmt: skip
+    def _reduce_scatter_even(self, rows: Any, flat_out: Any, op: ReduceOp, t: Budget,
+                             segment_bytes: int | None) -> None:  # fmt: skip
         """Over the host, the rows of each local index's ranks onto that local rank;
         then across the hosts among the ranks of my local index."""
         cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
@@ -290,7 +316,8 @@ class Hierarchy:
         def finish(item: Any) -> None:
             item[0].wait(timeout_s=t())
 
-        spans = self._segments(int(rows.shape[1]), rows.itemsize, self.topo.world_size)
+        spans = self._segments(int(rows.shape[1]), rows.itemsize, self.topo.world_size,
+                               segment_bytes)  # fmt: skip
         self._overlapped(spans, start, finish)
 
     def _reduce_scatter_uneven(self, rows: Any, flat_out: Any, op: ReduceOp,

@@ -22,6 +22,7 @@ from typing import Any
 from .config import UsageError, format_size, size_arg
 from .costmodel import (
     ALGORITHMS,
+    HIER_SEGMENT_BYTES,
     CostModel,
     Crossover,
     LinkModel,
@@ -51,7 +52,10 @@ ASSUMPTIONS = (
     "full-duplex uplink that all its ranks share; a message costs alpha at its sender and its "
     "receiver once per piece (messages of different ranks overlap their latency); a step lasts "
     "as long as its busiest link and its busiest reducer, overlapped piece by piece; ps: one "
-    "server per host (--ps-servers), on hosts of their own; no congestion beyond the uplink, no jitter"
+    "server per host (--ps-servers), on hosts of their own; no congestion beyond the uplink, no "
+    "jitter; with a CPU term (ringcomm tune --hostfile) a step lasts at least the CPU time of "
+    "the busiest host's ranks on the cores they share (with co-located hosts), and hierarchical "
+    "calls are priced in segments"
 )
 
 
@@ -184,6 +188,31 @@ def format_world(preds: Sequence[Prediction], winner: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _group_choice(model: CostModel, hosts: int, ranks_per_host: int, size: int, op: str) -> str:
+    """What a group of this shape runs with ``model`` (the registry's chooser: its
+    algorithms, piece sizes and, with a CPU term, hier's segment size), as a ``#`` line."""
+    from .collectives import ALGORITHMS as REGISTRY
+    from .collectives.choice import MODELLED, ModelChooser
+
+    n = hosts * ranks_per_host
+    if op not in MODELLED or n < 2:
+        return ""
+    nbytes = max(1, size // n) if MODELLED[op] else size
+    chooser = ModelChooser(model, hosts, ranks_per_host, n, REGISTRY,
+                           chunk_bytes=model.chunk_bytes)  # fmt: skip
+    hier = hosts >= 2 and ranks_per_host >= 2
+    choice = chooser.choose(op, nbytes, hier=hier)
+    if choice is None:
+        return ""
+    how = [f"pieces of {format_size(choice.chunk_bytes or model.chunk_bytes)}"]
+    if choice.algo == "hier":
+        how = [f"segments of {format_size(choice.segment_bytes or HIER_SEGMENT_BYTES)}"]
+    return (
+        f"# a group of this shape runs: {choice.algo} ({', '.join(how)}), predicted "
+        f"{_fmt_time(choice.time_s)} (the registry's choice; sizes priced per quarter octave)\n"
+    )
+
+
 def scan(
     model: CostModel, ranks_per_host: int, size: int, op: str, servers: int | None = None
 ) -> list[tuple[int, str, list[Prediction], list[Crossover]]]:
@@ -273,6 +302,7 @@ def main(args: argparse.Namespace) -> int:
     )
     out.write(format_world(preds, winner))
     out.write(f"# best: {winner}; winner changes over 1 B..4 GiB: {_fmt_cross(found)}\n")
+    out.write(_group_choice(model, H, L, S, op))
     rows = [] if args.no_scan else scan(model, L, S, op, P)
     if not args.no_scan:
         out.write(f"#\n# scan: {op} of {format_size(S)}, 1..512 hosts x {L} ranks per host\n")

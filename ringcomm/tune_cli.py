@@ -6,11 +6,15 @@ reduce_scatter and all_gather at a few sizes, checked, then timed back to back),
 alpha, beta and gamma of :mod:`ringcomm.costmodel` by least squares and writes a JSON that
 ``ringcomm model --model FILE`` loads and a process group chooses its algorithms and
 piece sizes with (``RINGCOMM_TUNE_FILE``; the default ``--out``, ``ringcomm-model.json``,
-is where a group whose rank 0 starts in this directory looks). Across hosts there is
-nothing to measure from one host: the network parameters come from
-``--net-gbps``/``--net-latency-us`` (a hostfile probe is left for the multi-host bench).
-Exit status: 0; 1 if a rank failed or a result was
+is where a group whose rank 0 starts in this directory looks). On one host the network
+parameters come from ``--net-gbps``/``--net-latency-us``; with ``--hostfile``/``-H`` a
+probe across the hosts (every rank active, through the ssh launcher) measures the network's
+effective alpha and beta and the CPU the ranks of a host (and co-located hosts) share, and
+fits them (:mod:`ringcomm.tune_hosts`). Exit status: 0; 1 if a rank failed or a result was
 wrong; 2 for a usage error.
+
+``ringcomm tune --hostfile F | -H h1:2,h2:2 [--ssh-config F]``: fit it across hosts
+(:mod:`ringcomm.tune_hosts`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .config import DEFAULT_CHUNK_BYTES, DEFAULT_TUNE_FILE, UsageError, format_size, parse_size
+from .config import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_TUNE_FILE,
+    UsageError,
+    format_size,
+    parse_size,
+    size_arg,
+)
 from .costmodel import CostModel, Fit, Sample, design_row, fit_local
 
 if TYPE_CHECKING:
@@ -60,17 +71,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_TUNE_FILE, metavar="FILE.json",
                    help="where to write the model (default %(default)s: where a group "
                    "started here finds it; elsewhere set RINGCOMM_TUNE_FILE)")  # fmt: skip
-    p.add_argument("-n", "--nproc", type=int, default=2, metavar="N",
-                   help="local ranks of the probe (default %(default)s)")  # fmt: skip
+    p.add_argument("-n", "--nproc", type=int, default=None, metavar="N",
+                   help="ranks of the probe (default 2 on one host; every slot with "
+                   "--hostfile/-H)")  # fmt: skip
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("--hostfile", metavar="FILE",
+                       help="probe across these hosts over ssh ('host slots=N' a line)")
+    hosts.add_argument("-H", "--hosts", metavar="h1:2,h2:2", help="probe across these hosts")
+    p.add_argument("--ssh-config", default=None, metavar="F", help="ssh config for the hosts")
+    p.add_argument("--size", type=size_arg, default=None, metavar="S",
+                   help="across hosts: bytes per rank of the large probes (default 32M)")
+    p.add_argument("--base", metavar="FILE.json",
+                   help="across hosts: the same-host link, reduction and overhead from this "
+                   "file (ringcomm tune on one host; default: the model's defaults)")  # fmt: skip
     p.add_argument("--sizes", default=",".join(format_size(s) for s in DEFAULT_SIZES),
                    metavar="S[,S...]", help="bytes per rank (default %(default)s)")  # fmt: skip
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed first (default %(default)s)")
     p.add_argument("--stat", choices=("min", "median"), default="min",
-                   help="what of each rank's iteration times is fitted (max over ranks): min "
-                   "resists a busy host, median is the bench's time (default %(default)s)")  # fmt: skip
-    p.add_argument("--timeout-s", type=float, default=60.0, metavar="S",
-                   help="bound on the probe job (default %(default)s)")  # fmt: skip
+                   help="on one host, what of each rank's iteration times is fitted (max over "
+                   "ranks): min resists a busy host, median is the bench's time (default "
+                   "%(default)s; across hosts: median)")  # fmt: skip
+    p.add_argument("--timeout-s", type=float, default=None, metavar="S",
+                   help="bound on the probe job (default 60; 300 across hosts)")  # fmt: skip
     add_link_options(p, local=False)
     p.set_defaults(main=main)
     return p
@@ -145,11 +168,17 @@ def main(args: argparse.Namespace) -> int:
     from .launch import spawn
     from .model_cli import model_from_args
 
-    n = args.nproc
+    if args.hostfile is not None or args.hosts is not None:
+        return _main_hosts(args)
+    if args.ssh_config is not None or args.size is not None or args.base is not None:
+        raise UsageError("--ssh-config, --size and --base apply with --hostfile or -H only")
+    n = 2 if args.nproc is None else args.nproc
     if n < 2:
         raise UsageError(f"-n must be >= 2 (a link needs two ranks), got {n}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.timeout_s is None:
+        args.timeout_s = 60.0
     if not args.timeout_s > 0:
         raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     sizes = _parse_sizes(args.sizes)
@@ -218,4 +247,85 @@ def main(args: argparse.Namespace) -> int:
     print(f"# net (from options, not measured): {model.net.describe()}")
     print(f"# probe took {elapsed:.1f} s; wrote {args.out} (ringcomm model --model {args.out})")
     print(f"# groups choose algorithms and piece sizes with it: {_where_used(args.out)}")
+    return 0
+
+
+def _main_hosts(args: argparse.Namespace) -> int:
+    """``ringcomm tune --hostfile F | -H ...``: the probe across hosts and its fit."""
+    from .bench.cli import hosts_from_args
+    from .costmodel import HIER_SEGMENT_BYTES, predict_sample
+    from .model_cli import model_from_args
+    from .tune_hosts import DEFAULT_SIZE, cpu_pools, fit, probe_specs, run_probe, samples_from
+
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.timeout_s is None:
+        args.timeout_s = 300.0
+    if not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if args.net_gbps is not None or args.net_latency_us is not None:
+        raise UsageError("--net-gbps/--net-latency-us: across hosts the network is measured")
+    size = DEFAULT_SIZE if args.size is None else args.size
+    if size < (1 << 20):
+        raise UsageError(f"--size must be at least 1M, got {format_size(size)}")
+    hosts = hosts_from_args(args)
+    assert hosts is not None
+    if len(hosts.placement) < 2 or len({n for _, n in hosts.placement}) != 1 or (
+        hosts.placement[0][1] < 2
+    ):
+        raise UsageError(
+            f"--hostfile/-H: the probe needs >= 2 hosts with the same number (>= 2) of ranks "
+            f"each, got {hosts.describe()}"
+        )
+    if args.base is not None:
+        args.model = args.base
+    base = model_from_args(args).replace(chunk_bytes=_chunk_bytes())
+    print(
+        f"# ringcomm tune across hosts: {hosts.describe()}; float32 sum all_reduce probes "
+        + ", ".join(
+            f"{k} {format_size(s)}" + (f" (segments {format_size(g)})" if g else "")
+            for k, s, g in probe_specs(size)
+        )
+        + f"; {args.warmup} warmup + {args.iters} timed (each rank's median, the slowest rank's)",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    try:
+        per_rank, infos = run_probe(hosts, size, args.iters, args.warmup, args.timeout_s)
+    except RuntimeError as exc:
+        print(f"ringcomm tune: error: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - t0
+    samples, mins, wrong = samples_from(per_rank)
+    if wrong:
+        print(f"ringcomm tune: error: {wrong} wrong elements in the probe", file=sys.stderr)
+        return 1
+    cores, shared = cpu_pools(infos)
+    machines = len({i.boot_id for i in infos})
+    print(
+        f"# {len(hosts.placement)} hosts on {machines} machine(s) (boot ids); a pool of "
+        f"{cores:g} core(s) shared by the ranks of "
+        + ("every host" if shared == 0 else f"{shared} host(s)")
+    )
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    result = fit(samples, infos, base, f"ringcomm tune --hostfile on {hosts.describe()} at "
+                 f"{stamp}; local, reduce, overhead from {args.base or 'defaults'}")  # fmt: skip
+    print(f"{'probe':<8}{'bytes':>10}{'segment':>9}{'median':>12}{'min':>12}{'model':>12}"
+          f"{'error':>8}")  # fmt: skip
+    for s, low, p in zip(samples, mins, result.predicted_s, strict=True):
+        seg = format_size(s.segment_bytes) if s.segment_bytes else "-"
+        print(f"{s.kind:<8}{format_size(s.size):>10}{seg:>9}{s.time_s * 1e3:>9.2f} ms"
+              f"{low * 1e3:>9.2f} ms{p * 1e3:>9.2f} ms{(p - s.time_s) / s.time_s:>8.1%}")  # fmt: skip
+    model = result.model
+    assert model.cpu is not None
+    print(f"# fit: net {model.net.describe()}; {model.cpu.describe()}; rms relative error "
+          f"{result.rms_relative_error:.1%}, worst {result.max_relative_error:.1%}")  # fmt: skip
+    h, per_host = samples[0].hosts, samples[0].ranks_per_host
+    for kind in ("flat", "hier"):
+        t = predict_sample(model, type(samples[0])(kind, h, per_host, 64 << 20, 1.0,
+                                                   HIER_SEGMENT_BYTES))  # fmt: skip
+        print(f"# predicted: {kind} all_reduce of 64M on {h} x {per_host}: {t * 1e3:.1f} ms")
+    model.save(args.out)
+    print(f"# probe took {elapsed:.1f} s; wrote {args.out} (ringcomm model --model {args.out})")
+    print(f"# groups choose algorithms, piece and segment sizes with it: {_where_used(args.out)}")
     return 0

@@ -15,15 +15,20 @@ import pytest
 from ringcomm import cli
 from ringcomm.costmodel import (
     ALGORITHMS,
+    HIER_SEGMENT_BYTES,
     CostModel,
+    CpuModel,
+    HostSample,
     LinkModel,
     Sample,
     best,
     crossovers,
     design_row,
+    fit_hosts,
     fit_local,
     plan,
     predict,
+    predict_sample,
     uplink_bytes,
 )
 
@@ -219,6 +224,118 @@ def test_json_round_trip(tmp_path: Path) -> None:
         CostModel.load(tmp_path / "neg.json")
 
 
+def test_files_without_a_cpu_term_stay_version_1_and_load_as_before(tmp_path: Path) -> None:
+    old = {"version": 1, "local": {"alpha_s": 2e-05, "beta_s_per_byte": 4e-10},
+           "net": {"alpha_s": 5e-05, "beta_s_per_byte": 8e-09}, "gamma_s_per_byte": 1.6667e-10,
+           "overhead_s": 1e-05, "chunk_bytes": 4194304, "source": "ringcomm tune -n 2"}  # fmt: skip
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    model = CostModel.load(tmp_path / "old.json")
+    assert model.cpu is None and model.to_dict() == old  # what an older ringcomm wrote
+    with_cpu = model.replace(cpu=CpuModel(1e-9, 2e-9, 3e-9, 4e-4, 2.0, 0))
+    data = with_cpu.to_dict()
+    assert data["version"] == 2 and data["cpu"]["shared_hosts"] == 0
+    with_cpu.save(tmp_path / "new.json")
+    assert CostModel.load(tmp_path / "new.json") == with_cpu
+    for bad in ({**data, "version": 1}, {**data, "version": 3},
+                {**data, "cpu": {**data["cpu"], "cores": 0}},
+                {**data, "cpu": {"net_s_per_byte": 1e-9}}):  # fmt: skip
+        with pytest.raises(ValueError):
+            CostModel.from_dict(bad)
+
+
+# --- the CPU term ------------------------------------------------------------------------------
+#: Links and reductions that cost (almost) nothing: only the CPU pool does.
+FREE = CostModel(local=LinkModel(0.0, 0.0), net=LinkModel(0.0, 0.0), gamma_s_per_byte=0.0,
+                 overhead_s=0.0, chunk_bytes=1 << 30)  # fmt: skip
+
+
+def test_the_cpu_pool_is_shared_by_the_ranks_of_a_host_and_co_located_hosts() -> None:
+    # ring all_reduce on 2 hosts x 2: 6 steps of S/4. Per step each host's ranks send and
+    # receive S/4 across hosts (S/2 of ends), S/4 on the host (both ends there: S/2), and
+    # in the 3 reduce-scatter steps reduce S/4 each (S/2). With 1, 2, 4 ns per byte and
+    # 2 cores: (1 * 0.5 + 2 * 0.5 + 4 * 0.5) S / 2 per reducing step, (1 * 0.5 + 2 * 0.5) S / 2
+    # per gathering one: 3 * 1.75 S + 3 * 0.75 S = 7.5 S ns for a host with its own cores.
+    size = MiB
+    own = FREE.replace(cpu=CpuModel(1e-9, 2e-9, 4e-9, 0.0, 2.0, 1))
+    assert t("all_reduce", "ring", 2, 2, size, own) == pytest.approx(7.5 * size * 1e-9)
+    both = own.replace(cpu=CpuModel(1e-9, 2e-9, 4e-9, 0.0, 2.0, 0))  # one machine: twice
+    assert t("all_reduce", "ring", 2, 2, size, both) == pytest.approx(15 * size * 1e-9)
+    # the hierarchical schedule in one segment: the CPU work of all its steps
+    hier = predict(both, "all_reduce", "hierarchical", 2, 2, size, segment_bytes=size)
+    steps = plan("all_reduce", "hierarchical", 2, 2).steps
+    work = sum(s.repeat * (1 * s.cpu_net + 2 * s.cpu_local + 4 * s.cpu_reduce) for s in steps)
+    assert hier.time_s == pytest.approx(2 * work * size * 1e-9 / 2)
+    # a link slower than the CPU sets the pace instead
+    slow = both.replace(net=LinkModel(0.0, 1e-7))
+    assert t("all_reduce", "ring", 2, 2, size, slow) == pytest.approx(6 * size / 4 * 1e-7)
+    # without a CPU term: as before (only the links)
+    assert t("all_reduce", "ring", 2, 2, size, FREE) == 0.0
+
+
+def test_segments_pay_where_a_link_bounds_and_cost_where_the_cpu_does() -> None:
+    size = 64 * MiB
+    cpu = CpuModel(0.2e-9, 0.2e-9, 0.2e-9, 2e-3, 2.0, 0)
+    link_bound = CostModel(net=LinkModel.from_rate(1.0, 50.0), cpu=cpu)
+    cpu_bound = CostModel(net=LinkModel.from_rate(100.0, 50.0), cpu=cpu)
+
+    def hier(model: CostModel, segment: int) -> float:
+        return predict(model, "all_reduce", "hierarchical", 2, 2, size,
+                       segment_bytes=segment).time_s  # fmt: skip
+
+    assert hier(link_bound, 1 * MiB) < hier(link_bound, 8 * MiB) < hier(link_bound, size)
+    assert hier(cpu_bound, size) < hier(cpu_bound, 8 * MiB) < hier(cpu_bound, 1 * MiB)
+    # the default segment of a model with a CPU term is the 8 MiB ringcomm runs
+    assert predict(cpu_bound, "all_reduce", "hierarchical", 2, 2, size).time_s == hier(
+        cpu_bound, HIER_SEGMENT_BYTES
+    )
+    # one segment with a free CPU: the steps one after another, as without the term
+    free_cpu = link_bound.replace(cpu=CpuModel(cores=1.0))
+    assert hier(free_cpu, size) == pytest.approx(
+        predict(link_bound.replace(cpu=None), "all_reduce", "hierarchical", 2, 2, size).time_s
+    )
+    with pytest.raises(ValueError):
+        predict(cpu_bound, "all_reduce", "hierarchical", 2, 2, size, segment_bytes=0)
+
+
+def _probe_samples(model: CostModel, hosts: int, per_host: int) -> list[HostSample]:
+    specs = [("cross", 64 << 10, None), ("cross", 32 * MiB, None), ("host", 32 * MiB, None),
+             ("flat", 32 * MiB, None), ("hier", 32 * MiB, 8 * MiB), ("hier", 32 * MiB, MiB)]  # fmt: skip
+    out = []
+    for kind, size, seg in specs:
+        time_s = predict_sample(model, HostSample(kind, hosts, per_host, size, 1.0, seg))
+        out.append(HostSample(kind, hosts, per_host, size, time_s, seg))
+    return out
+
+
+@pytest.mark.parametrize("gbps", [1.0, 10.0])
+def test_fit_hosts_recovers_what_the_probes_show(gbps: float) -> None:
+    truth = CostModel(net=LinkModel.from_rate(gbps, 60.0),
+                      cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0, 0.25e-9))  # fmt: skip
+    samples = _probe_samples(truth, 2, 2)
+    fit = fit_hosts(samples, CostModel(), cores=2.0, shared_hosts=0, source="synthetic")
+    assert fit.max_relative_error < 0.02, fit
+    assert fit.model.source == "synthetic" and fit.model.cpu is not None
+    assert fit.model.cpu.cores == 2.0 and fit.model.cpu.shared_hosts == 0
+    assert min(fit.parameters) >= 0
+    # the 64 MiB points the probes did not run: within 5 %, and the same winner
+    for algo in ("ring", "hierarchical"):
+        want = predict(truth, "all_reduce", algo, 2, 2, 64 * MiB).time_s
+        got = predict(fit.model, "all_reduce", algo, 2, 2, 64 * MiB).time_s
+        assert got == pytest.approx(want, rel=0.05), (algo, got, want)
+    assert best(fit.model, 2, 2, 64 * MiB, algos=("ring", "hierarchical"))[0] == (
+        best(truth, 2, 2, 64 * MiB, algos=("ring", "hierarchical"))[0]
+    )
+
+
+def test_fit_hosts_refuses_nonsense() -> None:
+    with pytest.raises(ValueError):
+        fit_hosts([], CostModel(), cores=2.0, shared_hosts=0)
+    with pytest.raises(ValueError):
+        fit_hosts([HostSample("flat", 2, 2, MiB, 0.0)], CostModel(), cores=2.0, shared_hosts=0)
+    with pytest.raises(ValueError):
+        predict_sample(CostModel(), HostSample("nope", 2, 2, MiB, 1.0))
+
+
 def test_link_rates() -> None:
     link = LinkModel.from_rate(1.0, 50.0)
     assert link.beta_s_per_byte == pytest.approx(8e-9)
@@ -274,6 +391,25 @@ def test_model_cli_prints_the_table_and_scan(capsys: pytest.CaptureFixture[str])
     scan = out.split("# scan:")[1].splitlines()[2:]
     assert [int(line.split()[1]) for line in scan] == [8 << i for i in range(10)]  # 8..4096
     assert "->" in out  # crossover points
+
+
+def test_model_cli_says_what_a_group_runs_with_a_cpu_term(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["model", "--hosts", "2", "--ranks-per-host", "2", "--size", "64M", "--no-scan"]
+    assert cli.main(base) == 0
+    assert "# a group of this shape runs: hier (segments of 8M)" in capsys.readouterr().out
+    cpu = CpuModel(0.3e-9, 0.6e-9, 0.3e-9, 2e-3, 2.0, 0)
+    for gbps, runs in ((1, "hier (segments of "), (10, "ring (pieces of ")):
+        path = tmp_path / f"m{gbps}.json"
+        CostModel(net=LinkModel.from_rate(gbps, 50.0), cpu=cpu, source=f"bed {gbps}").save(path)
+        assert cli.main([*base, "--model", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"bed {gbps}" in out and "cpu: net 300 ps/B" in out
+        line = out.split("# a group of this shape runs: ")[1]
+        assert line.startswith(runs), line
+        if gbps == 1:
+            assert not line.startswith("hier (segments of 8M)"), line
 
 
 def test_model_cli_options_json_and_model_file(tmp_path: Path) -> None:

@@ -83,6 +83,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.trace_cli": 8,
     "ringcomm.model_cli": 8,
     "ringcomm.tune_cli": 8,
+    "ringcomm.tune_hosts": 8,  # ringcomm tune --hostfile: its probe job and fit
     "ringcomm.__main__": 8,
     "ringcomm": 8,  # ringcomm/__init__.py re-exports the public API (group, launch, ...)
 }

@@ -26,9 +26,14 @@ from ringcomm.collectives import (
     BROADCAST_TREE_MAX_BYTES,
     choose_algorithm,
 )
-from ringcomm.collectives.choice import CHUNK_CANDIDATES, ModelChooser, size_bucket
+from ringcomm.collectives.choice import (
+    CHUNK_CANDIDATES,
+    SEGMENT_CANDIDATES,
+    ModelChooser,
+    size_bucket,
+)
 from ringcomm.config import DEFAULT_TUNE_FILE, resolve_init_config
-from ringcomm.costmodel import CostModel, LinkModel, load_tune_file
+from ringcomm.costmodel import HIER_SEGMENT_BYTES, CostModel, CpuModel, LinkModel, load_tune_file
 from ringcomm.group import ProcessGroup
 from ringcomm.rendezvous import StoreServer
 
@@ -92,6 +97,36 @@ def test_hier_only_where_the_caller_runs_it_and_only_implemented_algorithms() ->
     assert auto("all_gather", 8 * MiB, 8, c, True) == "hier"
     assert c.choose("reduce", MiB) is None and c.choose("all_to_all", MiB) is None
     assert auto("reduce", MiB, 8, c, False) == "tree"
+
+
+#: A CPU term like the netns bed's (two cores shared by every host's ranks; a byte on the
+#: host dearer than one across: the hierarchical schedule's workspace steps).
+BED_CPU = CpuModel(0.3e-9, 0.6e-9, 0.3e-9, 2e-3, 2.0, 0)
+
+
+def test_a_cpu_term_takes_the_flat_ring_where_the_cores_bound_and_hier_where_the_link_does() -> None:
+    fast = chooser(CostModel(net=LinkModel.from_rate(10.0, 50.0), cpu=BED_CPU), 2, 2)
+    slow = chooser(CostModel(net=LinkModel.from_rate(1.0, 50.0), cpu=BED_CPU), 2, 2)
+    big = 64 * MiB
+    got = fast.choose("all_reduce", big, hier=True)
+    assert got is not None and got.algo == "ring" and got.segment_bytes is None
+    got = slow.choose("all_reduce", big, hier=True)
+    assert got is not None and got.algo == "hier"
+    # where the link bounds, segments smaller than 8 MiB shorten the pipeline's fill
+    assert got.segment_bytes is not None and got.segment_bytes < HIER_SEGMENT_BYTES
+    assert got.segment_bytes == slow.hier_segment("all_reduce", big)
+    assert got.segment_bytes in SEGMENT_CANDIDATES
+    # where the cores bound, each segment's own cost counts: none smaller than 8 MiB
+    seg = fast.hier_segment("all_reduce", big)
+    assert seg is None or seg > HIER_SEGMENT_BYTES
+    # all_gather counts one rank's input (the model's size is the output, x world)
+    assert slow.hier_segment("all_gather", big // 4) == slow.hier_segment("all_gather", big // 4)
+    assert slow.hier_segment("broadcast", big) is None  # not priced hierarchically
+    # a model without a CPU term cannot see a segment's cost: hier keeps its 8 MiB
+    assert chooser(SLOW_NET, 2, 2).hier_segment("all_reduce", big) is None
+    assert chooser(SLOW_NET, 2, 2).choose("all_reduce", big, hier=True) == ModelChooser(
+        SLOW_NET, 2, 2, 4, ALGORITHMS, chunk_bytes=4 * MiB
+    ).choose("all_reduce", big, hier=True)
 
 
 def _todays_rule(collective: str, nbytes: int, world: int) -> str:
@@ -315,3 +350,42 @@ def test_a_bad_model_file_fails_every_rank_naming_it(tmp_path: Path) -> None:
     assert f"RINGCOMM_TUNE_FILE: {bad}: not JSON" in errs[0]
     for r in (1, 2, 3):
         assert f"rank {r}: rank 0's cost model: RINGCOMM_TUNE_FILE: {bad}" in errs[r], errs[r]
+
+
+SEGMENT_SCRIPT = REPO / "tests" / "scripts" / "hier_segment.py"
+
+
+def _segments_run(tmp_path: Path, env: dict[str, str]) -> dict[str, tuple[str, int]]:
+    """op -> (segment, spans) every rank of 2 pretend hosts x 2 ran an 8 MiB call with."""
+    full = {k: v for k, v in os.environ.items() if k != "RINGCOMM_TUNE_FILE"}
+    full.update(PYTHONPATH=str(REPO), **env)
+    out = subprocess.run(
+        [sys.executable, "-m", "ringcomm", "run", "-n", "4", str(SEGMENT_SCRIPT), "0,0,1,1",
+         str(8 * MiB)],
+        check=False, capture_output=True, text=True, timeout=100, cwd=tmp_path, env=full,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    seen: dict[str, set[tuple[str, int]]] = {}
+    for rank, op, seg, spans, ok in re.findall(
+        r"^\[\d+\] SEG (\d) (\w+) (\S+) (\d+) (\d)$", out.stdout, re.MULTILINE
+    ):
+        assert ok == "1", f"rank {rank}: {op} wrong"
+        seen.setdefault(op, set()).add((seg, int(spans)))
+    assert len(seen) == 3 and all(len(v) == 1 for v in seen.values()), out.stdout
+    return {op: v.pop() for op, v in seen.items()}
+
+
+@pytest.mark.timeout(200)
+def test_the_models_segment_size_runs_on_pretend_hosts(tmp_path: Path) -> None:
+    plain = _segments_run(tmp_path, {"RINGCOMM_TUNE_FILE": "none"})
+    assert plain == dict.fromkeys(("all_reduce", "reduce_scatter", "all_gather"), ("none", 1))
+    model = CostModel(net=LinkModel.from_rate(1.0, 50.0), cpu=BED_CPU, source="bed at 1 Gbit/s")
+    path = tmp_path / "bed.json"
+    model.save(path)
+    want = chooser(model, 2, 2)
+    got = _segments_run(tmp_path, {"RINGCOMM_TUNE_FILE": str(path)})
+    for op, nbytes in (("all_reduce", 8 * MiB), ("reduce_scatter", 8 * MiB),
+                       ("all_gather", 2 * MiB)):  # fmt: skip
+        seg = want.hier_segment(op, nbytes)
+        assert seg is not None and seg < 8 * MiB, (op, seg)
+        assert got[op] == (str(seg), -(-8 * MiB // seg)), (op, got[op], seg)

@@ -48,6 +48,7 @@ __all__ = [
     "network_towards",
     "parse_records",
     "run",
+    "run_collecting",
 ]
 
 #: Prefix of the line each remote rank prints with its records.
@@ -110,8 +111,9 @@ def parse_records(lines: Sequence[str], world_size: int) -> tuple[list[list[Reco
     return [recs or [] for recs in per_rank], hostnames
 
 
-def _run_collecting(argv: list[str], timeout_s: float, what: str) -> tuple[int, list[str]]:
-    """Run ``argv``; keep the lines carrying :data:`MARK`, pass the others to stderr.
+def run_collecting(argv: list[str], timeout_s: float, what: str) -> tuple[int, list[str]]:
+    """Run ``argv``; keep the lines carrying :data:`MARK`, pass the others to stderr
+    (also ``ringcomm tune --hostfile``'s probe job, :mod:`ringcomm.tune_hosts`).
 
     The child (``ringcomm run`` or ``mpirun``) gets SIGKILL if the bench dies, and its own
     teardown (ssh clients dying with it, remote watchdogs seeing EOF) stops the ranks."""
@@ -156,7 +158,7 @@ def _run_collecting(argv: list[str], timeout_s: float, what: str) -> tuple[int, 
 def ringcomm_job(config: BenchConfig, hosts: HostsSpec) -> tuple[list[list[Record]], list[str]]:
     """One ringcomm (+ Gloo) sweep on ``hosts``: per-rank records and hostnames."""
     argv = launcher_argv(config, hosts)
-    code, lines = _run_collecting(argv, config.timeout_s, "the ringcomm job")
+    code, lines = run_collecting(argv, config.timeout_s, "the ringcomm job")
     if code != 0:
         raise RuntimeError(f"the ringcomm job on {hosts.describe()} exited with status {code}")
     return parse_records(lines, config.world_size)
@@ -211,7 +213,7 @@ def mpi_job(config: BenchConfig, hosts: HostsSpec) -> list[list[Record]]:
         # The config travels on the command line: the remote hosts need not see this file.
         cmd = mpirun_command(config, config_path, "-", hosts_args=mpi_hosts_args(hosts))
         cmd[cmd.index(config_path)] = json.dumps(dataclasses.asdict(config))
-        code, lines = _run_collecting(cmd, config.timeout_s, "mpirun")
+        code, lines = run_collecting(cmd, config.timeout_s, "mpirun")
     if code != 0 or not lines:
         raise RuntimeError(f"mpirun exited with status {code}: {shlex.join(cmd)}")
     payload = lines[-1].partition(MARK)[2]

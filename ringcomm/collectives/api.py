@@ -54,6 +54,7 @@ __all__ = [
     "check_reduce_scatter",
     "gather",
     "model_chooser",
+    "model_hier_segment",
     "model_prefers_hier",
     "reduce",
     "reduce_scatter",
@@ -410,6 +411,15 @@ def model_prefers_hier(group: GroupCore, nbytes: int, collective: str = "all_red
     algo = choose_algorithm(collective, None, None, nbytes, group.world_size, model=model,
                             hier=True)  # fmt: skip
     return algo == HIER_ALGO
+
+
+def model_hier_segment(group: GroupCore, nbytes: int, collective: str) -> int | None:
+    """The segment size of a hierarchical ``collective`` of ``nbytes`` (as
+    ``choose_algorithm`` counts them) on this group: the cost model's when it prices the
+    CPU (:meth:`~ringcomm.collectives.choice.ModelChooser.hier_segment`); None (the
+    hierarchy's own) otherwise."""
+    model = model_chooser(group)
+    return None if model is None else model.hier_segment(collective, nbytes)
 
 
 # -- checks of the calls that also run hierarchically (ringcomm.hierarchy, above) --------

@@ -9,7 +9,13 @@ group's world shape, ``hosts`` x ``ranks_per_host`` (hosts of different sizes: p
 ``hosts`` hosts of the largest size, the busiest host setting the pace), and, unless the
 piece size was set (``chunk_bytes=`` / ``RINGCOMM_CHUNK_BYTES`` / ``pg.chunk_bytes``), each
 of them at every piece size of :data:`CHUNK_CANDIDATES`; the cheapest wins (ties: the
-model's table order, then the group's own piece size).
+model's table order, then the group's own piece size). ``hier`` is priced in segments
+(:mod:`ringcomm.hierarchy` runs it so); a model with a CPU term (``ringcomm tune
+--hostfile``, :class:`ringcomm.costmodel.CpuModel`) also chooses its segment size among
+:data:`SEGMENT_CANDIDATES` (:meth:`ModelChooser.hier_segment`): small segments shorten the
+part of the pipeline that does not overlap where a link bounds it, large ones cost less CPU
+per byte where the cores do. Without one, hier keeps its 8 MiB segments (a model that does
+not price the CPU cannot see what a segment costs).
 
 Sizes are priced per bucket (:func:`size_bucket`: four per octave, at the bucket's upper
 end), so every size of a bucket gets one answer, and answers are cached per (collective,
@@ -23,13 +29,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from ..costmodel import ALGORITHMS as MODEL_ALGORITHMS
-from ..costmodel import CostModel, predict
+from ..costmodel import HIER_SEGMENT_BYTES, CostModel, predict
 
 __all__ = [
     "CHUNK_CANDIDATES",
     "HIER",
     "MODELLED",
     "REGISTRY_NAMES",
+    "SEGMENT_CANDIDATES",
     "ModelChoice",
     "ModelChooser",
     "size_bucket",
@@ -57,6 +64,9 @@ MODELLED: dict[str, bool] = {
 }
 #: Piece sizes the chooser considers (besides the group's own): 256 KiB to 8 MiB.
 CHUNK_CANDIDATES: tuple[int, ...] = tuple(256 << 10 << i for i in range(6))
+#: Segment sizes of a hierarchical call (bytes of the per-rank buffer) a model with a CPU
+#: term considers: 1 MiB to 16 MiB.
+SEGMENT_CANDIDATES: tuple[int, ...] = tuple(1 << 20 << i for i in range(5))
 #: Most cached answers per chooser (emptied when full: sizes that keep changing).
 MAX_CACHED = 4096
 _UNKNOWN = object()  # not in the cache yet (None is an answer)
@@ -80,11 +90,13 @@ def size_bucket(nbytes: int) -> int:
 @dataclass(frozen=True)
 class ModelChoice:
     """The cheapest algorithm (the registry's name), the piece size to run it with (None:
-    the group's) and its predicted time."""
+    the group's), its predicted time and, for ``hier``, the segment size (None: the
+    hierarchy's own, 8 MiB)."""
 
     algo: str
     chunk_bytes: int | None
     time_s: float
+    segment_bytes: int | None = None
 
 
 class ModelChooser:
@@ -128,6 +140,9 @@ class ModelChooser:
                 )
         self._answers: dict[tuple[str, int, bool], ModelChoice | None] = {}
         self._priced: dict[tuple[str, int, bool], ModelChoice | None] = {}
+        self._segments: dict[tuple[str, int], int | None] = {}
+        #: Whether the model chooses hier's segment size (it prices the CPU).
+        self.choose_segment = model.cpu is not None
 
     def choose(self, collective: str, nbytes: int, hier: bool = False) -> ModelChoice | None:
         """The choice for a call of ``nbytes`` (the registry's count, see :data:`MODELLED`);
@@ -140,6 +155,42 @@ class ModelChooser:
                 self._answers.clear()
             answer = self._answers[key] = self._choose(collective, nbytes, hier)
         return answer  # type: ignore[return-value]
+
+    def hier_segment(self, collective: str, nbytes: int) -> int | None:
+        """The segment size of a hierarchical call of ``nbytes`` (the registry's count),
+        whatever chose hier: the model's cheapest of :data:`SEGMENT_CANDIDATES`; None (the
+        hierarchy's own) when the model does not price the CPU or this collective."""
+        per_rank = MODELLED.get(collective)
+        if (
+            per_rank is None
+            or not self.choose_segment
+            or "hierarchical" not in MODEL_ALGORITHMS[collective]
+        ):
+            return None
+        key = (collective, nbytes)
+        if key not in self._segments:
+            if len(self._segments) >= MAX_CACHED:
+                self._segments.clear()
+            size = size_bucket(nbytes * self.world_size if per_rank else nbytes)
+            base = self.model.replace(chunk_bytes=self.chunk_bytes)
+            self._segments[key] = self._hier_time(base, collective, size)[1]
+        return self._segments[key]
+
+    def _hier_time(self, model: CostModel, collective: str, size: int) -> tuple[float, int | None]:
+        """hier's predicted time and segment size (None: :data:`HIER_SEGMENT_BYTES`); a
+        segment other than that only if it is predicted :data:`CHUNK_GAIN` faster. (A
+        model without a CPU term prices hier as it did before it had one: steps one after
+        another, :func:`ringcomm.costmodel.predict`.)"""
+        t = self._time(model, collective, "hierarchical", size)
+        best, segment = t, None
+        if self.choose_segment:
+            for c in SEGMENT_CANDIDATES:
+                if c == HIER_SEGMENT_BYTES:
+                    continue
+                tc = self._time(model, collective, "hierarchical", size, c)
+                if tc < best and tc < t * (1 - CHUNK_GAIN):
+                    best, segment = tc, c
+        return best, segment
 
     def _choose(self, collective: str, nbytes: int, hier: bool) -> ModelChoice | None:
         per_rank = MODELLED.get(collective)
@@ -163,9 +214,15 @@ class ModelChooser:
         best: ModelChoice | None = None
         for name in names:
             algo = REGISTRY_NAMES[name]
+            if algo == HIER:
+                t, segment = self._hier_time(base, collective, size)
+                choice = ModelChoice(algo, None, t, segment)
+                if best is None or choice.time_s < best.time_s:
+                    best = choice
+                continue
             t = self._time(base, collective, name, size)
             choice = ModelChoice(algo, None, t)
-            if self.choose_chunk and algo != HIER:  # (hier's pieces are its sub-groups')
+            if self.choose_chunk:  # (hier's pieces are its sub-groups')
                 for c in chunks:
                     tc = self._time(base.replace(chunk_bytes=c), collective, name, size)
                     if tc < choice.time_s and tc < t * (1 - CHUNK_GAIN):
@@ -174,5 +231,9 @@ class ModelChooser:
                 best = choice
         return best
 
-    def _time(self, model: CostModel, collective: str, name: str, size: int) -> float:
-        return predict(model, collective, name, self.hosts, self.ranks_per_host, size).time_s
+    def _time(
+        self, model: CostModel, collective: str, name: str, size: int, segment: int | None = None
+    ) -> float:
+        return predict(
+            model, collective, name, self.hosts, self.ranks_per_host, size, segment_bytes=segment
+        ).time_s
