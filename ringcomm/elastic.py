@@ -210,10 +210,17 @@ def _agree(
             time.sleep(SHRINK_SLICE_S)  # views differ: theirs are still growing
 
 
-def watch_members(core: GroupCore, members: Sequence[int]) -> Callable[[], None]:
+def watch_members(
+    core: GroupCore, members: Sequence[int], dead: set[int] | None = None
+) -> Callable[[], None]:
     """A check for the new group's rendezvous: raises ``PeerFailedError`` once one of
-    ``members`` (global ranks of ``core``'s group) is known gone."""
+    ``members`` (global ranks of ``core``'s group) is known gone. The error names, besides
+    the members gone, every rank gone since the shrink began (``dead``: those gone
+    before): a member may have left because it saw a rank this one had already left out
+    of the group die during the shrink (it read that rank's view first), and that rank
+    is the failure to name."""
     what = f"rank {core.rank}: shrink"
+    before = set(dead or ())
 
     def check() -> None:
         gone = sorted(dead_view(core) & set(members))
@@ -222,6 +229,7 @@ def watch_members(core: GroupCore, members: Sequence[int]) -> Callable[[], None]
             while time.monotonic() < give_up:
                 time.sleep(SHRINK_SLICE_S)
                 gone = sorted(set(gone) | (dead_view(core) & set(members)))
+            gone = sorted(set(gone) | (dead_view(core) - before))
             raise PeerFailedError(
                 f"{what}: {_who_went(gone)} during the shrink (before the new group formed)",
                 peer=gone[0],

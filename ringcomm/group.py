@@ -640,7 +640,7 @@ class ProcessGroup:
                 members = agree_survivors(core, store, epoch, deadline, t, dead)
                 slots = [old.slots[g] for g in members]
                 pg = self._next_epoch(store, addr, port, server, moved, epoch, slots, deadline,
-                                      watch=watch_members(core, members))  # fmt: skip
+                                      watch=watch_members(core, members, dead))  # fmt: skip
             except RendezvousError as exc:  # the store went: who else went with it?
                 raise explain_store_loss(core, exc, store_host, dead) from exc
         except BaseException:
