@@ -49,7 +49,8 @@ import numbers
 import os
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ __all__ = [
     "default_of",
     "env_master_addr",
     "env_token",
+    "environ_changed",
     "format_size",
     "mpirun_job_id",
     "mpirun_master_port",
@@ -834,3 +836,23 @@ def _slurm_defaults(
             port = slurm_master_port(int(job_id))
             origin = f"derived from the Slurm job id (SLURM_JOB_ID={job_id})"
     return addr, port, origin
+
+
+@contextmanager
+def environ_changed(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """``os.environ`` with ``changes`` (None: the variable unset) for the block, then as it
+    was (what a command sets for the ranks it starts: they inherit the environment)."""
+    saved = {k: os.environ.get(k) for k in changes}
+    for k, v in changes.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old

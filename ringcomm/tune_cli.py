@@ -23,14 +23,14 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .config import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TUNE_FILE,
     UsageError,
+    environ_changed,
     format_size,
     parse_size,
     size_arg,
@@ -105,20 +105,6 @@ def probe_rank(pg: ProcessGroup, specs: Sequence[Any], config: Any) -> list[Reco
     from .bench.sweep import run_sweep
 
     return run_sweep([RingcommImpl(pg)], config, pg.rank, specs=specs, progress=False)
-
-
-@contextmanager
-def _environ(changes: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _chunk_bytes() -> int:
@@ -209,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     try:
-        with _environ(PROBE_ENV):
+        with environ_changed(PROBE_ENV):
             per_rank = spawn(
                 probe_rank, n, args=([s for *_, s in plan], config), timeout_s=args.timeout_s
             )

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import environ_changed
 from .costmodel import HIER_SEGMENT_BYTES, CostModel, HostFit, HostSample, fit_hosts
 
 __all__ = [
@@ -194,17 +195,9 @@ def run_probe(
     if hosts.ssh_config is not None:
         argv += ["--ssh-config", hosts.ssh_config]
     argv += ["-n", str(hosts.world_size), "-m", "ringcomm.tune_hosts", json.dumps(config)]
-    saved = {k: os.environ.get(k) for k in ("RINGCOMM_TUNE_FILE", "RINGCOMM_ALGO")}
-    os.environ["RINGCOMM_TUNE_FILE"] = "none"  # (the launcher passes RINGCOMM_* on)
-    os.environ.pop("RINGCOMM_ALGO", None)  # the probes name their algorithms
-    try:
+    # (the launcher passes RINGCOMM_* on; the probes name their algorithms)
+    with environ_changed({"RINGCOMM_TUNE_FILE": "none", "RINGCOMM_ALGO": None}):
         code, lines = run_collecting(argv, timeout_s, "the probe job")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     if code != 0:
         raise RuntimeError(f"the probe job on {hosts.describe()} exited with status {code}")
     per_rank: list[dict[str, Any] | None] = [None] * hosts.world_size
@@ -237,14 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = json.loads(args[0])
     import ringcomm as rc
 
-    from .bench.multihost import MARK
+    from .bench.multihost import report
 
     with rc.init_process_group() as pg:
-        report = probe(pg, config["specs"], int(config["iters"]), int(config["warmup"]))
-        msg = {"rank": pg.rank, "hostname": socket.gethostname(), "records": report}
-        sys.stdout.write(MARK + json.dumps(msg) + "\n")
-        sys.stdout.flush()
-        pg.barrier()  # every rank's line is out before any rank leaves
+        report(pg, probe(pg, config["specs"], int(config["iters"]), int(config["warmup"])))
     return 0
 
 

@@ -858,3 +858,21 @@ def test_a_usage_error_raised_by_any_subcommand_exits_2(
     monkeypatch.setattr(local, "config_from_args", refuse)
     assert cli.main(["run", "x.py"]) == 2
     assert capsys.readouterr().err == "ringcomm run: error: no such thing\n"
+
+
+def test_environ_changed_sets_unsets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringcomm.config import environ_changed
+
+    monkeypatch.setenv("RC_TEST_A", "a")
+    monkeypatch.delenv("RC_TEST_B", raising=False)
+    seen: list[tuple[str | None, str | None]] = []
+
+    def body() -> None:
+        with environ_changed({"RC_TEST_A": None, "RC_TEST_B": "b"}):
+            seen.append((os.environ.get("RC_TEST_A"), os.environ.get("RC_TEST_B")))
+            raise RuntimeError  # restored on the way out of an error too
+
+    with pytest.raises(RuntimeError):
+        body()
+    assert seen == [(None, "b")]
+    assert os.environ["RC_TEST_A"] == "a" and "RC_TEST_B" not in os.environ

@@ -34,10 +34,14 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .report import Result
 from .spec import BenchConfig
 from .sweep import Record
+
+if TYPE_CHECKING:
+    from ..group import ProcessGroup
 
 __all__ = [
     "MARK",
@@ -47,6 +51,7 @@ __all__ = [
     "mpi_hosts_args",
     "network_towards",
     "parse_records",
+    "report",
     "run",
     "run_collecting",
 ]
@@ -314,12 +319,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ifname is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
     with rc.init_process_group() as pg:
-        records = rank_main(pg, config)
-        msg = {"rank": pg.rank, "hostname": socket.gethostname(), "records": records}
-        sys.stdout.write(MARK + json.dumps(msg) + "\n")
-        sys.stdout.flush()
-        pg.barrier()  # every rank's line is out before any rank leaves
+        report(pg, rank_main(pg, config))
     return 0
+
+
+def report(pg: ProcessGroup, records: Any) -> None:
+    """Print this rank's ``records`` as one marked JSON line (what :func:`run_collecting`
+    collects), then wait until every rank has printed its own."""
+    msg = {"rank": pg.rank, "hostname": socket.gethostname(), "records": records}
+    sys.stdout.write(MARK + json.dumps(msg) + "\n")
+    sys.stdout.flush()
+    pg.barrier()  # every rank's line is out before any rank leaves
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from ringcomm.config import UsageError, format_size, size_arg
+from ringcomm.config import UsageError, environ_changed, format_size, size_arg
 from ringcomm.errors import RingcommError
 from ringcomm.flight import summary_table
 from ringcomm.launch.spawn import spawn
@@ -54,18 +54,10 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
         if cfg.world_size != 1:
             raise ValueError(f"strategy single runs on one process; got -n {cfg.world_size}")
         return [train_rank(None, cfg)]
-    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
-    for k in _THREAD_VARS:
-        os.environ.setdefault(k, "1")
-    try:
+    # (one thread pool per rank: ranks share the cores; a value the user set stays)
+    with environ_changed({k: os.environ.get(k, "1") for k in _THREAD_VARS}):
         return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s,
                           elastic=cfg.elastic, max_restarts=cfg.max_restarts))  # fmt: skip
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 __all__ = ["UsageError", "add_parser", "config_from_args", "main"]
