@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.config": 0,
     "ringcomm.device.xp": 0,  # the only module that imports cupy
     "ringcomm.device.standin": 0,  # the host stand-in for cupy.ndarray; xp imports it, it imports nothing
+    "ringcomm.device.standin_math": 0,  # the stand-in's arithmetic (imports nothing of ours)
     "ringcomm.standin": 0,  # the old name of device.standin, a re-export
     "ringcomm.schedule": 0,  # pure schedules
     "ringcomm.costmodel": 0,  # the alpha-beta-gamma cost model (pure)
