@@ -80,6 +80,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.bench": 8,
     "ringcomm.launch": 8,
     "ringcomm.torch_backend": 8,
+    "ringcomm.torch_device": 8,  # the torch backend's device tensors and streams
     "ringcomm.cli": 8,
     "ringcomm.trace_cli": 8,
     "ringcomm.model_cli": 8,
@@ -94,7 +95,7 @@ CONFINED = {
     "zmq": ("ringcomm.transport",),  # today: transport.zmq_transport and transport.rpc
     "cupy": ("ringcomm.device.xp",),
     "cupyx": ("ringcomm.device.xp",),
-    "torch": ("ringcomm.torch_backend", "ringcomm.bench.gloo"),
+    "torch": ("ringcomm.torch_backend", "ringcomm.torch_device", "ringcomm.bench.gloo"),
 }
 
 # "engine never touches the transport, only a ProcessGroup" (DESIGN §3).
