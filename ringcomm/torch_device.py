@@ -130,9 +130,10 @@ class CudaDevice(TensorDevice):
         return int(torch.cuda.current_device())
 
     def array(self, t: torch.Tensor) -> Any:
-        # With torch's current stream as CuPy's, CuPy hands that stream to
-        # tensor.__dlpack__, which then has nothing to synchronise.
-        with self.ordered(torch.cuda.current_stream(t.device)):
+        # (tensor.__dlpack__ wants the tensor's device current.) With torch's current
+        # stream as CuPy's, CuPy hands that stream to tensor.__dlpack__, which then has
+        # nothing to synchronise.
+        with torch.cuda.device(t.device), self.ordered(torch.cuda.current_stream(t.device)):
             return self._cupy().from_dlpack(t)
 
     def tensor(self, a: Any) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .strategy import (
     TrainConfig,
     array_module,
 )
-from .train import summarize, train_rank
+from .train import bubble_lines, summarize, train_rank
 from .transformer import check_tp_sizes
 
 #: Thread pools capped at one per rank (ranks share the cores).
@@ -391,11 +391,7 @@ def format_summary(result: dict[str, Any]) -> str:
     if "peak_bytes_source" in result:
         lines.append(f"peak: {result['peak_bytes_source']}")
     if "bubble_fraction" in result:
-        lines.append(
-            f"pipeline {result['schedule']}, {result['micro_batches']} micro-batches: bubble "
-            f"{result['bubble_fraction']:.3f} measured, {result['bubble_fraction_theory']:.3f} "
-            "= (p-1)/(m+p-1)"
-        )
+        lines += bubble_lines(result)
     if "mesh_shape" in result:
         ms = result["mesh_shape"]
         lines.append(
