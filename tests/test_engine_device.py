@@ -279,6 +279,23 @@ def test_host_staged_transformer_strategies_match_single(n: int, no_child_proces
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.timeout(120)
+def test_gpu_e2e_transformer_check_runs_on_the_standin(no_child_processes: None) -> None:
+    """``tests/test_gpu_e2e.py``'s transformer job and checker, on the stand-in device (a
+    few cases): the GPU test's own code is exercised here, where CI runs."""
+    from test_gpu_e2e import check_transformer_results, transformer_cases, transformer_job
+
+    cases = transformer_cases(2, "host-staged")[-4:]
+    per_rank = rc.spawn(transformer_job, 2, args=(cases,), timeout_s=100)
+    assert not check_transformer_results(per_rank, cases, STANDIN.__name__)
+    # and it can fail: a wrong module, or losses off the oracle
+    assert check_transformer_results(per_rank, cases, "cupy")
+    per_rank[0]["cases"][0]["losses"][1] *= 1.001
+    assert any(
+        "loss rel err" in f for f in check_transformer_results(per_rank, cases, STANDIN.__name__)
+    )
+
+
 @pytest.mark.timeout(200)
 def test_train_cli_host_staged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], no_child_processes: None

@@ -194,7 +194,8 @@ def bubble_lines(result: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"  here {p} stages share {units} {unit}{plural} ({why}): at most {units} "
-            f"stage{plural} compute at once, so the measured bubble is at least 1 - {units}/{p}"
+            f"stage{plural} compute{'' if plural else 's'} at once, so the measured bubble is "
+            f"at least 1 - {units}/{p}"
             f" = {place['shared_floor']:.3f} whatever the schedule, a floor the formula does "
             "not include: a measured figure above the formula here is the placement, not a "
             "schedule bug"
