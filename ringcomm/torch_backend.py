@@ -27,7 +27,8 @@ ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.
   store, sockets and a progress thread per group).
 * :class:`RingcommProcessGroup` subclasses ``dist.ProcessGroup`` (``super().__init__(rank,
   size)``; ``dist._Backend`` cannot be subclassed from Python). Each call turns tensors into
-  NumPy views (``tensor.numpy()``: zero-copy for contiguous CPU tensors) and returns a
+  arrays on their memory (``tensor.numpy()`` for contiguous CPU tensors; CuPy arrays for
+  CUDA tensors, below) and returns a
   :class:`RingcommWork`. Where torch will wait at once (``opts.asyncOp`` False: plain
   ``dist.all_reduce(t)`` and friends) the ringcomm call runs blocking on the caller's thread
   (ringcomm's small-message fast lane, no thread hand-off). Otherwise (``async_op=True``,
@@ -192,7 +193,8 @@ def _contig(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _move_view(t: torch.Tensor) -> Any:
-    """A NumPy view of contiguous ``t`` for data movement: any dtype, as bytes if needed."""
+    """The array on contiguous ``t`` for data movement (NumPy, or the call's device array):
+    any dtype, as bytes if needed."""
     if t.dtype == torch.bool and current_call().device is not None:
         return array_of(t.view(torch.uint8))  # (DLPack's bool is not everywhere)
     if t.dtype in _NUMPY_DTYPES:

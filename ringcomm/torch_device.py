@@ -1,26 +1,19 @@
 """Device tensors for the ringcomm torch backend: which tensors are device tensors, their
-ringcomm arrays without a copy, and the stream order of one call.
+ringcomm arrays without a copy (DLPack), and the stream order of one call.
 
-A call on device tensors runs in a :class:`CallScope` (the backend starts one per call):
+A backend call on device tensors runs in a :class:`CallScope`: at the call, every tensor
+is checked (one device, the rank's; contiguous; errors name rank and op) and the caller's
+current stream taken; each ringcomm call is made with that stream as the array library's
+current stream (:meth:`CallScope.ordered`), so ringcomm's device work waits for the kernel
+that produced the tensors; ringcomm completes an operation only once its writes are done,
+and the backend's steps after it run on the caller's stream, then an event is recorded
+there (:meth:`CallScope.finish`); ``Work.wait()`` makes the waiter's current stream wait
+for that event (:meth:`CallScope.join`: NCCL's semantics) and the future is a CUDA future.
 
-* at the call: every tensor is checked (one device, the rank's; contiguous), errors naming
-  the rank and the op; the caller's current stream on that device is taken;
-* each ringcomm call is made with that stream as the array library's current stream
-  (:meth:`CallScope.ordered`): ringcomm orders its device work after the stream's work so
-  far, so nothing reads a tensor before the kernel producing it finished. The arrays come
-  through DLPack with the same stream (no copy, nothing to synchronise);
-* ringcomm completes an operation on device arrays only once its writes into them are done;
-  the backend's own steps after it (copies back, casts) run on the caller's stream
-  (:meth:`CallScope.on_stream`), then an event is recorded there (:meth:`CallScope.finish`);
-* ``Work.wait()`` makes the waiting thread's current stream wait for that event
-  (:meth:`CallScope.join`: NCCL's semantics, the host does not wait), and the Work's future
-  is a CUDA future on the device (torch synchronises its readers' streams).
-
-Devices (:class:`TensorDevice`): :class:`CudaDevice` (CUDA tensors as CuPy arrays through
-DLPack; torch's streams as CuPy's ``ExternalStream``), and for CPU tests
-:class:`StandinTensorDevice` (CPU tensors posing as device tensors: ringcomm's stand-in
-device arrays on their memory; logging streams and events). A rank's device is its
-``torch.cuda.current_device()`` at the group's first call on device tensors.
+:class:`CudaDevice`: CUDA tensors as CuPy arrays, torch's streams as CuPy's
+(``ExternalStream``). :class:`StandinTensorDevice` (CPU tests): CPU tensors posing as
+device tensors, as ringcomm's stand-in device arrays, with logging fake streams. A rank's
+device is its current device at the group's first call on device tensors.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A NumPy array posing as device memory: the host stand-in for ``cupy.ndarray``.
 
-:class:`StandinArray` wraps a contiguous NumPy array and exposes the small part of CuPy's
+:class:`StandinArray` wraps a NumPy array and exposes the small part of CuPy's
 ndarray surface ringcomm uses (shape, dtype, sizes, views by ``reshape``/``view``/basic
 slicing, ``get()``/``set()``) and, through :mod:`~ringcomm.device.standin_math`, the
 arithmetic the training engine computes with (:data:`STANDIN` is its ``xp``; it never turns
