@@ -536,6 +536,14 @@ def ps_log_level(env: Mapping[str, str] | None = None) -> str:
     return level
 
 
+def mps_active(env: Mapping[str, str] | None = None) -> bool:
+    """Whether an NVIDIA MPS control daemon serves this host: its pipe directory
+    (``CUDA_MPS_PIPE_DIRECTORY``, else ``/tmp/nvidia-mps``) holds its ``control`` pipe.
+    Without MPS, kernels of different processes on one GPU do not run concurrently."""
+    pipe_dir = _environ(env).get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe_dir, "control"))
+
+
 def env_token(env: Mapping[str, str] | None = None) -> str | None:
     """``RINGCOMM_TOKEN`` as written (a secret: not stripped); None when unset or empty."""
     return _environ(env).get("RINGCOMM_TOKEN") or None
