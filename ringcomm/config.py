@@ -68,6 +68,7 @@ __all__ = [
     "TRANSPORT_MODES",
     "TUNE_FILE_OFF",
     "InitConfig",
+    "TorchAgentStore",
     "UsageError",
     "bind_mode",
     "binds_to_core",
@@ -189,6 +190,16 @@ MPIRUN_JOB_ID_VARS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_ort
 
 
 @dataclass(frozen=True)
+class TorchAgentStore:
+    """torchrun's agent store (a torch ``TCPStore``) and the key prefix of this job's
+    attempt in it (``ringcomm/<TORCHELASTIC_RUN_ID>/attempt_<TORCHELASTIC_RESTART_COUNT>``)."""
+
+    host: str
+    port: int
+    prefix: str
+
+
+@dataclass(frozen=True)
 class InitConfig:
     """Everything a process needs to join a group, resolved once.
 
@@ -262,6 +273,10 @@ class InitConfig:
     #: Where :attr:`master_port` came from when no one set it, for error messages, e.g.
     #: ``"derived from Open MPI's job id (PMIX_NAMESPACE=...)"``; None: it was set.
     master_port_origin: str | None = None
+    #: Under torchrun (its agent serving a ``TCPStore`` at MASTER_ADDR:MASTER_PORT): that
+    #: store, where rank 0 publishes the address of ringcomm's own store (served on a port
+    #: from the OS: :attr:`master_port` is 0); None elsewhere.
+    torch_store: TorchAgentStore | None = None
 
     @property
     def effective_chunk_bytes(self) -> int:
@@ -618,15 +633,15 @@ def resolve_init_config(
 
     addr = str(addr_f.value) if addr_f is not None else None
     port = _as_int(port_f) if port_f is not None else None
-    if port_f is not None and port is not None and port_f.source == "torchrun":
-        agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
-        if agent in ("true", "1"):
-            # torchrun's elastic agent already serves its own TCPStore on MASTER_PORT (the
-            # workers reuse it instead of hosting one), so that port is taken: ours is +1.
-            port += 1
-            port_f = _Found(port, "MASTER_PORT+1", "torchrun", "torchrun agent store")
+    torch_store = _torch_agent_store(env, addr_f, port_f)
+    if torch_store is not None:
+        # torchrun's elastic agent serves its own TCPStore on MASTER_PORT (the workers
+        # reuse it instead of hosting one), so that port is taken: rank 0 serves ours on a
+        # port from the OS and publishes it there (ringcomm.rendezvous.torchstore).
+        port = 0
     if port_f is not None and port is not None and not 0 <= port <= 65535:
         raise RendezvousError(f"{port_f.describe()} is not in 0..65535 {_origin(port_f)}")
+    _check_launcher_world(env, world_f, world, port_f)
     port_origin: str | None = None
     if source == "slurm" and world > 1 and (addr is None or port is None):
         addr, port, port_origin = _slurm_defaults(env, addr, port)
@@ -637,13 +652,14 @@ def resolve_init_config(
     if world > 1:
         if addr is None:
             addr = DEFAULT_MASTER_ADDR
-        if port is None or port == 0:
+        if (port is None or port == 0) and torch_store is None:
             given = f" ({port_f.describe()} means 'pick a free port')" if port_f else ""
             raise RendezvousError(
                 f"world_size={world} {_origin(world_f)} but no store port to meet at{given}: "
                 "pass master_port= or set RINGCOMM_MASTER_PORT (or MASTER_PORT); "
                 f"port 0 only works for a single process{spans_hosts}"
             )
+        port = port or 0  # (0 under torchrun's agent store: ringcomm's comes from the OS)
     else:
         addr = addr if addr is not None else DEFAULT_MASTER_ADDR
         port = port if port is not None else 0
@@ -774,7 +790,50 @@ def resolve_init_config(
         tune_file=tune_file,
         tune_file_required=tune_file_required,
         master_port_origin=port_origin,
+        torch_store=torch_store,
     )
+
+
+def _torch_agent_store(
+    env: Mapping[str, str], addr_f: _Found | None, port_f: _Found | None
+) -> TorchAgentStore | None:
+    """torchrun's agent store, when the workers use it (``TORCHELASTIC_USE_AGENT_STORE``)
+    and MASTER_PORT names it; None otherwise."""
+    if port_f is None or port_f.source != "torchrun":
+        return None
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
+    if agent not in ("true", "1"):
+        return None
+    port = _as_int(port_f)
+    if not 0 < port <= 65535:
+        raise RendezvousError(f"{port_f.describe()} is not in 1..65535 {_origin(port_f)}")
+    host = str(addr_f.value) if addr_f is not None else DEFAULT_MASTER_ADDR
+    run_id = (env.get("TORCHELASTIC_RUN_ID") or "none").strip()
+    attempt = (env.get("TORCHELASTIC_RESTART_COUNT") or "0").strip()
+    return TorchAgentStore(host, port, f"ringcomm/{run_id}/attempt_{attempt}")
+
+
+def _check_launcher_world(
+    env: Mapping[str, str], world_f: _Found | None, world: int, port_f: _Found | None
+) -> None:
+    """A world size passed by hand that disagrees with the launcher's, while the ranks
+    meet at the launcher's store address: every rank would wait for ranks that were never
+    started (or ignore some that were). Raises naming both values. A store address passed
+    by hand, or a world of one, is the caller's own business."""
+    if world_f is None or world_f.source != "explicit" or world == 1:
+        return
+    if port_f is not None and port_f.source == "explicit":
+        return
+    launched_f = _lookup(env, "world_size")
+    if launched_f is None:
+        return
+    launched = _as_int(launched_f)
+    if launched != world:
+        raise RendezvousError(
+            f"world_size={world} (explicit argument) disagrees with the launcher: "
+            f"{launched_f.describe()} {_origin(launched_f)} started {launched} rank(s); pass "
+            "the same world size (or none), or a store address of your own (master_port=)"
+        )
 
 
 def _tune_file(env: Mapping[str, str]) -> tuple[str | None, bool]:
