@@ -35,7 +35,8 @@ Settings that belong to no group are small pure functions of the same mapping, e
 raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
 with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
 (``RINGCOMM_STAGING_MAX_BYTES``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
-:func:`env_token` (``RINGCOMM_TOKEN``) and :func:`env_master_addr`
+:func:`env_token` (``RINGCOMM_TOKEN``), :func:`env_trace_dir` (``RINGCOMM_TRACE_DIR``)
+and :func:`env_master_addr`
 (``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
 variable: they take these values as arguments.
 """
@@ -75,6 +76,7 @@ __all__ = [
     "default_of",
     "env_master_addr",
     "env_token",
+    "env_trace_dir",
     "environ_changed",
     "format_size",
     "mpirun_job_id",
@@ -554,6 +556,11 @@ def ps_log_level(env: Mapping[str, str] | None = None) -> str:
 def env_token(env: Mapping[str, str] | None = None) -> str | None:
     """``RINGCOMM_TOKEN`` as written (a secret: not stripped); None when unset or empty."""
     return _environ(env).get("RINGCOMM_TOKEN") or None
+
+
+def env_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """``RINGCOMM_TRACE_DIR``: where ranks write their flight records; None when unset."""
+    return (_environ(env).get("RINGCOMM_TRACE_DIR") or "").strip() or None
 
 
 def env_master_addr(env: Mapping[str, str] | None = None) -> str:

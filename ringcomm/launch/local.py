@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ringcomm.config import UsageError
+from ringcomm.config import UsageError, env_trace_dir
 from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options
 from ringcomm.launch.supervise import (
     DEFAULT_GRACE_S,
@@ -250,7 +250,8 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
             restart = None
             if config.max_restarts > 0:
                 restart = _restarter(config, store, token, ranks, torch_port)
-            return supervise(ranks, signals, config.grace_s, poll_s, restart=restart)
+            return supervise(ranks, signals, config.grace_s, poll_s, restart=restart,
+                             trace_dir=env_trace_dir({**os.environ, **dict(config.env)}))  # fmt: skip
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
         store.close()
