@@ -73,6 +73,7 @@ __all__ = [
     "UsageError",
     "bind_mode",
     "binds_to_core",
+    "check_output_path",
     "default_of",
     "env_master_addr",
     "env_token",
@@ -338,6 +339,35 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_output_path(path: str | None, flag: str, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output path a command could not write at the end:
+    raise :class:`UsageError` naming ``flag`` (one line; ``ringcomm`` exits 2). A file's
+    folder must exist and be writable, and the path must not be a folder; ``directory``:
+    a folder to write into (made if missing: its nearest existing parent must be
+    writable). None: no output asked for."""
+    if path is None or path == "":
+        return
+    full = os.path.abspath(path)
+    if directory:
+        probe = full
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise UsageError(f"{flag} {path}: {probe} is not a directory")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: cannot write in {probe}")
+        return
+    if os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: is a directory (give a file name)")
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: no such directory: {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        os.path.exists(full) and not os.access(full, os.W_OK)
+    ):
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 class UsageError(Exception):

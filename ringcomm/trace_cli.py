@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from .config import UsageError
+from .config import UsageError, check_output_path
 from .flight import chrome_trace, desync_report, load_dir
 
 __all__ = ["add_parser", "main"]
@@ -37,6 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise UsageError("--world-size must be >= 1")
+    check_output_path(args.chrome, "--chrome")
     try:
         files = load_dir(args.dir)
     except ValueError as exc:

@@ -25,7 +25,13 @@ import os
 import sys
 from typing import Any
 
-from ringcomm.config import UsageError, environ_changed, format_size, size_arg
+from ringcomm.config import (
+    UsageError,
+    check_output_path,
+    environ_changed,
+    format_size,
+    size_arg,
+)
 from ringcomm.errors import RingcommError
 from ringcomm.flight import summary_table
 from ringcomm.launch.spawn import spawn
@@ -173,6 +179,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    check_output_path(args.json, "--json")
+    check_output_path(getattr(args, "checkpoint_dir", None), "--checkpoint-dir", directory=True)
     n = args.nproc
     if n < 1:
         raise UsageError(f"-n must be >= 1, got {n}")

@@ -109,12 +109,17 @@ def config_from_args(
         ("--ssh-port", args.ssh_port),
         ("--ssh-identity", args.ssh_identity),
         ("--ssh-option", args.ssh_option or None),
-        ("--nproc-per-node", args.nproc_per_node),
         ("--start-timeout", args.start_timeout),
     ):
         if value is not None:
             raise UsageError(f"{flag} applies to multi-host launch only (--hostfile / -H)")
     nproc = 1 if args.nproc is None else args.nproc
+    per_node = getattr(args, "nproc_per_node", None)
+    if per_node is not None:  # torchrun's spelling, one node: the ranks of this host
+        if args.nproc is not None and args.nproc != per_node:
+            raise UsageError(f"-n {args.nproc} and --nproc-per-node {per_node} disagree on "
+                             "one host (without --hostfile / -H): give one of them")  # fmt: skip
+        nproc = per_node
     if nproc < 1:
         raise UsageError(f"-n must be >= 1, got {nproc}")
     port = 0 if args.master_port is None else args.master_port

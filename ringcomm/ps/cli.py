@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any
 
-from ringcomm.config import UsageError, default_of, env_token, ps_log_level
+from ringcomm.config import UsageError, check_output_path, default_of, env_token, ps_log_level
 
 __all__ = ["add_parser", "config_from_args", "main"]
 
@@ -117,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     :class:`UsageError` (for a bad ``--index`` too)."""
     from .config import PSConfig
 
+    check_output_path(args.checkpoint_dir, "--checkpoint-dir", directory=True)
     opt: dict[str, Any] = {"lr": args.lr}
     if args.optimizer == "sgd":
         opt["momentum"] = args.momentum
