@@ -380,6 +380,13 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:9.2f}"
 
 
+def shm_bytes_per_step(r: dict[str, Any]) -> float:
+    """A rank's bytes per step through the shared workspace: its world group's and its
+    mesh axes' (sub-groups count their own)."""
+    by_axis = r.get("workspace_bytes_per_step_by_axis") or {}
+    return float(r.get("workspace_bytes_per_step") or 0.0) + float(sum(by_axis.values()))
+
+
 def format_summary(result: dict[str, Any]) -> str:
     staged = result.get("device", "cpu") != "cpu"
     lines = [
@@ -389,15 +396,18 @@ def format_summary(result: dict[str, Any]) -> str:
             f"step time {result['step_time_s'] * 1e3:.1f} ms (median); "
             f"final loss {result['losses'][-1]:.6f}"
         ),
-        " rank  param MiB   grad MiB  optim MiB   peak MiB  sent MiB/step"
+        " rank  param MiB   grad MiB  optim MiB   peak MiB   MiB/step: sockets     shm"
         + ("  staging MiB" if staged else ""),
     ]
     for r in result["per_rank"]:
         lines.append(
             f"{r['rank']:5d} {_mib(r['param_bytes'])} {_mib(r['grad_bytes'])} "
-            f"{_mib(r['optim_bytes'])} {_mib(r['peak_bytes'])} {_mib(r['sent_bytes_per_step'])}"
+            f"{_mib(r['optim_bytes'])} {_mib(r['peak_bytes'])}          "
+            f"{_mib(r['sent_bytes_per_step'])} {_mib(shm_bytes_per_step(r))}"
             + (f"    {_mib(r['staging_bytes'])}" if staged else "")
         )
+    lines.append("MiB/step: what every collective moved, through sockets (sent) and through the "
+                 "shared memory of ranks on one host (the inputs it took)")  # fmt: skip
     if "peak_bytes_source" in result:
         lines.append(f"peak: {result['peak_bytes_source']}")
     if "bubble_fraction" in result:
