@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_TUNE_FILE",
+    "LOG_LEVELS",
     "MPIRUN_JOB_ID_VARS",
     "PS_LOG_LEVELS",
     "TRANSPORT_MODES",
@@ -95,6 +96,9 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 #: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
 DEFAULT_CHUNK_BYTES = 4 << 20
+#: RINGCOMM_LOG values (any case): nothing; a summary of the group at init (rank 0);
+#: that and every op's start and end.
+LOG_LEVELS = ("off", "info", "debug")
 #: RINGCOMM_BIND values (see InitConfig.bind).
 BIND_MODES = ("auto", "none", "core")
 #: RINGCOMM_TRANSPORT / ``transport=`` values: ipc:// to peers on this host and tcp://
@@ -289,7 +293,12 @@ class InitConfig:
     @property
     def log_debug(self) -> bool:
         """``RINGCOMM_LOG=debug``: log every op's start and end."""
-        return (self.log or "").lower() == "debug"
+        return self.log == "debug"
+
+    @property
+    def log_info(self) -> bool:
+        """``RINGCOMM_LOG=info`` (or debug): a summary of the group when it forms."""
+        return self.log in ("info", "debug")
 
 
 @dataclass(frozen=True)
@@ -808,7 +817,7 @@ def resolve_init_config(
         chunk_bytes=chunk_bytes,
         algo=(env.get("RINGCOMM_ALGO") or "").strip() or None,
         host_id=(env.get("RINGCOMM_HOST_ID") or "").strip() or None,
-        log=(env.get("RINGCOMM_LOG") or "").strip() or None,
+        log=_log_level(env),
         store_external=store_external,
         source=source,
         security=security,
@@ -871,6 +880,21 @@ def _check_launcher_world(
             f"{launched_f.describe()} {_origin(launched_f)} started {launched} rank(s); pass "
             "the same world size (or none), or a store address of your own (master_port=)"
         )
+
+
+def _log_level(env: Mapping[str, str]) -> str | None:
+    """``RINGCOMM_LOG``: one of :data:`LOG_LEVELS` (any case, returned lower case), None
+    when unset or ``off``."""
+    text = (env.get("RINGCOMM_LOG") or "").strip()
+    if not text:
+        return None
+    level = text.lower()
+    if level not in LOG_LEVELS:
+        raise RendezvousError(
+            f"RINGCOMM_LOG={text!r} is not a level: use one of {', '.join(LOG_LEVELS)} "
+            "(info: a summary of the group at init; debug: also every op's start and end)"
+        )
+    return None if level == "off" else level
 
 
 def _tune_file(env: Mapping[str, str]) -> tuple[str | None, bool]:

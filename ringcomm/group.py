@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import lifecycle
+from . import group_summary, lifecycle
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import HIER_ALGO
@@ -839,10 +839,12 @@ def _bind_to_core(local_rank: int) -> None:
     os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
 
 
-def _enable_debug_log() -> None:
-    """RINGCOMM_LOG=debug: op start/end lines on stderr (unless the app set up logging)."""
+def _enable_log(level: int = logging.DEBUG) -> None:
+    """RINGCOMM_LOG=debug (op start/end lines) or info (the group's summary) on stderr
+    (unless the app set up logging)."""
     logger = logging.getLogger("ringcomm")
-    logger.setLevel(logging.DEBUG)
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("ringcomm %(asctime)s %(message)s"))
@@ -1060,6 +1062,9 @@ def init_process_group(
         view = None if store is None else store.prefixed(ns)
         pg = _form(cfg, view, server, cfg.master_port, namespace=ns)
         pg.core.state.owned_store = store
+        if cfg.log_info and cfg.rank == 0:  # RINGCOMM_LOG=info: what the group runs on
+            _enable_log(logging.INFO)
+            logging.getLogger("ringcomm").info("%s", group_summary.describe(pg.core))
         return pg
     except BaseException:
         if store is not None:
@@ -1184,7 +1189,7 @@ def _form(
         if binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0))):
             _bind_to_core(cfg.local_rank)
         if cfg.log_debug:
-            _enable_debug_log()
+            _enable_log(logging.DEBUG)
         progress = Progress(
             net,
             cfg.rank,

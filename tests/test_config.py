@@ -636,6 +636,31 @@ def test_log_debug() -> None:
     assert resolve_init_config(env={}).log_debug is False
     assert resolve_init_config(env={"RINGCOMM_LOG": "DEBUG"}).log_debug is True
     assert resolve_init_config(env={"RINGCOMM_LOG": "info"}).log_debug is False
+    assert resolve_init_config(env={"RINGCOMM_LOG": "info"}).log_info is True
+    assert resolve_init_config(env={"RINGCOMM_LOG": "debug"}).log_info is True
+    assert resolve_init_config(env={"RINGCOMM_LOG": "Off"}).log is None
+
+
+@pytest.mark.parametrize("value", ["loud", "1", "warning"])
+def test_an_invalid_log_level_raises_naming_it(value: str) -> None:
+    with pytest.raises(RendezvousError, match=f"RINGCOMM_LOG='{value}' is not a level: use one of"):
+        resolve_init_config(env={"RINGCOMM_LOG": value})
+
+
+def test_log_info_logs_the_group_summary_once_on_rank_0(caplog: pytest.LogCaptureFixture) -> None:
+    import ringcomm as rc
+
+    # A world of one: no sockets to peers, but the whole summary (rank 0 logs it; on
+    # stderr unless the application set up logging, as pytest does).
+    with (
+        caplog.at_level("INFO", logger="ringcomm"),
+        rc.init_process_group(0, 1, env={"RINGCOMM_LOG": "info"}) as pg,
+    ):
+        assert pg.world_size == 1
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert text.count("ringcomm: rank 0 of 1 (1 host), group pg") == 1, text
+    for words in ("collectives:", "algorithms:", "pieces of 4M bytes", "token off"):
+        assert words in text, text
 
 
 # -- staging pool bound ----------------------------------------------------------------------
