@@ -2,7 +2,7 @@
 
 Pure: reads only the mapping it is given (``os.environ`` by default), opens no sockets.
 
-Each setting is resolved on its own, the first source that has it wins (DESIGN.md §1):
+Each setting is resolved on its own, the first source that has it wins (docs/contracts.md, Python API):
 
 1. the explicit argument of :func:`resolve_init_config`;
 2. ``RINGCOMM_RANK`` / ``RINGCOMM_WORLD_SIZE`` / ``RINGCOMM_MASTER_ADDR`` /

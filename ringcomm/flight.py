@@ -135,7 +135,7 @@ def size_bucket(nbytes: int) -> int:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor of ``op`` over ``n`` ranks (DESIGN.md §2)."""
+    """nccl-tests' bus-bandwidth factor of ``op`` over ``n`` ranks (docs/contracts.md, JSON output)."""
     if n <= 1:
         return 0.0 if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all") else 1.0
     if op == "all_reduce":

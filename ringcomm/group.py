@@ -275,7 +275,7 @@ class ProcessGroup:
 
     # -- collectives -------------------------------------------------------------------
     # Thin delegates to ringcomm.collectives.api (argument checks, algorithm choice and the
-    # algorithms live there). DESIGN.md §1; every call also takes timeout_s=.
+    # algorithms live there). docs/contracts.md; every call also takes timeout_s=.
     def all_reduce(
         self,
         x: Any,
@@ -1012,7 +1012,8 @@ def init_process_group(
     env: Mapping[str, str] | None = None,
     group_name: str | None = None,
 ) -> ProcessGroup:
-    """Join (or form) the world group; see DESIGN.md §1 for where values come from.
+    """Join (or form) the world group; see docs/contracts.md (Python API) for where
+    values come from.
 
     Extensions beyond the contract: ``host_store`` (False: a launcher serves the store,
     as ``RINGCOMM_STORE_EXTERNAL=1``), ``chunk_bytes`` (piece size of pipelined

@@ -1,6 +1,6 @@
 """The group core: what collectives and point-to-point calls need of a group.
 
-Two public classes, below the collectives (DESIGN.md §3) and above the progress engine:
+Two public classes, below the collectives (docs/architecture.md) and above the progress engine:
 
 * :class:`ProcessState`: what every group of one process shares (the config, the progress
   engine, the rendezvous store and, on rank 0, its server) and how the process leaves them

@@ -299,8 +299,8 @@ def main(args: argparse.Namespace) -> int:
         f"{format_size(S)} ({S} B) per rank\n"
         f"# parameters: {model.describe()}\n"
         f"# assumptions: {ASSUMPTIONS}\n"
-        "# busbw: nccl-tests factors (DESIGN.md §2); uplink bytes: sent by the busiest host, "
-        "summed over steps\n#\n"
+        "# busbw: nccl-tests' factors (all_reduce 2(n-1)/n, gathers (n-1)/n, broadcast 1); "
+        "uplink bytes: sent by the busiest host, summed over steps\n#\n"
     )
     out.write(format_world(preds, winner))
     out.write(f"# best: {winner}; winner changes over 1 B..4 GiB: {_fmt_cross(found)}\n")

@@ -146,7 +146,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="write one JSON object per size and implementation (DESIGN.md §2)",
+        help="write one JSON object per size and implementation: impl, op, world_size, "
+        "bytes, count, dtype, time_us, algbw_GBps, busbw_GBps, errors, algo (the docs' "
+        "Contracts page)",
     )
     p.add_argument(
         "--compare",

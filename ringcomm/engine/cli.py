@@ -6,7 +6,7 @@ and the tp splits before any rank starts).
 Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :class:`~ringcomm.engine.strategy.TrainConfig`; ``UsageError`` for what cannot run) ->
 :func:`run_training` (``rc.spawn`` for N ranks; ``single`` in this
-process) -> a summary on stdout and the ``--json`` object (DESIGN.md §2). Exit status: 0;
+process) -> a summary on stdout and the ``--json`` object (docs/contracts.md, JSON output). Exit status: 0;
 1 if a rank failed; 2 for a usage error or
 ``--device cuda`` without CuPy or a GPU (:class:`UsageError`, printed by :mod:`ringcomm.cli`).
 Option defaults are :class:`~ringcomm.engine.strategy.TrainConfig`'s.

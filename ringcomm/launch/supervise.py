@@ -9,7 +9,7 @@ itself, or the ssh client that runs it) and then:
   (:class:`LauncherSignals`);
 * waits (:func:`supervise`). The first rank to exit non-zero, or a signal to the launcher,
   stops the others (:func:`stop_ranks`: ``RankProcess.stop``, a grace period, then
-  ``RankProcess.kill``) and sets the launcher's status, DESIGN §6: the failing rank's code,
+  ``RankProcess.kill``) and sets the launcher's status (docs/contracts.md, Exit codes): the failing rank's code,
   128+N for a rank killed by signal N, 130/143 for the launcher's own SIGINT/SIGTERM.
   With a trace directory (``RINGCOMM_TRACE_DIR``) it first asks the others for their
   flight records (:func:`ask_for_traces`: SIGUSR1), so a straggler's is there too;
