@@ -1,8 +1,9 @@
 """``ringcomm trace DIR [--chrome FILE] [--json]``: read the ranks' flight records.
 
 ``DIR`` holds the ``rank<N>.json`` files the ranks wrote (``RINGCOMM_TRACE_DIR``; see
-:mod:`ringcomm.flight`). Prints the desync report: per group, every rank's latest
-operation, which rank is behind and who waits for it, or a mismatch. ``--chrome FILE``
+:mod:`ringcomm.flight`). Prints the desync report: first the answer (the rank that is
+behind or missing, and the op the others waited in; or a mismatch), then per group every
+rank's latest operation. ``--chrome FILE``
 also writes a Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing).
 Exit status: 0; 1 if ``DIR`` holds no trace file or an unreadable one.
 """

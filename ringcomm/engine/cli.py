@@ -216,6 +216,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if bucket < 1:
         raise UsageError("bucket size must be > 0")
     if args.strategy == "ps":
+        if n < 2:
+            raise UsageError(f"--strategy ps needs -n >= 2 (at least one server and one "
+                             f"worker), got -n {n}")  # fmt: skip
         if not 1 <= args.ps_servers < n:
             raise UsageError(f"--ps-servers must be in [1, {n - 1}] at -n {n} (>= 1 worker)")
         if args.device != "cpu":
