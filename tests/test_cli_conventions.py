@@ -124,3 +124,41 @@ def test_bench_warns_when_n_is_far_beyond_the_cores() -> None:
     assert crowding_warning(4, 2) is None and crowding_warning(8, 2) is None
     text = crowding_warning(20, 2)
     assert text is not None and "-n 20 starts 20 ranks on 2 core(s)" in text and "--iters" in text
+
+
+# -- small things ---------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["run", "bench", "train", "ps-server", "trace", "model", "tune"])
+def test_help_is_plain_text(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "-h"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for markup in ("``", ":mod:`", ":func:`", ":class:`", "DESIGN.md"):
+        assert markup not in out, (command, markup)
+
+
+def test_an_unknown_option_is_reported_against_the_subcommand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "all_reduce", "-n", "2", "--foo"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ringcomm bench ")
+    assert err.rstrip().endswith("ringcomm bench: error: unrecognized arguments: --foo")
+
+
+def test_train_ps_with_one_rank_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--strategy", "ps", "-n", "1"]) == 2
+    assert "--strategy ps needs -n >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("new", "old"), [("--timeout-s", "--timeout"),
+                                          ("--checkpoint-interval", "--checkpoint-every"),
+                                          ("--join-timeout-s", "--join-timeout")])  # fmt: skip
+def test_ps_server_takes_train_spellings_and_keeps_the_old_ones(new: str, old: str) -> None:
+    base = ["ps-server", "--coordinator", "h:1", "--index", "0", "--num-workers", "1"]
+    parser = cli.build_parser()
+    a = parser.parse_args([*base, new, "7"])
+    b = parser.parse_args([*base, old, "7"])
+    assert vars(a) == vars(b)
