@@ -136,6 +136,19 @@ def test_a_long_wait_says_once_which_ranks_are_missing(
     assert "rank 0: waited 0.3 s for ranks 1, 2 to join the group (world_size=3" in notes[0]
 
 
+def test_a_store_not_up_is_waited_for_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(meeting, "NOTICE_S", 0.3)
+    port = _free_port()  # nobody serves it: rank 0 never started
+    caplog.set_level(logging.WARNING, logger="ringcomm")
+    with pytest.raises(RendezvousError, match="could not reach the store at 127.0.0.1"):
+        rc.init_process_group(1, 2, master_port=port, timeout_s=1.5, env={})
+    notes = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert len(notes) == 1, notes
+    assert f"rank 1: waited 0.3 s for the store at 127.0.0.1:{port} to answer" in notes[0]
+
+
 # -- every rank fails within seconds, naming both values ------------------------------------
 def _refusals(out: str) -> dict[int, tuple[float, str]]:
     found = {}

@@ -33,7 +33,7 @@ from ringcomm.rendezvous.hosting import ServerLease, serve
 from ringcomm.rendezvous.join import JoinRequest
 from ringcomm.rendezvous.store import Store
 from ringcomm.rendezvous.torchstore import TorchStoreClient
-from ringcomm.transport.rpc import RpcConnectionLost
+from ringcomm.transport.rpc import RpcConnectionLost, RpcTimeoutError
 
 __all__ = [
     "NOTICE_S",
@@ -89,41 +89,55 @@ def connect_and_join(cfg: InitConfig, join: JoinRequest, label: str) -> Store:
     notice_at = time.monotonic() + NOTICE_S
     lost_since: float | None = None
     delay_s = 0.005
+    unreached = False  # the last try found no store answering at all
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        # Until the notice, a first contact is given only until then (a store that is not
+        # up yet: its host may start late); after it, the rest of the deadline.
+        contact_s = max(0.1, min(deadline, notice_at) - now)
         store: Store | None = None
         try:
             store = Store(cfg.master_addr, cfg.master_port, token=cfg.token,
-                          timeout_s=cfg.timeout_s, connect_timeout_s=max(0.1, left),
+                          timeout_s=cfg.timeout_s, connect_timeout_s=contact_s,
                           label=label)  # fmt: skip
+            unreached = False
             if store.join(join):
                 joined, store = store, None
                 return joined
         except RendezvousError as exc:
-            # A store lost before it admitted us: the host's previous one closing at this
-            # port (reach the next), or its host died (say so, after a while).
-            if not isinstance(exc.__cause__, RpcConnectionLost):
-                raise
-            lost_since = time.monotonic() if lost_since is None else lost_since
-            if time.monotonic() - lost_since > _LOST_S:
+            if isinstance(exc.__cause__, RpcTimeoutError) and time.monotonic() < deadline:
+                unreached = True  # not up yet: say so at the notice, then wait on
+            elif isinstance(exc.__cause__, RpcConnectionLost):
+                # Lost before it admitted us: the host's previous store closing at this
+                # port (reach the next), or its host died (say so, after a while).
+                lost_since = time.monotonic() if lost_since is None else lost_since
+                if time.monotonic() - lost_since > _LOST_S:
+                    raise
+            else:
                 raise
         finally:
             if store is not None:
                 store.close()
         now = time.monotonic()
         if now >= deadline:
+            what = ("no store answered there" if unreached
+                    else f"the store there never served group {join.ns!r}")  # fmt: skip
             raise CommTimeoutError(
-                f"{label}: rendezvous timed out after {cfg.timeout_s:g} s: the store at "
-                f"{cfg.master_addr}:{cfg.master_port} never served group {join.ns!r} (does "
-                "rank 0 run, and form its groups in the same order as this rank?)"
+                f"{label}: rendezvous timed out after {cfg.timeout_s:g} s: {what} (store "
+                f"address {cfg.master_addr}:{cfg.master_port}; does rank 0 run, and form its "
+                "groups in the same order as this rank?)"
             )
         if now >= notice_at:
             notice_at = float("inf")
-            log.warning("%s: waited %g s for rank 0 to open group %r at the store at %s:%d; "
-                        "still waiting, up to %g s in all", label, NOTICE_S, join.ns,
-                        cfg.master_addr, cfg.master_port, cfg.timeout_s)  # fmt: skip
-        time.sleep(delay_s)
-        delay_s = min(2 * delay_s, 0.1)
+            where = f"{cfg.master_addr}:{cfg.master_port}"
+            what = (f"for the store at {where} to answer (rank 0 or the launcher serves it)"
+                    if unreached else f"for rank 0 to open group {join.ns!r} at the store at "
+                    f"{where}")  # fmt: skip
+            log.warning("%s: waited %g s %s; still waiting, up to %g s in all", label,
+                        NOTICE_S, what, cfg.timeout_s)  # fmt: skip
+        if not unreached:
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.1)
 
 
 def serve_store(
