@@ -4,7 +4,8 @@ Forming a group (``init_process_group``):
   1. Resolve rank, world size and master address from arguments and the environment
      (:mod:`ringcomm.config`).
   2. Rank 0 hosts the rendezvous store at master_addr:master_port (unless a launcher
-     already does); every rank connects to it.
+     already does); every rank connects to it and joins the group's key namespace
+     (``pg<k>``), where a disagreement is refused at once (:mod:`ringcomm.rendezvous.meeting`).
   3. Every rank binds its receive socket (ipc:// and tcp://), publishes its endpoints under
      ``rank/<r>``, waits for everyone's, and picks ipc:// for peers on its host.
   4. Send sockets connect lazily, on the first message to each peer.
