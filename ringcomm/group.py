@@ -1068,11 +1068,11 @@ def init_process_group(
             _enable_log(logging.INFO)
             logging.getLogger("ringcomm").info("%s", group_summary.describe(pg.core))
         return pg
-    except BaseException:
+    except BaseException as exc:
         if store is not None:
             store.close()
         if server is not None:
-            server.close()
+            meeting.close_hosted(server, exc)
         raise
 
 

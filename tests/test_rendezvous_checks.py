@@ -142,7 +142,7 @@ def test_a_store_not_up_is_waited_for_and_said_once(
     monkeypatch.setattr(meeting, "NOTICE_S", 0.3)
     port = _free_port()  # nobody serves it: rank 0 never started
     caplog.set_level(logging.WARNING, logger="ringcomm")
-    with pytest.raises(RendezvousError, match="could not reach the store at 127.0.0.1"):
+    with pytest.raises(RendezvousError, match=r"could not reach the store at 127\.0\.0\.1"):
         rc.init_process_group(1, 2, master_port=port, timeout_s=1.5, env={})
     notes = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
     assert len(notes) == 1, notes

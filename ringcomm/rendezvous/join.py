@@ -23,7 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Formations", "JoinRequest"]
+from ringcomm.errors import RendezvousError
+
+__all__ = ["Formations", "JoinRefusedError", "JoinRequest"]
+
+
+class JoinRefusedError(RendezvousError):
+    """The store's host refused this rank's group: a join disagreed (the message names
+    both values). Every rank of the group raises it."""
 
 
 @dataclass(frozen=True)

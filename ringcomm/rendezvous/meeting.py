@@ -30,13 +30,15 @@ import uuid
 from ringcomm.config import InitConfig
 from ringcomm.errors import AuthenticationError, CommTimeoutError, RendezvousError
 from ringcomm.rendezvous.hosting import ServerLease, serve
-from ringcomm.rendezvous.join import JoinRequest
+from ringcomm.rendezvous.join import JoinRefusedError, JoinRequest
 from ringcomm.rendezvous.store import Store
 from ringcomm.rendezvous.torchstore import TorchStoreClient
 from ringcomm.transport.rpc import RpcConnectionLost, RpcTimeoutError
 
 __all__ = [
     "NOTICE_S",
+    "REFUSAL_LINGER_S",
+    "close_hosted",
     "connect_and_join",
     "join_request",
     "next_namespace",
@@ -54,6 +56,9 @@ NOTICE_S = 5.0
 _PROBE_S = 1.0
 #: How long a rank joining keeps reaching a store that goes away before admitting it.
 _LOST_S = 5.0
+#: How long rank 0 serves on after its group was refused, so that every rank gets its
+#: refusal (a closing server drops the replies it has not sent).
+REFUSAL_LINGER_S = 1.0
 
 _lock = threading.Lock()
 _formed: dict[tuple[str, int], int] = {}  # groups formed per meeting point
@@ -163,6 +168,14 @@ def serve_store(
         with probe:
             probe.join(join)  # refused: the duplicate, named by the store's host
         return None
+
+
+def close_hosted(server: ServerLease, error: BaseException | None) -> None:
+    """Close rank 0's store after its group failed to form (``error``); after a refusal,
+    serve on for :data:`REFUSAL_LINGER_S` first, so the other ranks receive theirs."""
+    if isinstance(error, JoinRefusedError):
+        time.sleep(REFUSAL_LINGER_S)
+    server.close()
 
 
 def _published_key(cfg: InitConfig, ns: str) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ringcomm.errors import AuthenticationError, CommTimeoutError, RendezvousError
-from ringcomm.rendezvous.join import Formations, JoinRequest
+from ringcomm.rendezvous.join import Formations, JoinRefusedError, JoinRequest
 from ringcomm.transport.rpc import (
     RpcCall,
     RpcClient,
@@ -328,7 +328,7 @@ class StoreServer:
         return {"status": "ok", "value": current}
 
 
-    def _op_join(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
+    def _op_join(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any] | None:
         req = JoinRequest.from_body(body)
         if req is None:
             raise _BadRequest("join: fields ns, rank, world_size, version, who, nonce")
@@ -337,8 +337,9 @@ class StoreServer:
         refused = self._formations.join(req)
         if refused is None:
             return {"status": "ok"}
+        self._rpc.reply(call, {"status": "refused", "message": refused})  # (before the others)
         self._refuse_waiters()
-        return {"status": "refused", "message": refused}
+        return None
 
     def _refuse_waiters(self) -> None:
         """Answer every parked waiter of a failed namespace with its error."""
@@ -629,7 +630,7 @@ class Store:
                 f"({given}); every rank must use the job's token (token= or RINGCOMM_TOKEN)"
             )
         if status == "refused":
-            raise RendezvousError(
+            raise JoinRefusedError(
                 f"{conn.label}: the group's rendezvous failed: {reply.get('message')}"
             )
         if status == "timeout" and timeout_ok:
