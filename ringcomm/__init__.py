@@ -5,7 +5,7 @@
         pg.send(x, dst=1, tag=7)
         pg.recv(y, src=0, tag=7)
 
-See DESIGN.md for the contracts; ``ringcomm.errors`` for the error tree.
+See docs/contracts.md for the contracts; ``ringcomm.errors`` for the error tree.
 """
 
 from __future__ import annotations

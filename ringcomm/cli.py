@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
 from ringcomm._version import __version__
 from ringcomm.config import UsageError
 
-__all__ = ["SUBCOMMAND_MODULES", "USAGE_EXIT", "build_parser", "main"]
+__all__ = ["SUBCOMMAND_MODULES", "USAGE_EXIT", "build_parser", "main", "plain_text"]
 
 #: Exit status of a command line that cannot run (as argparse's own errors).
 USAGE_EXIT = 2
@@ -43,21 +44,52 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser, and each subcommand's parser by name."""
     parser = argparse.ArgumentParser(
         prog="ringcomm",
         description="ringcomm: collective communication over ZeroMQ.",
     )
     parser.add_argument("--version", action="version", version=f"ringcomm {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands: dict[str, argparse.ArgumentParser] = {}
     for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).add_parser(subparsers)
-    return parser
+        sub = importlib.import_module(name).add_parser(subparsers)
+        _plain_help(sub)
+        commands[sub.prog.rsplit(" ", 1)[-1]] = sub
+    return parser, commands
+
+
+# reST in docstrings made help texts: ``x`` and :role:`~a.b` read as x and b.
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reStructuredText markup (help is read in a terminal)."""
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    return _LITERAL.sub(r"\1", text)
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Plain text in ``parser``'s description and its options' help."""
+    if parser.description:
+        parser.description = plain_text(parser.description)
+    for action in parser._actions:
+        if action.help:
+            action.help = plain_text(action.help)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ringcomm`` console script and of ``python -m ringcomm``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, commands = _build()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # an option the subcommand does not know: said against its own usage
+        sub = commands.get(getattr(args, "command", None) or "", parser)
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     command_main = getattr(args, "main", None)
     if command_main is None:
         parser.print_help(sys.stderr)

@@ -2,7 +2,7 @@
 
 Pure: reads only the mapping it is given (``os.environ`` by default), opens no sockets.
 
-Each setting is resolved on its own, the first source that has it wins (DESIGN.md §1):
+Each setting is resolved on its own, the first source that has it wins (docs/contracts.md, Python API):
 
 1. the explicit argument of :func:`resolve_init_config`;
 2. ``RINGCOMM_RANK`` / ``RINGCOMM_WORLD_SIZE`` / ``RINGCOMM_MASTER_ADDR`` /
@@ -35,7 +35,8 @@ Settings that belong to no group are small pure functions of the same mapping, e
 raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
 with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
 (``RINGCOMM_STAGING_MAX_BYTES``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
-:func:`env_token` (``RINGCOMM_TOKEN``) and :func:`env_master_addr`
+:func:`env_token` (``RINGCOMM_TOKEN``), :func:`env_trace_dir` (``RINGCOMM_TRACE_DIR``)
+and :func:`env_master_addr`
 (``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
 variable: they take these values as arguments.
 """
@@ -63,17 +64,21 @@ __all__ = [
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_TUNE_FILE",
+    "LOG_LEVELS",
     "MPIRUN_JOB_ID_VARS",
     "PS_LOG_LEVELS",
     "TRANSPORT_MODES",
     "TUNE_FILE_OFF",
     "InitConfig",
+    "TorchAgentStore",
     "UsageError",
     "bind_mode",
     "binds_to_core",
+    "check_output_path",
     "default_of",
     "env_master_addr",
     "env_token",
+    "env_trace_dir",
     "environ_changed",
     "format_size",
     "mpirun_job_id",
@@ -91,6 +96,9 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 #: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
 DEFAULT_CHUNK_BYTES = 4 << 20
+#: RINGCOMM_LOG values (any case): nothing; a summary of the group at init (rank 0);
+#: that and every op's start and end.
+LOG_LEVELS = ("off", "info", "debug")
 #: RINGCOMM_BIND values (see InitConfig.bind).
 BIND_MODES = ("auto", "none", "core")
 #: RINGCOMM_TRANSPORT / ``transport=`` values: ipc:// to peers on this host and tcp://
@@ -189,6 +197,16 @@ MPIRUN_JOB_ID_VARS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_ort
 
 
 @dataclass(frozen=True)
+class TorchAgentStore:
+    """torchrun's agent store (a torch ``TCPStore``) and the key prefix of this job's
+    attempt in it (``ringcomm/<TORCHELASTIC_RUN_ID>/attempt_<TORCHELASTIC_RESTART_COUNT>``)."""
+
+    host: str
+    port: int
+    prefix: str
+
+
+@dataclass(frozen=True)
 class InitConfig:
     """Everything a process needs to join a group, resolved once.
 
@@ -262,6 +280,10 @@ class InitConfig:
     #: Where :attr:`master_port` came from when no one set it, for error messages, e.g.
     #: ``"derived from Open MPI's job id (PMIX_NAMESPACE=...)"``; None: it was set.
     master_port_origin: str | None = None
+    #: Under torchrun (its agent serving a ``TCPStore`` at MASTER_ADDR:MASTER_PORT): that
+    #: store, where rank 0 publishes the address of ringcomm's own store (served on a port
+    #: from the OS: :attr:`master_port` is 0); None elsewhere.
+    torch_store: TorchAgentStore | None = None
 
     @property
     def effective_chunk_bytes(self) -> int:
@@ -271,7 +293,12 @@ class InitConfig:
     @property
     def log_debug(self) -> bool:
         """``RINGCOMM_LOG=debug``: log every op's start and end."""
-        return (self.log or "").lower() == "debug"
+        return self.log == "debug"
+
+    @property
+    def log_info(self) -> bool:
+        """``RINGCOMM_LOG=info`` (or debug): a summary of the group when it forms."""
+        return self.log in ("info", "debug")
 
 
 @dataclass(frozen=True)
@@ -321,6 +348,35 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_output_path(path: str | None, flag: str, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output path a command could not write at the end:
+    raise :class:`UsageError` naming ``flag`` (one line; ``ringcomm`` exits 2). A file's
+    folder must exist and be writable, and the path must not be a folder; ``directory``:
+    a folder to write into (made if missing: its nearest existing parent must be
+    writable). None: no output asked for."""
+    if path is None or path == "":
+        return
+    full = os.path.abspath(path)
+    if directory:
+        probe = full
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise UsageError(f"{flag} {path}: {probe} is not a directory")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: cannot write in {probe}")
+        return
+    if os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: is a directory (give a file name)")
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: no such directory: {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        os.path.exists(full) and not os.access(full, os.W_OK)
+    ):
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 class UsageError(Exception):
@@ -549,6 +605,11 @@ def env_token(env: Mapping[str, str] | None = None) -> str | None:
     return _environ(env).get("RINGCOMM_TOKEN") or None
 
 
+def env_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """``RINGCOMM_TRACE_DIR``: where ranks write their flight records; None when unset."""
+    return (_environ(env).get("RINGCOMM_TRACE_DIR") or "").strip() or None
+
+
 def env_master_addr(env: Mapping[str, str] | None = None) -> str:
     """The store address of the environment: ``RINGCOMM_MASTER_ADDR``, else
     ``MASTER_ADDR``, else 127.0.0.1 (no Slurm derivation: see :func:`resolve_init_config`)."""
@@ -626,15 +687,15 @@ def resolve_init_config(
 
     addr = str(addr_f.value) if addr_f is not None else None
     port = _as_int(port_f) if port_f is not None else None
-    if port_f is not None and port is not None and port_f.source == "torchrun":
-        agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
-        if agent in ("true", "1"):
-            # torchrun's elastic agent already serves its own TCPStore on MASTER_PORT (the
-            # workers reuse it instead of hosting one), so that port is taken: ours is +1.
-            port += 1
-            port_f = _Found(port, "MASTER_PORT+1", "torchrun", "torchrun agent store")
+    torch_store = _torch_agent_store(env, addr_f, port_f)
+    if torch_store is not None:
+        # torchrun's elastic agent serves its own TCPStore on MASTER_PORT (the workers
+        # reuse it instead of hosting one), so that port is taken: rank 0 serves ours on a
+        # port from the OS and publishes it there (ringcomm.rendezvous.torchstore).
+        port = 0
     if port_f is not None and port is not None and not 0 <= port <= 65535:
         raise RendezvousError(f"{port_f.describe()} is not in 0..65535 {_origin(port_f)}")
+    _check_launcher_world(env, world_f, world, port_f)
     port_origin: str | None = None
     if source == "slurm" and world > 1 and (addr is None or port is None):
         addr, port, port_origin = _slurm_defaults(env, addr, port)
@@ -645,13 +706,14 @@ def resolve_init_config(
     if world > 1:
         if addr is None:
             addr = DEFAULT_MASTER_ADDR
-        if port is None or port == 0:
+        if (port is None or port == 0) and torch_store is None:
             given = f" ({port_f.describe()} means 'pick a free port')" if port_f else ""
             raise RendezvousError(
                 f"world_size={world} {_origin(world_f)} but no store port to meet at{given}: "
                 "pass master_port= or set RINGCOMM_MASTER_PORT (or MASTER_PORT); "
                 f"port 0 only works for a single process{spans_hosts}"
             )
+        port = port or 0  # (0 under torchrun's agent store: ringcomm's comes from the OS)
     else:
         addr = addr if addr is not None else DEFAULT_MASTER_ADDR
         port = port if port is not None else 0
@@ -763,7 +825,7 @@ def resolve_init_config(
         chunk_bytes=chunk_bytes,
         algo=(env.get("RINGCOMM_ALGO") or "").strip() or None,
         host_id=(env.get("RINGCOMM_HOST_ID") or "").strip() or None,
-        log=(env.get("RINGCOMM_LOG") or "").strip() or None,
+        log=_log_level(env),
         store_external=store_external,
         source=source,
         security=security,
@@ -782,7 +844,65 @@ def resolve_init_config(
         tune_file=tune_file,
         tune_file_required=tune_file_required,
         master_port_origin=port_origin,
+        torch_store=torch_store,
     )
+
+
+def _torch_agent_store(
+    env: Mapping[str, str], addr_f: _Found | None, port_f: _Found | None
+) -> TorchAgentStore | None:
+    """torchrun's agent store, when the workers use it (``TORCHELASTIC_USE_AGENT_STORE``)
+    and MASTER_PORT names it; None otherwise."""
+    if port_f is None or port_f.source != "torchrun":
+        return None
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
+    if agent not in ("true", "1"):
+        return None
+    port = _as_int(port_f)
+    if not 0 < port <= 65535:
+        raise RendezvousError(f"{port_f.describe()} is not in 1..65535 {_origin(port_f)}")
+    host = str(addr_f.value) if addr_f is not None else DEFAULT_MASTER_ADDR
+    run_id = (env.get("TORCHELASTIC_RUN_ID") or "none").strip()
+    attempt = (env.get("TORCHELASTIC_RESTART_COUNT") or "0").strip()
+    return TorchAgentStore(host, port, f"ringcomm/{run_id}/attempt_{attempt}")
+
+
+def _check_launcher_world(
+    env: Mapping[str, str], world_f: _Found | None, world: int, port_f: _Found | None
+) -> None:
+    """A world size passed by hand that disagrees with the launcher's, while the ranks
+    meet at the launcher's store address: every rank would wait for ranks that were never
+    started (or ignore some that were). Raises naming both values. A store address passed
+    by hand, or a world of one, is the caller's own business."""
+    if world_f is None or world_f.source != "explicit" or world == 1:
+        return
+    if port_f is not None and port_f.source == "explicit":
+        return
+    launched_f = _lookup(env, "world_size")
+    if launched_f is None:
+        return
+    launched = _as_int(launched_f)
+    if launched != world:
+        raise RendezvousError(
+            f"world_size={world} (explicit argument) disagrees with the launcher: "
+            f"{launched_f.describe()} {_origin(launched_f)} started {launched} rank(s); pass "
+            "the same world size (or none), or a store address of your own (master_port=)"
+        )
+
+
+def _log_level(env: Mapping[str, str]) -> str | None:
+    """``RINGCOMM_LOG``: one of :data:`LOG_LEVELS` (any case, returned lower case), None
+    when unset or ``off``."""
+    text = (env.get("RINGCOMM_LOG") or "").strip()
+    if not text:
+        return None
+    level = text.lower()
+    if level not in LOG_LEVELS:
+        raise RendezvousError(
+            f"RINGCOMM_LOG={text!r} is not a level: use one of {', '.join(LOG_LEVELS)} "
+            "(info: a summary of the group at init; debug: also every op's start and end)"
+        )
+    return None if level == "off" else level
 
 
 def _tune_file(env: Mapping[str, str]) -> tuple[str | None, bool]:

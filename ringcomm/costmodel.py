@@ -20,7 +20,7 @@ when ``k == 1``).
 An algorithm is a :class:`Plan` (pure data, like :mod:`ringcomm.schedule`): a list of
 :class:`Step` shapes, each the worst link load, message count and reduced bytes of one
 round, as fractions of the size ``S`` (so a plan is built once per world and priced at any
-size). The algorithms (``S`` = the per-rank buffer as nccl-tests counts it, DESIGN.md §2):
+size). The algorithms (``S`` = the per-rank buffer as nccl-tests counts it, docs/contracts.md):
 
 * ``ring`` over all ``n`` ranks: ``2(n-1)`` steps of ``S/n`` (all_reduce); with H > 1 each
   uplink carries one piece per step, ``2(n-1)/n * S`` in all, and each step waits for it;
@@ -118,7 +118,7 @@ _CLASSES = ("local", "net")
 
 
 def busbw_factor(op: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor (DESIGN.md §2): busbw = size / time * factor."""
+    """nccl-tests' bus-bandwidth factor (docs/contracts.md, JSON output): busbw = size / time * factor."""
     n = world_size
     if op == "all_reduce":
         return 2.0 * (n - 1) / n

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import threading
 import time
@@ -134,7 +135,7 @@ def size_bucket(nbytes: int) -> int:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor of ``op`` over ``n`` ranks (DESIGN.md §2)."""
+    """nccl-tests' bus-bandwidth factor of ``op`` over ``n`` ranks (docs/contracts.md, JSON output)."""
     if n <= 1:
         return 0.0 if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all") else 1.0
     if op == "all_reduce":
@@ -357,22 +358,30 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
 
-def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None) -> str:
-    """Which rank is behind, per group, and where every rank was (a text report).
+_WAITING_FOR = re.compile(r"waiting for ranks? (\d+(?:, \d+)*)")
+_LAST_CALL = re.compile(r"rank (\d+)'s last call here: ([^;\n]*)")
+#: How much later than the first a rank must enter a collective to be named late.
+LATE_S = 1.0
 
-    For each group seen: every rank's latest operation there (its sequence number, what,
-    state, when entered relative to the newest dump); ranks whose latest operation is
-    older than the others' are named as behind ("rank 2 is at op #1041 all_reduce(...),
-    entered 31.2 s ago; ranks 0, 1, 3 wait in op #1042 broadcast(...) for rank 2"); ranks
-    that reached the same sequence number with different calls are named as a mismatch.
-    ``world_size``: ranks expected (missing files are reported); default: the highest
-    rank seen + 1.
+
+def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None) -> str:
+    """Which rank is behind or missing, and where every rank was (a text report).
+
+    The first line is the answer (:func:`_verdict`): the rank that is behind and the
+    operation the others wait in ("rank 1 is behind: ranks 0, 2 waited 3.0 s for it in op
+    #6 all_reduce(float64[10]); rank 1 entered op #6 8.0 s late"), also when the late rank
+    arrived after the others gave up, or left no file; else a mismatch, or "no rank is
+    behind". Then, per group seen: every rank's latest operation there (its sequence
+    number, what, state, when entered relative to the newest dump). ``world_size``: ranks
+    expected (missing files are reported); default: the world size the files record,
+    else the highest rank seen + 1.
     """
     if not files:
         return "no trace files"
     now = max(float(f.get("dumped_s", 0.0)) for f in files)
     seen = {int(f["rank"]) for f in files}
-    n = world_size if world_size is not None else max(seen) + 1
+    recorded = [int(f["world_size"]) for f in files if isinstance(f.get("world_size"), int)]
+    n = world_size or max(recorded, default=0) or max(seen) + 1
     lines = [f"trace files of {_ranks(seen)} (newest dump at {time.ctime(now)})"]
     missing = sorted(set(range(n)) - seen)
     if missing:
@@ -390,6 +399,7 @@ def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None
             last = latest.setdefault(g, {}).get(int(f["rank"]))
             if last is None or int(e["seq"]) >= int(last["seq"]):
                 latest[g][int(f["rank"])] = e
+    verdicts: list[tuple[int, str]] = []
     for g in sorted(latest):
         by_rank = latest[g]
         where = "the world group" if g == 0 else f"group {g}"
@@ -420,10 +430,88 @@ def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None
         if len(calls) > 1:
             parts = [f"rank {r}: {_what(by_rank[r])}" for r in sorted(ahead)]
             lines.append(f"  mismatch at op #{top}: " + "; ".join(parts))
-        if not behind and len(calls) == 1 and waiting:
-            lines.append(f"  {_ranks(waiting)} in op #{top} {_what(by_rank[waiting[0]])}; "
-                         "no rank is behind in this group")  # fmt: skip
-    return "\n".join(lines)
+        found = _verdict(by_rank, missing if g == 0 else [], now, where)
+        if found is not None:
+            verdicts.append(found)
+    if verdicts:
+        answer = min(verdicts, key=lambda v: v[0])[1]
+    else:
+        answer = "no rank is behind: every rank's latest operation is the same" + (
+            f"; no trace file from {_ranks(missing)}" if missing else "")
+    return "\n".join([answer, *lines])
+
+
+def _verdict(
+    by_rank: dict[int, dict[str, Any]], missing: list[int], now: float, where: str
+) -> tuple[int, str] | None:
+    """The answer for one group (its rank -> latest entry): ``(priority, line)``, the
+    lowest priority first; None when nothing is wrong there. In order: a mismatch; a rank
+    at an older operation than the others; a rank that entered the others' operation late
+    (after they gave up: its file then shows the same operation); a rank the others waited
+    for that left no file (``missing``, named by their errors if they say)."""
+    top = max(int(e["seq"]) for e in by_rank.values())
+    ahead = sorted(r for r, e in by_rank.items() if int(e["seq"]) == top)
+    behind = sorted(r for r in by_rank if r not in ahead)
+    waiting = [r for r in ahead if by_rank[r]["state"] != DONE]
+    head = by_rank[waiting[0] if waiting else ahead[0]]
+    op = f"op #{top} {_what(head)}"
+    suffix = "" if where == "the world group" else f" (in {where})"
+    calls = {(by_rank[r]["op"], by_rank[r]["dtype"], str(by_rank[r]["shape"])) for r in ahead}
+    if len(calls) > 1:
+        parts = "; ".join(f"rank {r}: {_what(by_rank[r])}" for r in ahead)
+        return 0, f"mismatch at op #{top}{suffix}: the ranks called different collectives: {parts}"
+    if behind:
+        one = len(behind) == 1
+        waits = (f"{_ranks(waiting)} {'wait' if _live(by_rank, waiting) else 'waited'} "
+                 f"{_waited(by_rank, waiting, now):.1f} s for {'it' if one else 'them'} in {op}"
+                 if waiting else f"{_ranks(ahead)} finished {op}")  # fmt: skip
+        where_at = []
+        for r in behind:
+            e = by_rank[r]
+            done = " (finished; it has not entered the next collective)" if e["state"] == DONE else ""
+            where_at.append(f"rank {r} is at op #{e['seq']} {_what(e)}{done}")
+        return 1, (f"{_ranks(behind)} {'is' if one else 'are'} behind{suffix}: {waits}; "
+                   + "; ".join(where_at))  # fmt: skip
+    first = min(float(by_rank[r]["start_s"]) for r in ahead)
+    late = [r for r in ahead if float(by_rank[r]["start_s"]) - first > LATE_S]
+    gave_up = [r for r in ahead if r not in late and str(by_rank[r]["state"]).startswith("failed")]
+    if late and gave_up:
+        r = max(late, key=lambda x: float(by_rank[x]["start_s"]))
+        late_s = float(by_rank[r]["start_s"]) - first
+        return 2, (f"rank {r} is behind{suffix}: {_ranks(gave_up)} waited "
+                   f"{_waited(by_rank, gave_up, now):.1f} s for it in {op}; rank {r} entered "
+                   f"op #{top} {late_s:.1f} s late")  # fmt: skip
+    named: set[int] = set()
+    last_calls: dict[int, str] = {}
+    for r in waiting:
+        state = str(by_rank[r]["state"])
+        for m in _WAITING_FOR.finditer(state):
+            named |= {int(v) for v in m.group(1).split(", ")}
+        for m in _LAST_CALL.finditer(state):
+            last_calls.setdefault(int(m.group(1)), m.group(2).strip())
+    culprits = sorted(named & set(missing)) or (sorted(missing) if waiting else [])
+    if culprits:
+        r = culprits[0]
+        seen_last = f"; its last call there: {last_calls[r]}" if r in last_calls else ""
+        return 3, (f"{_ranks(culprits)} {'is' if len(culprits) == 1 else 'are'} behind{suffix} "
+                   f"(no trace file from it): {_ranks(waiting)} waited "
+                   f"{_waited(by_rank, waiting, now):.1f} s for it in {op}{seen_last}")  # fmt: skip
+    if named - set(ahead):
+        return 4, (f"{_ranks(waiting)} waited {_waited(by_rank, waiting, now):.1f} s in {op}"
+                   f"{suffix} for {_ranks(named - set(ahead))}")  # fmt: skip
+    return None
+
+
+def _live(by_rank: dict[int, dict[str, Any]], ranks: Sequence[int]) -> bool:
+    """Whether any of ``ranks`` is still in its latest operation (not failed)."""
+    return any(by_rank[r]["state"] == RUNNING for r in ranks)
+
+
+def _waited(by_rank: dict[int, dict[str, Any]], ranks: Sequence[int], now: float) -> float:
+    """The longest ``ranks`` spent in their latest operation (until it ended, or ``now``)."""
+    spans = [float(by_rank[r]["end_s"] if by_rank[r]["end_s"] is not None else now)
+             - float(by_rank[r]["start_s"]) for r in ranks]  # fmt: skip
+    return max(spans, default=0.0)
 
 
 def chrome_trace(files: Sequence[dict[str, Any]]) -> dict[str, Any]:

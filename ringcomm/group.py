@@ -4,7 +4,8 @@ Forming a group (``init_process_group``):
   1. Resolve rank, world size and master address from arguments and the environment
      (:mod:`ringcomm.config`).
   2. Rank 0 hosts the rendezvous store at master_addr:master_port (unless a launcher
-     already does); every rank connects to it.
+     already does); every rank connects to it and joins the group's key namespace
+     (``pg<k>``), where a disagreement is refused at once (:mod:`ringcomm.rendezvous.meeting`).
   3. Every rank binds its receive socket (ipc:// and tcp://), publishes its endpoints under
      ``rank/<r>``, waits for everyone's, and picks ipc:// for peers on its host.
   4. Send sockets connect lazily, on the first message to each peer.
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import lifecycle
+from . import group_summary, lifecycle
 from ._version import __version__
 from .buffers import check_array, check_peer, check_tag
 from .collectives import HIER_ALGO
@@ -70,7 +71,8 @@ from .progress import (
     MAX_UNEXPECTED_MESSAGES,
     Progress,
 )
-from .rendezvous import Store, StoreServer
+from .rendezvous import Store, StoreServer, meeting
+from .rendezvous.hosting import ServerLease
 from .schedule.topology import Topology
 from .transport.endpoints import (
     EndpointInfo,
@@ -78,6 +80,7 @@ from .transport.endpoints import (
     host_identity,
     local_address_towards,
 )
+from .transport.wire import WIRE_VERSION
 from .transport.workspace import AVAILABLE as WORKSPACE_AVAILABLE
 from .transport.zmq_transport import ZmqTransport
 from .work import Work
@@ -273,7 +276,7 @@ class ProcessGroup:
 
     # -- collectives -------------------------------------------------------------------
     # Thin delegates to ringcomm.collectives.api (argument checks, algorithm choice and the
-    # algorithms live there). DESIGN.md §1; every call also takes timeout_s=.
+    # algorithms live there). docs/contracts.md; every call also takes timeout_s=.
     def all_reduce(
         self,
         x: Any,
@@ -621,7 +624,7 @@ class ProcessGroup:
         dead = dead_view(core)
         me = core.global_rank
         store_host = None if cfg.store_external else 0
-        server: StoreServer | None = None
+        server: StoreServer | ServerLease | None = None
         moved = False
         if store_host is None or store_host not in dead:
             addr, ports = cfg.master_addr, [old.store_port]
@@ -637,7 +640,8 @@ class ProcessGroup:
             try:
                 store, port = connect_store(core, addr, ports, cfg.token, deadline, store_host,
                                             dead)  # fmt: skip
-                members = agree_survivors(core, store, epoch, deadline, t, dead)
+                members = agree_survivors(core, _in(store, old.namespace), epoch, deadline,
+                                          t, dead)  # fmt: skip
                 slots = [old.slots[g] for g in members]
                 pg = self._next_epoch(store, addr, port, server, moved, epoch, slots, deadline,
                                       watch=watch_members(core, members, dead))  # fmt: skip
@@ -684,7 +688,9 @@ class ProcessGroup:
         flags = np.zeros(slots_total, np.int64)  # per slot: 1 + the restart count waiting
         if core.rank == 0:
             if wait:
-                _wait_for_restarts(root, state.slots, slots_total, deadline, core.rank)
+                job = state.job_store
+                assert job is not None
+                _wait_for_restarts(root, job, state.slots, slots_total, deadline, core.rank)
             for slot in range(slots_total):
                 if slot in state.slots:
                     continue
@@ -735,8 +741,9 @@ class ProcessGroup:
         return self.core.state.epoch
 
     def _next_epoch(
-        self, store: Store, addr: str, port: int, server: StoreServer | None, moved: bool,
-        epoch: int, slots: list[int], deadline: float, watch: Callable[[], None] | None = None,
+        self, store: Store, addr: str, port: int, server: StoreServer | ServerLease | None,
+        moved: bool, epoch: int, slots: list[int], deadline: float,
+        watch: Callable[[], None] | None = None,
     ) -> ProcessGroup:  # fmt: skip
         """Form the world group of ``slots`` (rank slots, in order) at ``epoch`` through
         ``store`` (a connection of its own, owned by the new group), then close this one."""
@@ -748,7 +755,8 @@ class ProcessGroup:
             cfg, rank=slots.index(me), world_size=len(slots), master_addr=addr,
             master_port=port, timeout_s=core.timeout_s,
         )  # fmt: skip
-        pg = _form(new_cfg, store.prefixed(f"epoch/{epoch}"), server, port, epoch, watch=watch)
+        pg = _form(new_cfg, _in(store, old.namespace, f"epoch/{epoch}"), server, port, epoch,
+                   watch=watch, namespace=old.namespace)  # fmt: skip
         new = pg.core.state
         new.owned_store = store  # the connection under the view (closed with the group)
         new.recorder = old.recorder  # the flight record goes on across epochs
@@ -832,21 +840,32 @@ def _bind_to_core(local_rank: int) -> None:
     os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
 
 
-def _enable_debug_log() -> None:
-    """RINGCOMM_LOG=debug: op start/end lines on stderr (unless the app set up logging)."""
+def _enable_log(level: int = logging.DEBUG) -> None:
+    """RINGCOMM_LOG=debug (op start/end lines) or info (the group's summary) on stderr
+    (unless the app set up logging)."""
     logger = logging.getLogger("ringcomm")
-    logger.setLevel(logging.DEBUG)
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("ringcomm %(asctime)s %(message)s"))
         logger.addHandler(handler)
 
 
-def _rejoin(cfg: InitConfig, store: Store, port: int) -> ProcessGroup:
+def _in(store: Store, namespace: str, sub: str = "") -> Store:
+    """The view of ``store`` at ``namespace/sub`` (either may be empty)."""
+    prefix = "/".join(p for p in (namespace, sub) if p)
+    return store.prefixed(prefix) if prefix else store
+
+
+def _rejoin(cfg: InitConfig, conn: Store, port: int, namespace: str) -> ProcessGroup:
     """A restarted rank (``RINGCOMM_RESTART`` > 0): ask to join the running job under
     ``join/<slot>`` and wait until the survivors' ``grow()`` admits it
-    (``admit/<slot>/<restart>``: the epoch and its rank slots), then form that group."""
+    (``admit/<slot>/<restart>``: the epoch and its rank slots), then form that group.
+    Its keys are those of group instance ``namespace`` (the first group a restarted
+    process forms joins the survivors' first)."""
     slot, restart = cfg.rank, cfg.restart
+    store = _in(conn, namespace)
     store.set(f"join/{slot}", str(restart).encode())
     key = f"admit/{slot}/{restart}"
     try:
@@ -859,25 +878,27 @@ def _rejoin(cfg: InitConfig, store: Store, port: int) -> ProcessGroup:
         ) from None
     epoch, slots = json.loads(store.get(key))
     new_cfg = dataclasses.replace(cfg, rank=slots.index(slot), world_size=len(slots))
-    pg = _form(new_cfg, store.prefixed(f"epoch/{epoch}"), None, port, int(epoch))
+    pg = _form(new_cfg, _in(conn, namespace, f"epoch/{epoch}"), None, port, int(epoch),
+               namespace=namespace)  # fmt: skip
     state = pg.core.state
-    state.owned_store = store
+    state.owned_store = conn
     state.slots, state.slots_total, state.rejoined = list(slots), cfg.world_size, True
     pg.barrier()  # as the survivors' grow does
     return pg
 
 
 def _wait_for_restarts(
-    root: Store, present: list[int], total: int, deadline: float, rank: int
+    root: Store, job: Store, present: list[int], total: int, deadline: float, rank: int
 ) -> None:
-    """Until every slot the launcher is starting again (``restarting/<slot>`` = n) has
-    asked to join (``join/<slot>`` = n), or ``deadline``."""
+    """Until every slot the launcher is starting again (``restarting/<slot>`` = n in the
+    ``job`` store, where the launcher says it) has asked to join (``join/<slot>`` = n in
+    the group's ``root``), or ``deadline``."""
     while True:
         pending = []
         for slot in range(total):
             if slot in present:
                 continue
-            n = root.try_get(f"restarting/{slot}")
+            n = job.try_get(f"restarting/{slot}")
             asked = root.try_get(f"join/{slot}")
             if n is not None and (asked is None or int(asked) < int(n)):
                 pending.append(slot)
@@ -990,15 +1011,24 @@ def init_process_group(
     chunk_bytes: int | None = None,
     transport: str | None = None,
     env: Mapping[str, str] | None = None,
+    group_name: str | None = None,
 ) -> ProcessGroup:
-    """Join (or form) the world group; see DESIGN.md §1 for where values come from.
+    """Join (or form) the world group; see docs/contracts.md (Python API) for where
+    values come from.
 
     Extensions beyond the contract: ``host_store`` (False: a launcher serves the store,
     as ``RINGCOMM_STORE_EXTERNAL=1``), ``chunk_bytes`` (piece size of pipelined
     transfers, an int > 0; default ``RINGCOMM_CHUNK_BYTES``, else 4 MiB), ``transport``
     (``auto``, ``ipc`` or ``tcp``; default ``RINGCOMM_TRANSPORT``, else auto), ``env``
-    (where settings are read instead of ``os.environ``). Every setting is parsed by
+    (where settings are read instead of ``os.environ``), ``group_name`` (the group's key
+    namespace in the store; default ``pg<k>`` for the k-th group this process forms at
+    that store: see :mod:`ringcomm.rendezvous.meeting`). Every setting is parsed by
     :func:`ringcomm.config.resolve_init_config`; a bad value raises naming it.
+
+    A process may form any number of groups, one after another or side by side; every
+    rank forms them in the same order. A rank whose world size, rank or version disagrees
+    with the group's makes every rank raise :class:`RendezvousError` naming both values;
+    a rendezvous that waits more than a few seconds says once which ranks are missing.
     """
     cfg = resolve_init_config(
         rank,
@@ -1012,54 +1042,97 @@ def init_process_group(
         transport=transport,
         env=env,
     )
+    if group_name is not None and (not isinstance(group_name, str) or not group_name.strip("/")):
+        raise ValueError(f"group_name must be a non-empty str, got {group_name!r}")
+    ns = group_name.strip("/") if group_name is not None else meeting.next_namespace(cfg)
     label = f"rank {cfg.rank}"
-    server: StoreServer | None = None
+    server: ServerLease | None = None
     store: Store | None = None
     try:
-        port = cfg.master_port
-        if cfg.rank == 0 and not cfg.store_external and (cfg.world_size > 1 or port != 0):
-            try:
-                server = StoreServer(_bind_host(cfg.master_addr), port, token=cfg.token).start()
-            except RingcommError as exc:
-                if cfg.master_port_origin is None:
-                    raise
-                how = (
-                    "mpirun -x MASTER_PORT=29500"
-                    if cfg.source == "mpirun"
-                    else "export MASTER_PORT=29500 before srun"
-                )
-                raise RendezvousError(
-                    f"{label}: {exc}. Port {port} was {cfg.master_port_origin} and is taken: "
-                    f"set MASTER_PORT (or RINGCOMM_MASTER_PORT) to a free port, e.g. {how}"
-                ) from exc
-            except Exception as exc:
-                raise RendezvousError(
-                    f"{label}: cannot serve the rendezvous store on {cfg.master_addr}:{port}: {exc}"
-                ) from exc
-            port = server.port
-        if cfg.world_size > 1 or cfg.store_external:
+        cfg, server = _meet(cfg, ns, label)
+        rejoins = cfg.restart > 0 and cfg.store_external
+        if cfg.world_size > 1 and not rejoins:
+            join = meeting.join_request(cfg, ns, _VERSION, opens=server is not None)
+            store = meeting.connect_and_join(cfg, join, label)
+        elif cfg.world_size > 1 or cfg.store_external:
             store = Store(
-                cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label
-            )
-        if cfg.restart > 0 and store is not None and cfg.store_external:
-            return _rejoin(cfg, store, port)
-        return _form(cfg, store, server, port)
-    except BaseException:
+                cfg.master_addr, cfg.master_port, token=cfg.token, timeout_s=cfg.timeout_s,
+                label=label,
+            )  # fmt: skip
+        if rejoins and store is not None:
+            return _rejoin(cfg, store, cfg.master_port, ns)
+        view = None if store is None else store.prefixed(ns)
+        pg = _form(cfg, view, server, cfg.master_port, namespace=ns)
+        pg.core.state.owned_store = store
+        if cfg.log_info and cfg.rank == 0:  # RINGCOMM_LOG=info: what the group runs on
+            _enable_log(logging.INFO)
+            logging.getLogger("ringcomm").info("%s", group_summary.describe(pg.core))
+        return pg
+    except BaseException as exc:
         if store is not None:
             store.close()
         if server is not None:
-            server.close()
+            meeting.close_hosted(server, exc)
         raise
 
 
+#: What a rank's join says of its version: the package's and the wire format's.
+_VERSION = f"ringcomm {__version__} (wire format {WIRE_VERSION})"
+
+
+def _meet(cfg: InitConfig, ns: str, label: str) -> tuple[InitConfig, ServerLease | None]:
+    """Where group ``ns`` meets: ``cfg`` with the store's address and port, and rank 0's
+    lease on the server it hosts (None: a launcher or another process hosts it)."""
+    port = cfg.master_port
+    if cfg.rank != 0 or cfg.store_external or (cfg.world_size == 1 and port == 0):
+        if cfg.torch_store is not None and cfg.world_size > 1 and not cfg.store_external:
+            addr, port = meeting.read_address(cfg, ns, label)
+            return dataclasses.replace(cfg, master_addr=addr, master_port=port), None
+        return cfg, None
+    join = meeting.join_request(cfg, ns, _VERSION)
+    try:
+        server = meeting.serve_store(cfg, _bind_host(cfg.master_addr), port, join, label)
+    except RendezvousError as exc:
+        if cfg.master_port_origin is None:
+            raise RendezvousError(f"{label}: {exc}") from exc
+        how = (
+            "mpirun -x MASTER_PORT=29500"
+            if cfg.source == "mpirun"
+            else "export MASTER_PORT=29500 before srun"
+        )
+        raise RendezvousError(
+            f"{label}: {exc}. Port {port} was {cfg.master_port_origin} and is taken: "
+            f"set MASTER_PORT (or RINGCOMM_MASTER_PORT) to a free port, e.g. {how}"
+        ) from exc
+    except (RingcommError, ValueError):
+        raise
+    except Exception as exc:
+        raise RendezvousError(
+            f"{label}: cannot serve the rendezvous store on {cfg.master_addr}:{port}: {exc}"
+        ) from exc
+    if server is None:  # another rank 0 serves it: meet there (and be refused)
+        return cfg, None
+    port = server.port
+    addr = cfg.master_addr
+    if cfg.torch_store is not None:
+        addr = local_address_towards(cfg.torch_store.host, cfg.torch_store.port) or addr
+        theirs = meeting.publish_address(cfg, ns, addr, port, label)
+        if theirs is not None:  # another rank 0 published first: meet there
+            server.close()
+            addr, port = theirs
+            return dataclasses.replace(cfg, master_addr=addr, master_port=port), None
+    return dataclasses.replace(cfg, master_addr=addr, master_port=port), server
+
+
 def _form(
-    cfg: InitConfig, store: Store | None, server: StoreServer | None, port: int, epoch: int = 0,
-    watch: Callable[[], None] | None = None,
+    cfg: InitConfig, store: Store | None, server: StoreServer | ServerLease | None, port: int,
+    epoch: int = 0, watch: Callable[[], None] | None = None, namespace: str = "",
 ) -> ProcessGroup:  # fmt: skip
     """Form the world group of ``cfg`` meeting through ``store`` (None: a singleton),
     whose server listens on ``port`` (``server``: here). Steps 3-4 of the module
     docstring; the caller closes ``store`` and ``server`` if this raises. ``watch``:
-    called between slices of the wait for the others (it raises to give up)."""
+    called between slices of the wait for the others (it raises to give up).
+    ``namespace``: the group instance's keys in the store (what shrink and grow use)."""
     mode = cfg.transport
     label = f"rank {cfg.rank}"
     net: ZmqTransport | None = None
@@ -1088,10 +1161,13 @@ def _form(
         infos = {cfg.rank: me}
         if store is not None:
             store.set(f"rank/{cfg.rank}", json.dumps(me.to_dict()).encode())
+            keys = [f"rank/{r}" for r in range(cfg.world_size)]
+            if watch is None:
+                meeting.wait_for_ranks(store, keys, cfg, label)
+            else:
+                _wait_all(store, keys, cfg.timeout_s, watch)
         model = _share_cost_model(cfg, store, watch)
         if store is not None:
-            keys = [f"rank/{r}" for r in range(cfg.world_size)]
-            _wait_all(store, keys, cfg.timeout_s, watch)
             for r in range(cfg.world_size):
                 infos[r] = EndpointInfo.from_dict(json.loads(store.get(keys[r])))
         for r, info in infos.items():
@@ -1111,11 +1187,11 @@ def _form(
         try:
             net.setup_shm([r for r, info in infos.items() if info.shm], cfg.timeout_s)
         except RingcommError as exc:
-            raise RendezvousError(f"{label}: {exc}") from exc
+            raise RendezvousError(str(exc)) from exc  # (it names this rank)
         if binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0))):
             _bind_to_core(cfg.local_rank)
         if cfg.log_debug:
-            _enable_debug_log()
+            _enable_log(logging.DEBUG)
         progress = Progress(
             net,
             cfg.rank,
@@ -1136,6 +1212,7 @@ def _form(
         state.costmodel = model
         state.epoch = epoch
         state.store_port = port
+        state.namespace = namespace
         lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
         install_trace_signal(state)  # RINGCOMM_TRACE_DIR: SIGUSR1 writes the flight record
         core = GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID)

@@ -1,6 +1,6 @@
 """The group core: what collectives and point-to-point calls need of a group.
 
-Two public classes, below the collectives (DESIGN.md §3) and above the progress engine:
+Two public classes, below the collectives (docs/architecture.md) and above the progress engine:
 
 * :class:`ProcessState`: what every group of one process shares (the config, the progress
   engine, the rendezvous store and, on rank 0, its server) and how the process leaves them
@@ -32,6 +32,7 @@ from .errors import CommTimeoutError, GroupClosedError, PeerFailedError, Ringcom
 from .flight import FlightRecorder
 from .progress import DEPART_ERROR, Op, Progress, SerialQueue
 from .rendezvous import Store, StoreServer
+from .rendezvous.hosting import ServerLease
 from .schedule.topology import Topology, topology
 from .transport import workspace as ws_mod
 from .transport.endpoints import EndpointInfo, host_identity
@@ -71,7 +72,7 @@ class ProcessState:
         config: InitConfig,
         progress: Progress,
         store: Store | None,
-        server: StoreServer | None,
+        server: StoreServer | ServerLease | None,
         chunk_bytes: int,
     ) -> None:
         self.config = config
@@ -88,9 +89,12 @@ class ProcessState:
         #: and the port its store listens on (ringcomm.elastic).
         self.epoch = 0
         self.store_port = config.master_port
-        #: The store connection under ``store`` when that is a prefixed view of it (a
-        #: shrunk group's): closed with the group.
+        #: The store connection under ``store`` when that is a prefixed view of it (every
+        #: group's: its namespace, and a shrunk group's epoch in it): closed with the group.
         self.owned_store: Store | None = None
+        #: This group instance's key namespace in the store (``pg0``...:
+        #: ringcomm.rendezvous.meeting); shrink and grow keep their keys in it too.
+        self.namespace = ""
         #: The rank slot of each rank of this world group (its rank in the first one),
         #: how many slots the job has, and whether this process rejoined (``grow``).
         self.slots: list[int] = list(range(config.world_size))
@@ -105,10 +109,18 @@ class ProcessState:
         )
 
     @property
-    def root_store(self) -> Store | None:
-        """The store outside this world group's own key namespace (a shrunk or grown
-        group's ``store`` is a prefixed view of it)."""
+    def job_store(self) -> Store | None:
+        """The store connection itself, every key as named (a launcher's among them)."""
         return self.owned_store if self.owned_store is not None else self.store
+
+    @property
+    def root_store(self) -> Store | None:
+        """This group instance's namespace of the store, outside the keys of its epoch (a
+        shrunk or grown group's ``store`` is a prefixed view of it)."""
+        conn = self.job_store
+        if conn is None or not self.namespace or self.owned_store is None:
+            return conn
+        return conn.prefixed(self.namespace)
 
     def dump_trace(self, reason: str) -> Path | None:
         """Write the flight record (if ``RINGCOMM_TRACE_DIR`` is set), with where the
@@ -216,7 +228,9 @@ class ProcessState:
             # 50 ms, an ssh session ending): give it a head start.
             time.sleep(CULPRIT_LEAD_S)
 
-    def _check_out(self, store: Store, server: StoreServer | None, limit_s: float) -> None:
+    def _check_out(
+        self, store: Store, server: StoreServer | ServerLease | None, limit_s: float
+    ) -> None:
         """Count this rank out of the store. Its host keeps serving until every rank has
         checked out (a rank may still be reading its last rendezvous reply), at most
         ``limit_s``, and no longer once a rank is gone (it will never check out)."""

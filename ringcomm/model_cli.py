@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import UsageError, format_size, size_arg
+from .config import UsageError, check_output_path, format_size, size_arg
 from .costmodel import (
     ALGORITHMS,
     HIER_SEGMENT_BYTES,
@@ -270,6 +270,8 @@ def _plot(rows: Sequence[tuple[int, str, list[Prediction], list[Crossover]]], pa
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
     if args.hosts < 1:
         raise UsageError(f"--hosts must be >= 1, got {args.hosts}")
     if args.ranks_per_host < 1:
@@ -297,8 +299,8 @@ def main(args: argparse.Namespace) -> int:
         f"{format_size(S)} ({S} B) per rank\n"
         f"# parameters: {model.describe()}\n"
         f"# assumptions: {ASSUMPTIONS}\n"
-        "# busbw: nccl-tests factors (DESIGN.md §2); uplink bytes: sent by the busiest host, "
-        "summed over steps\n#\n"
+        "# busbw: nccl-tests' factors (all_reduce 2(n-1)/n, gathers (n-1)/n, broadcast 1); "
+        "uplink bytes: sent by the busiest host, summed over steps\n#\n"
     )
     out.write(format_world(preds, winner))
     out.write(f"# best: {winner}; winner changes over 1 B..4 GiB: {_fmt_cross(found)}\n")

@@ -14,9 +14,10 @@ ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.
   members); ``store`` is a ``PrefixStore`` unique to the group.
 * Rendezvous (one ringcomm group per torch group): rank 0 of the torch group starts a
   ringcomm rendezvous store (:class:`~ringcomm.rendezvous.StoreServer`, a port from the OS,
-  a fresh random token) and publishes ``{addr, port, token}`` under ``ringcomm/store`` in the
-  torch store; every rank reads it and calls ``rc.init_process_group(...,
-  host_store=False)``. So ringcomm needs no port of its own (torchrun's ``MASTER_PORT``
+  a fresh random token) and publishes ``{addr, port, token}`` under ``ringcomm/store/<n>`` in
+  the torch store (n numbers the instances of the group: ``destroy_process_group()`` and
+  ``init_process_group("ringcomm")`` again make the next); every rank reads it and calls
+  ``rc.init_process_group(..., host_store=False)``. So ringcomm needs no port of its own (torchrun's ``MASTER_PORT``
   belongs to torch's TCPStore), works under every torch ``init_method``, and the torch store
   (which the job trusts already) carries the token. The address is ``RINGCOMM_MASTER_ADDR``,
   else ``MASTER_ADDR`` (set by torchrun and ``env://``), else 127.0.0.1: on several hosts
@@ -134,10 +135,14 @@ __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "RingcommWork"]
 
 #: The name to pass to ``dist.init_process_group`` / ``dist.new_group(backend=...)``.
 BACKEND_NAME = "ringcomm"
-#: Key (in the group's torch store) where rank 0 publishes ringcomm's store address.
-_STORE_KEY = "ringcomm/store"
-#: Counter (in the group's torch store) of ranks done with ringcomm's store at shutdown.
-_CLOSED_KEY = "ringcomm/closed"
+#: Keys (in the group's torch store) where rank 0 publishes ringcomm's store address, and
+#: the counter of ranks done with it at shutdown, per instance of the group (a torch store
+#: outlives ``destroy_process_group()``: torchrun's agent store, a ``store=`` passed again).
+_STORE_KEY = "ringcomm/store/{}"
+_CLOSED_KEY = "ringcomm/closed/{}"
+#: Counter (in the group's torch store) of joins: every rank of the n-th instance of the
+#: group counts once, so ``(count - 1) // world_size`` numbers the instance.
+_JOINS_KEY = "ringcomm/joins"
 #: Longest rank 0 keeps ringcomm's store up at shutdown for the others to check out.
 _CHECKOUT_MAX_S = 30.0
 #: Tags of monitored barriers in the point-to-point group (far above the all-to-all ones).
@@ -545,6 +550,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         *,
         store_server: StoreServer | None = None,
         torch_store: Any = None,
+        instance: int = 0,
     ) -> None:
         super().__init__(rc_group.rank, rc_group.world_size)  # type: ignore[call-arg]
         self._rc = rc_group
@@ -557,6 +563,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._timeout_s = timeout_s
         self._store_server = store_server
         self._torch_store = torch_store
+        self._closed_key = _CLOSED_KEY.format(instance)
         self._group_name = ""
         self._group_desc = ""
         self._completer = _Completer(f"r{rc_group.rank}")
@@ -1364,18 +1371,23 @@ class RingcommProcessGroup(dist.ProcessGroup):
         store, server = self._torch_store, self._store_server
         if store is None or self._rc.world_size == 1:
             return
+        closed, left = self._closed_key, self._closed_key + "/left"
+        limit = datetime.timedelta(seconds=min(self._timeout_s, _CHECKOUT_MAX_S))
         try:
             # Best effort: torch's store may be gone already (its host exited).
             with contextlib.suppress(Exception):
-                store.add(_CLOSED_KEY, 1)
-                if server is not None and self._failure is None:
-                    # Keep serving until every rank is done with it (bounded; not after a
-                    # failure, when a rank may be gone for good).
-                    deadline = time.monotonic() + min(self._timeout_s, _CHECKOUT_MAX_S)
-                    while store.add(_CLOSED_KEY, 0) < self._rc.world_size:
-                        if time.monotonic() > deadline:
-                            break
-                        time.sleep(0.01)
+                if int(store.add(closed, 1)) >= self._rc.world_size:
+                    store.set(closed + "/all", b"1")
+                if self._failure is None:
+                    # Not after a failure, when a rank may be gone for good (bounded anyway).
+                    if server is not None:  # keep serving until every rank is done with it
+                        store.wait([closed + "/all"], limit)
+                        server.close()
+                        store.set(left, b"1")
+                    else:
+                        # Leave after rank 0: where rank 0 hosts torch's store (env://), a
+                        # rank that re-initialises first would reach the old one, then lose it.
+                        store.wait([left], limit)
         finally:
             if server is not None:
                 server.close()
@@ -1506,14 +1518,17 @@ def _create(
     server: StoreServer | None = None
     env = os.environ  # torch calls us without a config: the settings are the process's
     try:
+        instance = (int(store.add(_JOINS_KEY, 1)) - 1) // world_size
+        key = _STORE_KEY.format(instance)
         if rank == 0:
             addr = env_master_addr(env)
             token = env_token(env) or secrets.token_hex(16)
-            server = StoreServer(_bind_host(addr), 0, token=token).start()
+            server = StoreServer(_bind_host(addr), 0, token=token, world_size=world_size,
+                                 world_from=f"the torch group of {world_size} ranks").start()  # fmt: skip
             info: dict[str, Any] = {"addr": addr, "port": server.port, "token": token}
-            store.set(_STORE_KEY, json.dumps(info))
+            store.set(key, json.dumps(info))
         else:
-            info = json.loads(bytes(store.get(_STORE_KEY)).decode())
+            info = json.loads(bytes(store.get(key)).decode())
         rc_group = init_process_group(
             rank,
             world_size,
@@ -1523,6 +1538,7 @@ def _create(
             timeout_s=timeout_s,
             host_store=False,
             env=env,
+            group_name="torch",  # a store of its own
         )
     except BaseException as exc:
         if server is not None:
@@ -1530,7 +1546,9 @@ def _create(
         if isinstance(exc, RingcommError):
             raise RingcommError(f"{label}: forming the ringcomm group failed: {exc}") from exc
         raise
-    return RingcommProcessGroup(rc_group, timeout_s, store_server=server, torch_store=store)
+    return RingcommProcessGroup(
+        rc_group, timeout_s, store_server=server, torch_store=store, instance=instance
+    )
 
 
 def _register() -> None:

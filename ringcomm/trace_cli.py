@@ -1,8 +1,9 @@
 """``ringcomm trace DIR [--chrome FILE] [--json]``: read the ranks' flight records.
 
 ``DIR`` holds the ``rank<N>.json`` files the ranks wrote (``RINGCOMM_TRACE_DIR``; see
-:mod:`ringcomm.flight`). Prints the desync report: per group, every rank's latest
-operation, which rank is behind and who waits for it, or a mismatch. ``--chrome FILE``
+:mod:`ringcomm.flight`). Prints the desync report: first the answer (the rank that is
+behind or missing, and the op the others waited in; or a mismatch), then per group every
+rank's latest operation. ``--chrome FILE``
 also writes a Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing).
 Exit status: 0; 1 if ``DIR`` holds no trace file or an unreadable one.
 """
@@ -14,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from .config import UsageError
+from .config import UsageError, check_output_path
 from .flight import chrome_trace, desync_report, load_dir
 
 __all__ = ["add_parser", "main"]
@@ -37,6 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise UsageError("--world-size must be >= 1")
+    check_output_path(args.chrome, "--chrome")
     try:
         files = load_dir(args.dir)
     except ValueError as exc:

@@ -30,6 +30,7 @@ from .config import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TUNE_FILE,
     UsageError,
+    check_output_path,
     environ_changed,
     format_size,
     parse_size,
@@ -154,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
     from .launch import spawn
     from .model_cli import model_from_args
 
+    check_output_path(args.out, "--out")
     if args.hostfile is not None or args.hosts is not None:
         return _main_hosts(args)
     if args.ssh_config is not None or args.size is not None or args.base is not None:

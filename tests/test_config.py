@@ -17,6 +17,7 @@ from ringcomm.config import (
     DEFAULT_STAGING_MAX_BYTES,
     DEFAULT_TIMEOUT_S,
     InitConfig,
+    TorchAgentStore,
     UsageError,
     bind_mode,
     binds_to_core,
@@ -109,9 +110,14 @@ def test_torchrun_variables() -> None:
 
 
 @pytest.mark.parametrize("flag", ["True", "1", "true"])
-def test_torchrun_agent_store_uses_next_port(flag: str) -> None:
-    cfg = resolve_init_config(env={**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": flag})
-    assert cfg.master_port == 29501
+def test_torchrun_agent_store_means_a_port_from_the_os(flag: str) -> None:
+    # MASTER_PORT is the agent's TCPStore: rank 0 serves ours on a port from the OS and
+    # publishes it there (no guessed port next to torch's: no collision).
+    env = {**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": flag, "TORCHELASTIC_RUN_ID": "job7",
+           "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
+    cfg = resolve_init_config(env=env)
+    assert cfg.master_port == 0
+    assert cfg.torch_store == TorchAgentStore("10.0.0.1", 29500, "ringcomm/job7/attempt_2")
 
 
 @pytest.mark.parametrize("flag", ["False", "0", ""])
@@ -125,10 +131,23 @@ def test_agent_store_does_not_shift_a_ringcomm_port() -> None:
     assert resolve_init_config(env=env).master_port == 31000
 
 
-def test_agent_store_port_overflow_is_rejected() -> None:
-    env = {**TORCHRUN, "MASTER_PORT": "65535", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+def test_agent_store_port_out_of_range_is_rejected() -> None:
+    env = {**TORCHRUN, "MASTER_PORT": "65536", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     with pytest.raises(RendezvousError, match="65536"):
         resolve_init_config(env=env)
+
+
+def test_a_world_size_by_hand_that_disagrees_with_the_launcher_is_refused() -> None:
+    # Every rank would wait for a rank never started: refused at once, naming both values.
+    with pytest.raises(RendezvousError, match=r"world_size=3 .*WORLD_SIZE=4"):
+        resolve_init_config(world_size=3, env=TORCHRUN)
+    with pytest.raises(RendezvousError, match=r"world_size=9 .*RINGCOMM_WORLD_SIZE=8"):
+        resolve_init_config(world_size=9, env=RINGCOMM)
+    # The same size, a world of one, or a store of one's own: the caller's business.
+    assert resolve_init_config(world_size=4, env=TORCHRUN).world_size == 4
+    assert resolve_init_config(0, 1, env=TORCHRUN).world_size == 1
+    cfg = resolve_init_config(1, 3, master_port=4000, env=TORCHRUN)
+    assert (cfg.world_size, cfg.master_port) == (3, 4000)
 
 
 def test_mpirun_variables() -> None:
@@ -617,6 +636,31 @@ def test_log_debug() -> None:
     assert resolve_init_config(env={}).log_debug is False
     assert resolve_init_config(env={"RINGCOMM_LOG": "DEBUG"}).log_debug is True
     assert resolve_init_config(env={"RINGCOMM_LOG": "info"}).log_debug is False
+    assert resolve_init_config(env={"RINGCOMM_LOG": "info"}).log_info is True
+    assert resolve_init_config(env={"RINGCOMM_LOG": "debug"}).log_info is True
+    assert resolve_init_config(env={"RINGCOMM_LOG": "Off"}).log is None
+
+
+@pytest.mark.parametrize("value", ["loud", "1", "warning"])
+def test_an_invalid_log_level_raises_naming_it(value: str) -> None:
+    with pytest.raises(RendezvousError, match=f"RINGCOMM_LOG='{value}' is not a level: use one of"):
+        resolve_init_config(env={"RINGCOMM_LOG": value})
+
+
+def test_log_info_logs_the_group_summary_once_on_rank_0(caplog: pytest.LogCaptureFixture) -> None:
+    import ringcomm as rc
+
+    # A world of one: no sockets to peers, but the whole summary (rank 0 logs it; on
+    # stderr unless the application set up logging, as pytest does).
+    with (
+        caplog.at_level("INFO", logger="ringcomm"),
+        rc.init_process_group(0, 1, env={"RINGCOMM_LOG": "info"}) as pg,
+    ):
+        assert pg.world_size == 1
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert text.count("ringcomm: rank 0 of 1 (1 host), group pg") == 1, text
+    for words in ("collectives:", "algorithms:", "pieces of 4M bytes", "token off"):
+        assert words in text, text
 
 
 # -- staging pool bound ----------------------------------------------------------------------

@@ -270,7 +270,7 @@ def test_ps_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--strategy", "ps", "-n", "3", "--ps-servers", "3"]) == 2
     assert "--ps-servers must be in [1, 2]" in capsys.readouterr().err
     assert main(["train", "--strategy", "ps", "-n", "1"]) == 2
-    assert "--ps-servers" in capsys.readouterr().err
+    assert "--strategy ps needs -n >= 2" in capsys.readouterr().err
     assert main(["train", "--strategy", "ps", "-n", "3", "--staleness", "-1"]) == 2
     assert "--staleness" in capsys.readouterr().err
     assert main(["train", "--strategy", "ps", "-n", "3", "--checkpoint-interval", "2"]) == 2

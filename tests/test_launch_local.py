@@ -197,11 +197,14 @@ def test_ranks_get_their_environment_and_prefixed_output(tag: str) -> None:
     assert sorted(envs) == [0, 1, 2]
     ports = {e["MASTER_PORT"] for e in envs.values()}
     assert len(ports) == 1 and int(ports.pop()) > 0
+    stores = {e["RINGCOMM_MASTER_PORT"] for e in envs.values()}
+    assert len(stores) == 1 and int(stores.pop()) > 0
     for r, e in envs.items():
         assert e["RANK"] == e["RINGCOMM_RANK"] == e["LOCAL_RANK"] == str(r)
         assert e["WORLD_SIZE"] == e["RINGCOMM_WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "3"
         assert e["MASTER_ADDR"] == e["RINGCOMM_MASTER_ADDR"] == "127.0.0.1"
-        assert e["RINGCOMM_MASTER_PORT"] == e["MASTER_PORT"]
+        # torch's env:// listens on MASTER_PORT: not the store's port, which the launcher holds
+        assert e["RINGCOMM_MASTER_PORT"] != e["MASTER_PORT"]
         assert e["RINGCOMM_STORE_EXTERNAL"] == "1"
         assert e["token_len"] == 64
     assert by_rank(res.stdout, "ARGV") == {r: json.dumps(["a b", "--flag"]) for r in range(3)}
@@ -357,7 +360,7 @@ def test_dry_run_shows_commands_but_never_the_token(tag: str) -> None:
     lines = [line for line in res.stdout.splitlines() if line.startswith("env ")]
     assert len(lines) == 2
     for r, line in enumerate(lines):
-        assert f" RANK={r} " in line and " WORLD_SIZE=2 " in line and " MASTER_PORT=29555 " in line
+        assert f" RANK={r} " in line and " WORLD_SIZE=2 " in line and " RINGCOMM_MASTER_PORT=29555 " in line
         assert "RC_X='a b'" in line
         assert line.endswith("print_env.py RANK")
 

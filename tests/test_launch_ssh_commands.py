@@ -186,7 +186,8 @@ def test_config_from_args(tmp_path: Path) -> None:
 
 
 def test_local_mode_refuses_multi_host_only_options() -> None:
-    for argv in (["--nproc-per-node", "2"], ["--ssh-option", "X=y"], ["--start-timeout", "3"]):
+    # (--nproc-per-node without hosts is torchrun's: that many local ranks)
+    for argv in (["--ssh-option", "X=y"], ["--start-timeout", "3"]):
         args = build_parser().parse_args(["run", *argv, str(SCRIPTS / "print_env.py")])
         with pytest.raises(UsageError, match="applies to multi-host launch only"):
             local.config_from_args(args, environ={})

@@ -62,6 +62,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.progress": 3,
     "ringcomm.group_core": 4,
     "ringcomm.elastic": 4,  # agreeing on a failed group's survivors (over the store)
+    "ringcomm.group_summary": 4,  # RINGCOMM_LOG=info: what a group runs on (reads a GroupCore)
     "ringcomm.work": 4,
     "ringcomm.buffers": 4,
     "ringcomm.device": 4,  # the device side (the package's own __init__ imports nothing)

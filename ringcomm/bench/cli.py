@@ -24,6 +24,7 @@ from ringcomm.config import (
     UsageError,
     bind_mode,
     binds_to_core,
+    check_output_path,
     format_size,
     size_arg,
 )
@@ -32,7 +33,15 @@ from .multihost import HostsSpec
 from .report import Result, format_footer, format_table, json_row
 from .spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
 
-__all__ = ["UsageError", "add_parser", "config_from_args", "main", "preamble", "write_outputs"]
+__all__ = [
+    "UsageError",
+    "add_parser",
+    "config_from_args",
+    "crowding_warning",
+    "main",
+    "preamble",
+    "write_outputs",
+]
 
 _PROG = "ringcomm bench"
 _REDOPS = ("sum", "avg", "max", "min", "prod")
@@ -91,12 +100,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="timed iterations per size and round (default %(default)s)",
     )
     p.add_argument(
+        "-w",
         "--warmup",
         type=int,
         default=BenchConfig.warmup,
         help="untimed iterations first (default %(default)s)",
     )
     p.add_argument(
+        "-d",
         "--dtype",
         default=BenchConfig.dtype,
         choices=SUPPORTED_DTYPE_NAMES,
@@ -104,6 +115,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="element type (default %(default)s)",
     )
     p.add_argument(
+        "-o",
         "--op",
         dest="redop",
         default=BenchConfig.redop,
@@ -111,7 +123,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="reduce op of all_reduce/reduce_scatter (default %(default)s)",
     )
     p.add_argument(
-        "--root", type=int, default=BenchConfig.root, help="broadcast root (default %(default)s)"
+        "-r",
+        "--root",
+        type=int,
+        default=BenchConfig.root,
+        help="broadcast root (default %(default)s)",
     )
     p.add_argument(
         "--check",
@@ -119,9 +135,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="verify every size against NumPy before timing it (#wrong column)",
     )
     p.add_argument(
+        "-c",
+        dest="check_n",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        metavar="0|1",
+        help="nccl-tests' spelling: -c 1 is --check, -c 0 is none",
+    )
+    p.add_argument(
         "--json",
         metavar="FILE",
-        help="write one JSON object per size and implementation (DESIGN.md §2)",
+        help="write one JSON object per size and implementation: impl, op, world_size, "
+        "bytes, count, dtype, time_us, algbw_GBps, busbw_GBps, errors, algo (the docs' "
+        "Contracts page)",
     )
     p.add_argument(
         "--compare",
@@ -245,7 +272,7 @@ def config_from_args(
         dtype=args.dtype,
         redop=args.redop,
         root=args.root,
-        check=args.check,
+        check=args.check or bool(getattr(args, "check_n", None)),
         compare=args.compare,
         rounds=rounds,
         timeout_s=args.timeout_s,
@@ -258,6 +285,8 @@ def config_from_args(
     )
     if hosts is not None and devices != ("host",):
         raise UsageError("--hostfile/-H: only --device host runs across hosts")
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
     _check_available(config, args.plot)
     return config
 
@@ -389,6 +418,19 @@ def write_outputs(
         )
 
 
+#: More ranks per core than this on one host draws :func:`crowding_warning`.
+CROWDED_RANKS_PER_CORE = 4
+
+
+def crowding_warning(nproc: int, ncores: int) -> str | None:
+    """What to say when ``-n`` exceeds this host's cores by far (nccl-tests users mean
+    iterations by ``-n``): None when it does not."""
+    if nproc <= CROWDED_RANKS_PER_CORE * max(1, ncores):
+        return None
+    return (f"-n {nproc} starts {nproc} ranks on {ncores} core(s); here -n is the number of "
+            "ranks (in nccl-tests it is iterations: that is --iters)")  # fmt: skip
+
+
 def placement_line(hostnames: Sequence[str]) -> str:
     """``# ranks 0-1 on h0; 2-3 on h1`` (the hostnames the ranks reported)."""
     groups: list[tuple[str, list[int]]] = []
@@ -409,6 +451,9 @@ def main(args: argparse.Namespace) -> int:
     from .runner import run
 
     hosts = hosts_from_args(args)
+    crowded = crowding_warning(config.world_size, len(os.sched_getaffinity(0)))
+    if hosts is None and crowded:
+        print(f"{_PROG}: warning: {crowded}", file=sys.stderr)
     sys.stdout.write(preamble(config))
     sys.stdout.flush()
     try:

@@ -37,7 +37,7 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ops = list(dict.fromkeys(r["op"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -79,8 +79,14 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = 
             ax.grid(True, which="major", alpha=0.3)
             ax.legend()
         ax_t.set_yscale("log")
+        # Ticks at 1, 2 and 5 per decade: a sweep whose times span less than a decade
+        # still gets several labels (with only the powers of ten it got one, or none).
+        ax_t.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax_t.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax_t.yaxis.set_minor_formatter(NullFormatter())
+        low, high = ax_t.get_ylim()
+        if high / max(low, 1e-12) < 2.5:  # (within one 1-2-5 step: label the minor ticks)
+            ax_t.yaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax_bw.set_ylim(bottom=0)
     if title:
         fig.suptitle(title)

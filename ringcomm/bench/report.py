@@ -37,7 +37,7 @@ __all__ = [
     "summarize",
 ]
 
-#: Keys every JSON row has (DESIGN.md §2), in this order; extra keys follow.
+#: Keys every JSON row has (docs/contracts.md, JSON output), in this order; extra keys follow.
 JSON_KEYS: tuple[str, ...] = (
     "impl",
     "op",
@@ -116,7 +116,7 @@ def ratio(ours: Result, theirs: Result) -> tuple[float, float]:
 
 
 def json_row(result: Result) -> dict[str, Any]:
-    """The DESIGN.md §2 JSON object of one result (plus p50/p99, redop, root, iters)."""
+    """The ``bench --json`` object (docs/contracts.md) of one result (plus p50/p99, redop, root, iters)."""
     s = result.spec
     return {
         "impl": result.impl,

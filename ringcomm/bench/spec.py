@@ -39,7 +39,7 @@ __all__ = [
     "sweep_bytes",
 ]
 
-#: The benchmarked operations, in help order (DESIGN.md §2).
+#: The benchmarked operations, in help order (docs/contracts.md, Command line).
 OPS: tuple[str, ...] = (
     "all_reduce",
     "reduce_scatter",

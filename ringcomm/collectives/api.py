@@ -13,7 +13,7 @@ same device. The ring all_reduce/reduce_scatter/all_gather and the broadcast cha
 them piece by piece; every other algorithm stages the whole buffer (``collectives.staged``).
 Inputs and outputs of one call are all host or all on one device.
 
-Contracts: DESIGN.md §1. Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
+Contracts: docs/contracts.md (Python API). Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
 all_reduce, reduce_scatter, all_gather, broadcast and barrier, ``async_op`` on every call,
 ``out`` on gather (used on ``dst``).
 """

@@ -6,7 +6,7 @@ and the tp splits before any rank starts).
 Pipeline: ``add_parser`` (argparse) -> :func:`config_from_args` (a frozen
 :class:`~ringcomm.engine.strategy.TrainConfig`; ``UsageError`` for what cannot run) ->
 :func:`run_training` (``rc.spawn`` for N ranks; ``single`` in this
-process) -> a summary on stdout and the ``--json`` object (DESIGN.md §2). Exit status: 0;
+process) -> a summary on stdout and the ``--json`` object (docs/contracts.md, JSON output). Exit status: 0;
 1 if a rank failed; 2 for a usage error or
 ``--device cuda`` without CuPy or a GPU (:class:`UsageError`, printed by :mod:`ringcomm.cli`).
 Option defaults are :class:`~ringcomm.engine.strategy.TrainConfig`'s.
@@ -25,7 +25,13 @@ import os
 import sys
 from typing import Any
 
-from ringcomm.config import UsageError, environ_changed, format_size, size_arg
+from ringcomm.config import (
+    UsageError,
+    check_output_path,
+    environ_changed,
+    format_size,
+    size_arg,
+)
 from ringcomm.errors import RingcommError
 from ringcomm.flight import summary_table
 from ringcomm.launch.spawn import spawn
@@ -173,6 +179,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    check_output_path(args.json, "--json")
+    check_output_path(getattr(args, "checkpoint_dir", None), "--checkpoint-dir", directory=True)
     n = args.nproc
     if n < 1:
         raise UsageError(f"-n must be >= 1, got {n}")
@@ -209,6 +217,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if bucket < 1:
         raise UsageError("bucket size must be > 0")
     if args.strategy == "ps":
+        if n < 2:
+            raise UsageError(f"--strategy ps needs -n >= 2 (at least one server and one "
+                             f"worker), got -n {n}")  # fmt: skip
         if not 1 <= args.ps_servers < n:
             raise UsageError(f"--ps-servers must be in [1, {n - 1}] at -n {n} (>= 1 worker)")
         if args.device != "cpu":
@@ -370,6 +381,13 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:9.2f}"
 
 
+def shm_bytes_per_step(r: dict[str, Any]) -> float:
+    """A rank's bytes per step through the shared workspace: its world group's and its
+    mesh axes' (sub-groups count their own)."""
+    by_axis = r.get("workspace_bytes_per_step_by_axis") or {}
+    return float(r.get("workspace_bytes_per_step") or 0.0) + float(sum(by_axis.values()))
+
+
 def format_summary(result: dict[str, Any]) -> str:
     staged = result.get("device", "cpu") != "cpu"
     lines = [
@@ -379,15 +397,18 @@ def format_summary(result: dict[str, Any]) -> str:
             f"step time {result['step_time_s'] * 1e3:.1f} ms (median); "
             f"final loss {result['losses'][-1]:.6f}"
         ),
-        " rank  param MiB   grad MiB  optim MiB   peak MiB  sent MiB/step"
+        " rank  param MiB   grad MiB  optim MiB   peak MiB   MiB/step: sockets     shm"
         + ("  staging MiB" if staged else ""),
     ]
     for r in result["per_rank"]:
         lines.append(
             f"{r['rank']:5d} {_mib(r['param_bytes'])} {_mib(r['grad_bytes'])} "
-            f"{_mib(r['optim_bytes'])} {_mib(r['peak_bytes'])} {_mib(r['sent_bytes_per_step'])}"
+            f"{_mib(r['optim_bytes'])} {_mib(r['peak_bytes'])}          "
+            f"{_mib(r['sent_bytes_per_step'])} {_mib(shm_bytes_per_step(r))}"
             + (f"    {_mib(r['staging_bytes'])}" if staged else "")
         )
+    lines.append("MiB/step: what every collective moved, through sockets (sent) and through the "
+                 "shared memory of ranks on one host (the inputs it took)")  # fmt: skip
     if "peak_bytes_source" in result:
         lines.append(f"peak: {result['peak_bytes_source']}")
     if "bubble_fraction" in result:

@@ -1,7 +1,7 @@
 """Measuring a rank's memory: tracemalloc on the host, the CuPy memory pool on a GPU.
 
 A meter is started before the strategy is built, told when each step begins and ends, and
-read at the end (DESIGN.md §2: ``peak_bytes`` is measured, not computed):
+read at the end (docs/contracts.md, JSON output: ``peak_bytes`` is measured, not computed):
 
 * :class:`TracemallocMeter` (``cpu``, ``host-staged``): ``peak`` is the largest
   tracemalloc peak within a step (reset at each step's start), ``held`` what is traced at

@@ -50,7 +50,7 @@ model's state on it is gone (standalone servers restart from checkpoints instead
 :mod:`ringcomm.ps.membership`).
 
 Layering: ``engine`` and ``ps`` are sibling packages on top of the collectives
-(DESIGN.md §3); this strategy is the one place where the engine imports ``ringcomm.ps``,
+(docs/architecture.md); this strategy is the one place where the engine imports ``ringcomm.ps``,
 and like every strategy it talks only to its ``ProcessGroup`` (the parameter server runs
 over a sub-group of it). CPU (NumPy) only: the parameter server holds NumPy arrays.
 """

@@ -83,7 +83,7 @@ STRATEGIES: dict[str, str] = {
     "tp": "ringcomm.engine.parallel:TensorParallel",
     "3d": "ringcomm.engine.parallel:Parallel3D",
 }
-#: Every name ``--strategy`` accepts (DESIGN.md §2), registered or not.
+#: Every name ``--strategy`` accepts (docs/contracts.md, Command line), registered or not.
 STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline", "tp", "3d")
 #: The strategies that run ``--model transformer``.
 TRANSFORMER_STRATEGIES = ("single", "dp", "zero1", "zero2", "zero3", "pipeline", "tp", "3d")

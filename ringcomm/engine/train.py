@@ -10,7 +10,7 @@ the run took from the staging pool, bytes sent per step (the group's counter), t
 strategy's extras.
 Launching the ranks is the CLI's (:func:`ringcomm.engine.cli.run_training`: a top-layer
 module, so the engine never imports the launcher).
-:func:`summarize` turns the per-rank results into the DESIGN.md §2 JSON object.
+:func:`summarize` turns the per-rank results into the ``train --json`` object (docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def bubble_lines(result: dict[str, Any]) -> list[str]:
 
 
 def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The ``train --json`` object (DESIGN.md §2) plus extra keys."""
+    """The ``train --json`` object (docs/contracts.md, JSON output) plus extra keys."""
     loss_rank = per_rank[0]["loss_rank"]
     step_max = [max(r["step_times_s"][k] for r in per_rank) for k in range(cfg.steps)]
     timed = step_max[1:] if len(step_max) > 1 else step_max  # step 1 warms up

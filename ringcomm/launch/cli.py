@@ -23,15 +23,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "run",
         help="launch N ranks of a Python script",
         description="Launch N ranks of a Python script on this host, or over ssh on the "
-        "hosts of --hostfile / -H. Each rank's output lines are prefixed with '[rank] '.",
+        "hosts of --hostfile / -H. Each rank's output lines are prefixed with '[rank] '. "
+        "Options end at the script (or at --): what follows is the script's.",
+        allow_abbrev=False,
     )
     p.add_argument(
         "-n",
+        "-np",
         "--nproc",
         type=int,
         default=None,
         metavar="N",
-        help="number of ranks (default: 1; multi-host: every slot)",
+        help="number of ranks (default: 1; multi-host: every slot); -np as mpirun's",
     )
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument(
@@ -45,7 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="K",
-        help="multi-host: K ranks on every host (overrides the slots)",
+        help="K ranks on every host (overrides the slots); without hosts, as torchrun's: "
+        "K ranks on this host",
     )
     p.add_argument("--master-addr", default=None, metavar="A", help="store address")
     p.add_argument("--master-port", type=int, default=None, metavar="P", help="store port")

@@ -12,7 +12,9 @@ What :func:`run` does (local mode):
    ``PR_SET_PDEATHSIG`` = SIGKILL (so it dies if the launcher is SIGKILLed). Each rank gets
    ``RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT``, the
    ``RINGCOMM_*`` equivalents, ``RINGCOMM_STORE_EXTERNAL=1`` and ``RINGCOMM_TOKEN`` in its
-   environment (the token never on a command line).
+   environment (the token never on a command line). ``MASTER_PORT`` is a port free at
+   launch for torch's ``env://`` rank 0 to listen on; the store is at
+   ``RINGCOMM_MASTER_PORT``.
 3. Copy every rank's stdout/stderr to ours, whole lines, each prefixed ``[rank] ``.
 4. Wait. The first rank to exit non-zero makes us stop the others (SIGTERM to their process
    groups, a grace period, SIGKILL) and exit with its code (128+N for a death by signal N).
@@ -35,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ringcomm.config import UsageError
+from ringcomm.config import UsageError, env_trace_dir
 from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options
 from ringcomm.launch.supervise import (
     DEFAULT_GRACE_S,
@@ -107,12 +109,17 @@ def config_from_args(
         ("--ssh-port", args.ssh_port),
         ("--ssh-identity", args.ssh_identity),
         ("--ssh-option", args.ssh_option or None),
-        ("--nproc-per-node", args.nproc_per_node),
         ("--start-timeout", args.start_timeout),
     ):
         if value is not None:
             raise UsageError(f"{flag} applies to multi-host launch only (--hostfile / -H)")
     nproc = 1 if args.nproc is None else args.nproc
+    per_node = getattr(args, "nproc_per_node", None)
+    if per_node is not None:  # torchrun's spelling, one node: the ranks of this host
+        if args.nproc is not None and args.nproc != per_node:
+            raise UsageError(f"-n {args.nproc} and --nproc-per-node {per_node} disagree on "
+                             "one host (without --hostfile / -H): give one of them")  # fmt: skip
+        nproc = per_node
     if nproc < 1:
         raise UsageError(f"-n must be >= 1, got {nproc}")
     port = 0 if args.master_port is None else args.master_port
@@ -168,11 +175,15 @@ def rank_command(config: RunConfig) -> list[str]:
 
 
 def rank_env(
-    config: RunConfig, rank: int, master_port: int | str, token: str | None
-) -> dict[str, str]:
+    config: RunConfig, rank: int, master_port: int | str, token: str | None,
+    torch_port: int | str | None = None,
+) -> dict[str, str]:  # fmt: skip
     """The variables the launcher sets for ``rank`` (on top of the inherited environment).
 
     ``--env`` values come first, so the launcher's own variables always win.
+    ``MASTER_PORT`` (torch's ``env://``: where its rank 0 listens) is ``torch_port``, a
+    port free at launch, not the store's (``RINGCOMM_MASTER_PORT``), which the launcher
+    holds: so the torch backend runs under ``ringcomm run`` as under torchrun.
     """
     env = dict(config.env)
     world, addr, port = str(config.nproc), config.master_addr, str(master_port)
@@ -182,7 +193,7 @@ def rank_env(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=world,
         MASTER_ADDR=addr,
-        MASTER_PORT=port,
+        MASTER_PORT=port if torch_port is None else str(torch_port),
         RINGCOMM_RANK=str(rank),
         RINGCOMM_WORLD_SIZE=world,
         RINGCOMM_MASTER_ADDR=addr,
@@ -204,7 +215,7 @@ def format_dry_run(config: RunConfig, token: str | None = None) -> str:
     ]
     command = " ".join(shlex.quote(a) for a in rank_command(config))
     for rank in range(config.nproc):
-        env = rank_env(config, rank, port, token)
+        env = rank_env(config, rank, port, token, torch_port="<chosen-at-launch>")
         env.pop(TOKEN_VAR, None)
         assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         lines.append(f"# rank {rank}")
@@ -229,26 +240,45 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
 
     token = secrets.token_hex(32)
     try:
-        store = StoreServer(config.master_addr, config.master_port, token=token).start()
+        store = StoreServer(
+            config.master_addr, config.master_port, token=token, world_size=config.nproc,
+            world_from=f"ringcomm run -n {config.nproc} started {config.nproc} ranks",
+        ).start()  # fmt: skip
     except RendezvousError as exc:
         note(f"error: {exc}")
         return 1
     ranks: list[RankProcess] = []
     try:
         with LauncherSignals() as signals:
-            ranks = _start_ranks(config, int(store.port), token)
+            torch_port = _free_port(config.master_addr)
+            ranks = _start_ranks(config, int(store.port), token, torch_port)
             restart = None
             if config.max_restarts > 0:
-                restart = _restarter(config, store, token, ranks)
-            return supervise(ranks, signals, config.grace_s, poll_s, restart=restart)
+                restart = _restarter(config, store, token, ranks, torch_port)
+            return supervise(ranks, signals, config.grace_s, poll_s, restart=restart,
+                             trace_dir=env_trace_dir({**os.environ, **dict(config.env)}))  # fmt: skip
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
         store.close()
 
 
-def _start_rank(config: RunConfig, rank: int, port: int, token: str, restart: int = 0) -> RankProcess:
+def _free_port(addr: str) -> int:
+    """A port free on ``addr`` now (the OS picks it), for torch's rank 0 to listen on."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return int(s.getsockname()[1])
+    except OSError:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+
+def _start_rank(
+    config: RunConfig, rank: int, port: int, token: str, torch_port: int, restart: int = 0
+) -> RankProcess:
     env = dict(os.environ)
-    env.update(rank_env(config, rank, port, token))
+    env.update(rank_env(config, rank, port, token, torch_port))
     if restart:
         env["RINGCOMM_RESTART"] = str(restart)
     popen = start_in_session(rank_command(config), pdeathsig_preexec(), env=env)
@@ -257,7 +287,7 @@ def _start_rank(config: RunConfig, rank: int, port: int, token: str, restart: in
 
 
 def _restarter(
-    config: RunConfig, store: Any, token: str, ranks: list[RankProcess]
+    config: RunConfig, store: Any, token: str, ranks: list[RankProcess], torch_port: int
 ) -> Callable[[RankProcess, int], RankProcess | None]:
     """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
     started again (``RINGCOMM_RESTART`` = how many times), at most K times per slot."""
@@ -272,18 +302,18 @@ def _restarter(
         announce(f"restarting/{failed.rank}", str(n))  # grow(wait=True) waits for it
         note(f"{failed.describe_exit(code)}; starting it again (restart {n} of "
              f"{config.max_restarts})")  # fmt: skip
-        new = _start_rank(config, failed.rank, int(store.port), token, restart=n)
+        new = _start_rank(config, failed.rank, int(store.port), token, torch_port, restart=n)
         ranks.append(new)  # reaped with the others, whatever happens
         return new
 
     return restart
 
 
-def _start_ranks(config: RunConfig, port: int, token: str) -> list[RankProcess]:
+def _start_ranks(config: RunConfig, port: int, token: str, torch_port: int) -> list[RankProcess]:
     ranks: list[RankProcess] = []
     try:
         for rank in range(config.nproc):
-            ranks.append(_start_rank(config, rank, port, token))
+            ranks.append(_start_rank(config, rank, port, token, torch_port))
     except BaseException:
         for r in ranks:
             r.signal_group(signal.SIGKILL)

@@ -68,7 +68,9 @@ def spawn(
     The parent hosts the rendezvous store on 127.0.0.1 (a port chosen by the OS) with a
     fresh random token; each rank joins it with ``init_process_group(rank, world_size,
     host_store=False, timeout_s=timeout_s, ...)``, calls ``fn(pg, *args)``, then closes the
-    group.
+    group. Each rank's environment names the job as ``ringcomm run`` does
+    (``RINGCOMM_RANK``, ``RINGCOMM_MASTER_PORT``...), so ``fn`` may form more groups with
+    ``rc.init_process_group()``, after ``pg.close()`` or beside ``pg``.
 
     Failure: on the first rank that raises, exits non-zero, is killed by a signal or exits
     without a result, every other rank is stopped and one
@@ -103,7 +105,8 @@ def spawn(
     from ringcomm.rendezvous import StoreServer  # lazy: `import ringcomm.launch` stays light
 
     token = secrets.token_hex(32)
-    store = StoreServer(_LOCALHOST, 0, token=token).start()
+    store = StoreServer(_LOCALHOST, 0, token=token, world_size=world_size,
+                        world_from=f"rc.spawn started {world_size} ranks").start()  # fmt: skip
     try:
         entry = _GroupEntry(
             fn=fn,
@@ -136,8 +139,18 @@ class _GroupEntry:
 
         # Every rank of a spawned job runs on this host: its rank is its local rank and
         # the job's size the host's (what RINGCOMM_BIND goes by), as torchrun says them.
-        os.environ["RINGCOMM_LOCAL_RANK"] = str(rank)
-        os.environ["RINGCOMM_LOCAL_WORLD_SIZE"] = str(world_size)
+        # The job's other variables too, as `ringcomm run` sets them: `fn` may form more
+        # groups (rc.init_process_group() after pg.close(), or beside pg) at the same store.
+        os.environ.update(
+            RINGCOMM_RANK=str(rank),
+            RINGCOMM_WORLD_SIZE=str(world_size),
+            RINGCOMM_LOCAL_RANK=str(rank),
+            RINGCOMM_LOCAL_WORLD_SIZE=str(world_size),
+            RINGCOMM_MASTER_ADDR=self.master_addr,
+            RINGCOMM_MASTER_PORT=str(self.master_port),
+            RINGCOMM_STORE_EXTERNAL="1",
+            RINGCOMM_TOKEN=self.token,
+        )
         pg = init_process_group(
             rank,
             world_size,

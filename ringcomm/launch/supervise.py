@@ -9,8 +9,10 @@ itself, or the ssh client that runs it) and then:
   (:class:`LauncherSignals`);
 * waits (:func:`supervise`). The first rank to exit non-zero, or a signal to the launcher,
   stops the others (:func:`stop_ranks`: ``RankProcess.stop``, a grace period, then
-  ``RankProcess.kill``) and sets the launcher's status, DESIGN §6: the failing rank's code,
-  128+N for a rank killed by signal N, 130/143 for the launcher's own SIGINT/SIGTERM;
+  ``RankProcess.kill``) and sets the launcher's status (docs/contracts.md, Exit codes): the failing rank's code,
+  128+N for a rank killed by signal N, 130/143 for the launcher's own SIGINT/SIGTERM.
+  With a trace directory (``RINGCOMM_TRACE_DIR``) it first asks the others for their
+  flight records (:func:`ask_for_traces`: SIGUSR1), so a straggler's is there too;
 * never leaves a process behind (:func:`reap`), even when the launcher is SIGKILLed
   (:func:`pdeathsig_preexec`).
 
@@ -41,9 +43,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_GRACE_S",
     "PROG",
+    "TRACE_WAIT_S",
     "LauncherSignals",
     "LineCopier",
     "RankProcess",
+    "ask_for_traces",
     "copy_output",
     "describe_exit",
     "exit_status",
@@ -61,6 +65,8 @@ __all__ = [
 
 #: Seconds a rank gets between the request to stop and SIGKILL.
 DEFAULT_GRACE_S = 3.0
+#: Longest the launcher waits for the flight records it asked for before stopping ranks.
+TRACE_WAIT_S = 2.0
 #: How the launcher names itself in its notes and errors.
 PROG = "ringcomm run"
 # Whole lines to our stdout/stderr: ranks' output copiers and the launcher's own notes.
@@ -301,16 +307,19 @@ def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, s
 def supervise(
     ranks: Sequence[RankProcess], signals: LauncherSignals, grace_s: float, poll_s: float = 0.05,
     restart: Callable[[RankProcess, int], RankProcess | None] | None = None,
+    trace_dir: str | None = None,
 ) -> int:  # fmt: skip
     """Wait for all ranks; on the first failure or signal stop the rest. Return the status:
     0, the first failing rank's (:func:`exit_status`), or 128+N for the launcher's signal N.
     ``restart(rank, code)``: for a rank that failed, its replacement (started), or None
-    to stop the job as without it."""
+    to stop the job as without it. ``trace_dir``: the ranks' ``RINGCOMM_TRACE_DIR``, where
+    :func:`ask_for_traces` waits for their records before they are stopped."""
     running = {r.rank: r for r in ranks}
     while running:
         if signals.received:
             sig = signals.received[0]
             note(f"got {signal.Signals(sig).name}; stopping all ranks")
+            ask_for_traces(ranks, trace_dir)
             stop_ranks(ranks, sig, grace_s, signals)
             return 128 + sig
         for rank, r in list(running.items()):
@@ -328,6 +337,7 @@ def supervise(
                     note(f"{how}; stopping the other ranks")
                 else:
                     note(how)
+                ask_for_traces(ranks, trace_dir)
                 stop_ranks(ranks, signal.SIGTERM, grace_s, signals)
                 return exit_status(code)
         if running:
@@ -343,6 +353,38 @@ def wait_for_exits(ranks: Sequence[RankProcess], timeout_s: float) -> None:
         time.sleep(timeout_s)
         return
     select.select(fds, [], [], timeout_s)
+
+
+def ask_for_traces(
+    ranks: Sequence[RankProcess], trace_dir: str | None, wait_s: float = TRACE_WAIT_S
+) -> list[int]:
+    """With a trace directory: SIGUSR1 to every rank still running (its group's handler
+    writes its flight record there, ringcomm.flight), then wait until each has written
+    ``rank<N>.json`` since, at most ``wait_s``. The ranks that wrote one."""
+    if not trace_dir or not hasattr(signal, "SIGUSR1"):
+        return []
+    asked = [r for r in ranks if r.popen.poll() is None]
+    since = time.time()
+    for r in asked:
+        try:
+            os.kill(r.popen.pid, signal.SIGUSR1)  # the rank itself, not its whole session
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + wait_s
+    wrote: list[int] = []
+    while True:
+        wrote = [r.rank for r in asked if _written_since(trace_dir, r.rank, since)]
+        pending = [r for r in asked if r.rank not in wrote and r.popen.poll() is None]
+        if not pending or time.monotonic() >= deadline:
+            return wrote
+        time.sleep(0.02)  # polling the files (no other signal that a rank wrote one)
+
+
+def _written_since(trace_dir: str, rank: int, since: float) -> bool:
+    try:
+        return os.stat(os.path.join(trace_dir, f"rank{rank}.json")).st_mtime >= since - 0.01
+    except OSError:
+        return False
 
 
 def stop_ranks(

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any
 
-from ringcomm.config import UsageError, default_of, env_token, ps_log_level
+from ringcomm.config import UsageError, check_output_path, default_of, env_token, ps_log_level
 
 __all__ = ["add_parser", "config_from_args", "main"]
 
@@ -81,21 +81,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.0, help="sgd momentum (default 0)")
     p.add_argument("--checkpoint-dir", default=PSConfig.checkpoint_dir, metavar="DIR")
     p.add_argument(
+        "--checkpoint-interval",
         "--checkpoint-every",
+        dest="checkpoint_every",
         type=int,
         default=PSConfig.checkpoint_every_steps,
         metavar="STEPS",
-        help="checkpoint each time the slowest worker passes another STEPS steps",
+        help="checkpoint each time the slowest worker passes another STEPS steps (as train's; "
+        "--checkpoint-every: the old name)",
     )
     p.add_argument(
+        "--timeout-s",
         "--timeout",
+        dest="timeout",
         type=float,
         default=PSConfig.timeout_s,
         metavar="S",
-        help="deadline of every wait",
+        help="deadline of every wait (--timeout: the old name)",
     )
     p.add_argument(
+        "--join-timeout-s",
         "--join-timeout",
+        dest="join_timeout",
         type=float,
         default=20.0,
         metavar="S",
@@ -117,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     :class:`UsageError` (for a bad ``--index`` too)."""
     from .config import PSConfig
 
+    check_output_path(args.checkpoint_dir, "--checkpoint-dir", directory=True)
     opt: dict[str, Any] = {"lr": args.lr}
     if args.optimizer == "sgd":
         opt["momentum"] = args.momentum

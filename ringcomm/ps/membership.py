@@ -172,6 +172,7 @@ class Membership:
             token=self.token,
             host_store=False,
             env=env,
+            group_name=f"ps-epoch-{epoch}",  # its own store: no process-wide count
         )
 
     def _watch(self, group: Any, epoch: int, stop: threading.Event) -> None:

@@ -4,6 +4,7 @@
 ``set/get/try_get/add/wait/delete/check/compare_set`` and ``prefixed()`` namespaces.
 """
 
+from ringcomm.rendezvous.join import JoinRefusedError, JoinRequest
 from ringcomm.rendezvous.store import DEFAULT_STORE_TIMEOUT_S, Store, StoreServer
 
-__all__ = ["DEFAULT_STORE_TIMEOUT_S", "Store", "StoreServer"]
+__all__ = ["DEFAULT_STORE_TIMEOUT_S", "JoinRefusedError", "JoinRequest", "Store", "StoreServer"]

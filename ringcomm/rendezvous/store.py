@@ -18,12 +18,14 @@ wrong or missing one with an auth error only.
 
 Request bodies (msgpack maps, see :mod:`ringcomm.transport.rpc`)::
 
-    {"op": "ping"|"set"|"get"|"try_get"|"add"|"wait"|"delete"|"check"|"compare_set",
+    {"op": "ping"|"set"|"get"|"try_get"|"add"|"wait"|"delete"|"check"|"compare_set"|"join",
      "token": str (when the job has one), "key": str | "keys": [str], "value": bytes,
      "delta": int, "expected": bytes|None, "desired": bytes, "timeout_s": float}
 
 Replies: ``{"status": "ok", ...}``, ``{"status": "timeout", "missing": [str]}``,
-``{"status": "auth"}``, ``{"status": "value_error" | "error", "message": str}``.
+``{"status": "auth"}``, ``{"status": "value_error" | "error", "message": str}``,
+``{"status": "refused", "message": str}`` (a failed group: :mod:`ringcomm.rendezvous.join`),
+``{"status": "not_yet"}`` (a join this store cannot admit yet).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ringcomm.errors import AuthenticationError, CommTimeoutError, RendezvousError
+from ringcomm.rendezvous.join import Formations, JoinRefusedError, JoinRequest
 from ringcomm.transport.rpc import (
     RpcCall,
     RpcClient,
@@ -112,7 +115,16 @@ class StoreServer:
     All state lives on the server thread, so it needs no locks.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        world_size: int | None = None,
+        world_from: str = "the launcher",
+        gated: bool = False,
+    ) -> None:
         self.host = host
         self.rejected = 0
         self.bad_requests = 0
@@ -121,6 +133,8 @@ class StoreServer:
         self._waiters: dict[int, _Waiter] = {}
         self._waiters_by_key: dict[str, set[int]] = {}
         self._waiter_ids = itertools.count()
+        # Groups joining here (join.py): ``world_size``, a launcher's rank count, binds all.
+        self._formations = Formations(world_size, world_from, gated)
         self._ops = {
             "ping": self._op_ping,
             "set": self._op_set,
@@ -131,6 +145,7 @@ class StoreServer:
             "delete": self._op_delete,
             "check": self._op_check,
             "compare_set": self._op_compare_set,
+            "join": self._op_join,
         }
         try:
             self._rpc = RpcServer(self._handle, host, port, name="ringcomm-store-server")
@@ -224,17 +239,24 @@ class StoreServer:
             self._waiters_by_key.setdefault(k, set()).add(waiter_id)
         self._rpc.call_later(timeout_s, lambda: self._expire(waiter_id))
 
-    def _expire(self, waiter_id: int) -> None:
-        """A parked waiter's deadline: forget it and answer with the keys still missing."""
+    def _unpark(self, waiter_id: int) -> _Waiter | None:
+        """Forget a parked waiter (None: answered already)."""
         waiter = self._waiters.pop(waiter_id, None)
         if waiter is None:
-            return  # answered already
+            return None
         for k in waiter.missing:
             ids = self._waiters_by_key.get(k)
             if ids is not None:
                 ids.discard(waiter_id)
                 if not ids:
                     del self._waiters_by_key[k]
+        return waiter
+
+    def _expire(self, waiter_id: int) -> None:
+        """A parked waiter's deadline: forget it and answer with the keys still missing."""
+        waiter = self._unpark(waiter_id)
+        if waiter is None:
+            return  # answered already
         self._rpc.reply(waiter.call, {"status": "timeout", "missing": sorted(waiter.missing)})
 
     def _op_ping(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +271,8 @@ class StoreServer:
         timeout_s = _timeout_field(body)
         if key in self._data:
             return {"status": "ok", "value": self._data[key]}
+        if (refused := self._formations.failure([key])) is not None:
+            return {"status": "refused", "message": refused}
         self._park(call, "get", [key], timeout_s)
         return None
 
@@ -270,6 +294,8 @@ class StoreServer:
         timeout_s = _timeout_field(body)
         if all(k in self._data for k in keys):
             return {"status": "ok"}
+        if (refused := self._formations.failure(keys)) is not None:
+            return {"status": "refused", "message": refused}
         self._park(call, "wait", keys, timeout_s)
         return None
 
@@ -300,6 +326,27 @@ class StoreServer:
             self._store(key, desired)
             return {"status": "ok", "value": desired}
         return {"status": "ok", "value": current}
+
+
+    def _op_join(self, call: RpcCall, body: dict[str, Any]) -> dict[str, Any] | None:
+        req = JoinRequest.from_body(body)
+        if req is None:
+            raise _BadRequest("join: fields ns, rank, world_size, version, who, nonce")
+        if not self._formations.admits(req):
+            return {"status": "not_yet"}
+        refused = self._formations.join(req)
+        if refused is None:
+            return {"status": "ok"}
+        self._rpc.reply(call, {"status": "refused", "message": refused})  # (before the others)
+        self._refuse_waiters()
+        return None
+
+    def _refuse_waiters(self) -> None:
+        """Answer every parked waiter of a failed namespace with its error."""
+        for waiter_id, waiter in list(self._waiters.items()):
+            refused = self._formations.failure(waiter.keys)
+            if refused is not None and self._unpark(waiter_id) is not None:
+                self._rpc.reply(waiter.call, {"status": "refused", "message": refused})
 
 
 class _Connection:
@@ -467,6 +514,31 @@ class Store:
             return
         self._request("wait", {"keys": full, "timeout_s": wait_s}, wait_s, wait=True)
 
+    def wait_missing(self, keys: Sequence[str], timeout_s: float | None = None) -> list[str]:
+        """:meth:`wait`, but at the deadline return the keys still missing (as given)
+        instead of raising; ``[]`` once every key exists."""
+        wait_s = self._wait_timeout(timeout_s)
+        full = self._keys(keys)
+        if not full:
+            return []
+        reply = self._request(
+            "wait", {"keys": full, "timeout_s": wait_s}, wait_s, wait=True, timeout_ok=True
+        )
+        if reply.get("status") == "ok":
+            return []
+        missing = set(reply.get("missing") or ())
+        return [k for k, f in zip(keys, full, strict=True) if f in missing]
+
+    def join(self, request: JoinRequest) -> bool:
+        """Join the group instance ``request.ns`` (under this store's prefix): the store's
+        host checks world size, rank and version against the group's
+        (:mod:`ringcomm.rendezvous.join`) and raises :class:`RendezvousError` naming both
+        values when they disagree; so does every rank of that group waiting in the store.
+        False: this store does not serve that group (yet): its host has not opened it."""
+        body = request.to_body()
+        body["ns"] = self._key(request.ns)
+        return self._request("join", body, self._timeout_s).get("status") == "ok"
+
     def delete(self, key: str) -> bool:
         """Remove ``key``; True when it existed."""
         reply = self._request("delete", {"key": self._key(key)}, self._timeout_s)
@@ -514,8 +586,10 @@ class Store:
         *,
         wait: bool = False,
         first_contact: bool = False,
+        timeout_ok: bool = False,
     ) -> dict[str, Any]:
-        """Send one op; map every failure to a public error naming label, op and key(s)."""
+        """Send one op; map every failure to a public error naming label, op and key(s)
+        (``timeout_ok``: a timeout reply is returned, not raised)."""
         conn = self._conn
         what = _describe(op, fields)
         if self._closed:
@@ -547,7 +621,7 @@ class Store:
         except RpcRemoteError as exc:
             raise RendezvousError(f"{conn.label}, {what}: {exc}") from exc
         status = reply.get("status")
-        if status == "ok":
+        if status in ("ok", "not_yet"):
             return reply
         if status == "auth":
             given = "no token was given" if conn.token is None else "the token is wrong"
@@ -555,6 +629,12 @@ class Store:
                 f"{conn.label}, {what}: the store at {conn.address} refused this process "
                 f"({given}); every rank must use the job's token (token= or RINGCOMM_TOKEN)"
             )
+        if status == "refused":
+            raise JoinRefusedError(
+                f"{conn.label}: the group's rendezvous failed: {reply.get('message')}"
+            )
+        if status == "timeout" and timeout_ok:
+            return reply
         if status == "timeout":
             missing = reply.get("missing")
             raise CommTimeoutError(

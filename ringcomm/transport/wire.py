@@ -62,7 +62,7 @@ KIND_COLL = 2
 KIND_CTRL = 3
 KIND_NAMES = {KIND_P2P: "p2p", KIND_COLL: "collective", KIND_CTRL: "control"}
 
-#: The dtypes DESIGN.md §1 promises, in native byte order.
+#: The dtypes the Python API promises (docs/contracts.md), in native byte order.
 SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(
     np.dtype(t)
     for t in (
