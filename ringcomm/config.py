@@ -59,6 +59,9 @@ from ringcomm.errors import RendezvousError
 __all__ = [
     "BIND_MODES",
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_IPC_SMALL_BYTES",
+    "DEFAULT_IPC_WINDOW_BYTES",
+    "DEFAULT_MPS_PIPE_DIRECTORY",
     "DEFAULT_PS_LOG_LEVEL",
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
@@ -76,8 +79,11 @@ __all__ = [
     "env_token",
     "environ_changed",
     "format_size",
+    "ipc_small_bytes",
+    "ipc_window_bytes",
     "mpirun_job_id",
     "mpirun_master_port",
+    "mps_pipe_directory",
     "parse_size",
     "parse_slurm_nodelist",
     "ps_log_level",
@@ -98,6 +104,14 @@ BIND_MODES = ("auto", "none", "core")
 TRANSPORT_MODES = ("auto", "ipc", "tcp")
 #: Most pinned bytes one staging pool keeps, without RINGCOMM_STAGING_MAX_BYTES.
 DEFAULT_STAGING_MAX_BYTES = 1 << 30
+#: Bytes of each of the two buffers of a rank's device window (ringcomm.collectives.ipc),
+#: without RINGCOMM_IPC_WINDOW_BYTES: a round of a large device collective.
+DEFAULT_IPC_WINDOW_BYTES = 64 << 20
+#: Device collectives up to this many bytes go through the host (a pinned copy), without
+#: RINGCOMM_IPC_SMALL_BYTES.
+DEFAULT_IPC_SMALL_BYTES = 16 << 10
+#: Where the CUDA MPS daemon's pipes are when CUDA_MPS_PIPE_DIRECTORY is unset.
+DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 #: RINGCOMM_PS_LOG values (logging's level names, any case) and the default.
 PS_LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
 DEFAULT_PS_LOG_LEVEL = "WARNING"
@@ -520,6 +534,39 @@ def staging_max_bytes(env: Mapping[str, str] | None = None) -> int:
         return parse_size(str(found.value))
     except ValueError as exc:
         raise ValueError(f"{found.describe()}: {exc}") from None
+
+
+def _size_setting(env: Mapping[str, str] | None, name: str, default: int, least: int) -> int:
+    found = _env_setting(_environ(env), name)
+    if found is None:
+        return default
+    try:
+        value = parse_size(str(found.value))
+    except ValueError as exc:
+        raise ValueError(f"{found.describe()}: {exc}") from None
+    if value < least:
+        raise ValueError(f"{found.describe()}: must be at least {least} bytes")
+    return value
+
+
+def ipc_window_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``RINGCOMM_IPC_WINDOW_BYTES``: bytes of each of the two buffers of a rank's device
+    window (K/M/G suffixes; at least 256): a round of a large device collective;
+    :data:`DEFAULT_IPC_WINDOW_BYTES` (64 MiB) when unset. Tests set it small to force many
+    rounds."""
+    return _size_setting(env, "RINGCOMM_IPC_WINDOW_BYTES", DEFAULT_IPC_WINDOW_BYTES, 256)
+
+
+def ipc_small_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``RINGCOMM_IPC_SMALL_BYTES``: device collectives up to this many bytes go through
+    the host (K/M/G suffixes; 0: never); :data:`DEFAULT_IPC_SMALL_BYTES` when unset."""
+    return _size_setting(env, "RINGCOMM_IPC_SMALL_BYTES", DEFAULT_IPC_SMALL_BYTES, 0)
+
+
+def mps_pipe_directory(env: Mapping[str, str] | None = None) -> str:
+    """Where the CUDA MPS daemon's pipes are: ``CUDA_MPS_PIPE_DIRECTORY`` (what CUDA and
+    ``nvidia-cuda-mps-control`` read), else :data:`DEFAULT_MPS_PIPE_DIRECTORY`."""
+    return _environ(env).get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIRECTORY
 
 
 def ps_log_level(env: Mapping[str, str] | None = None) -> str:

@@ -427,9 +427,11 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
         """Reduction of ``x`` over the group, in place on ``dst``."""
-        return _collectives.reduce(self.core, x, dst, op, async_op, timeout_s=timeout_s)
+        return _collectives.reduce(self.core, x, dst, op, async_op, timeout_s=timeout_s,
+                                   algo=_flat(algo))  # fmt: skip
 
     def gather(
         self,
@@ -439,9 +441,11 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
         """``(world_size, *x.shape)`` on ``dst``, None elsewhere."""
-        return _collectives.gather(self.core, x, dst, out, async_op, timeout_s=timeout_s)
+        return _collectives.gather(self.core, x, dst, out, async_op, timeout_s=timeout_s,
+                                   algo=_flat(algo))  # fmt: skip
 
     def scatter(
         self,
@@ -451,15 +455,20 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
-        """Row ``x[rank]`` of ``src``'s ``x`` on every rank (``x`` may be None off ``src``)."""
-        return _collectives.scatter(self.core, x, src, out, async_op, timeout_s=timeout_s)
+        """Row ``x[rank]`` of ``src``'s ``x`` on every rank (``x`` may be None off ``src``;
+        device arrays with ``algo="ipc"``: a device array on every rank)."""
+        return _collectives.scatter(self.core, x, src, out, async_op, timeout_s=timeout_s,
+                                    algo=_flat(algo))  # fmt: skip
 
     def all_to_all(
-        self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
-    ) -> Any:
+        self, x: Any, out: Any = None, async_op: bool = False, *,
+        timeout_s: float | None = None, algo: str | None = None,
+    ) -> Any:  # fmt: skip
         """``out[j]`` is rank ``j``'s ``x[rank]``."""
-        return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s)
+        return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s,
+                                       algo=_flat(algo))  # fmt: skip
 
     # Uneven collectives: rows of different counts per rank (README "Uneven collectives").
     def all_gather_v(

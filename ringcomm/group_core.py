@@ -307,6 +307,8 @@ class GroupCore:
         #: The choices of the cost model for this group's world shape
         #: (ringcomm.collectives.choice.ModelChooser, made at its first call), if any.
         self.chooser: Any = None
+        #: The algorithm of this group's latest collective (``ringcomm bench``'s "algo").
+        self.last_algo = ""
         #: A sub-group that may have a workspace sets it up at its first collective
         #: (every member is in that call; ``new_group`` itself stays local).
         self.workspace_pending = False
