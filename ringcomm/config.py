@@ -79,6 +79,7 @@ __all__ = [
     "env_token",
     "environ_changed",
     "format_size",
+    "ipc_enabled",
     "ipc_small_bytes",
     "ipc_window_bytes",
     "mpirun_job_id",
@@ -547,6 +548,14 @@ def _size_setting(env: Mapping[str, str] | None, name: str, default: int, least:
     if value < least:
         raise ValueError(f"{found.describe()}: must be at least {least} bytes")
     return value
+
+
+def ipc_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``RINGCOMM_IPC``: whether device arrays on a group of one host use device windows
+    (``algo="ipc"``, the default); ``0`` sends them through host staging as across hosts
+    (what ``--device host-staged`` measures and trains with)."""
+    found = _env_setting(_environ(env), "RINGCOMM_IPC")
+    return True if found is None else _parse_bool(found)
 
 
 def ipc_window_bytes(env: Mapping[str, str] | None = None) -> int:

@@ -35,6 +35,7 @@ from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init
 from .costmodel import ALGORITHMS as MODEL_ALGORITHMS
 from .costmodel import CostModel, load_tune_file
 from .device.p2p import recv_op_class, send_op_class
+from .device.xp import select_device
 from .elastic import (
     SHRINK_SLICE_S,
     agree_survivors,
@@ -1123,6 +1124,7 @@ def _form(
             raise RendezvousError(f"{label}: {exc}") from exc
         if binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0))):
             _bind_to_core(cfg.local_rank)
+        select_device(cfg.local_rank)  # with CuPy: GPU LOCAL_RANK % GPUs, unless chosen
         if cfg.log_debug:
             _enable_debug_log()
         progress = Progress(

@@ -620,3 +620,67 @@ def test_survivors_shrink_and_reopen_each_others_windows(tmp_path: Path) -> None
         # 3 peers' windows opened in the old group, 2 in the new one; every old one closed
         assert rep["opens"] == 3 + 2 and rep["open_now"] == 2, rep
         assert rep["closes"] == 3, rep
+
+
+# --------------------------------------------------------------------------- the bench
+def _bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from ringcomm.cli import main
+
+    code = main(["bench", *argv])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                "all_to_all", "sendrecv"])  # fmt: skip
+def test_bench_standin_rows_take_ipc_and_say_so(
+    op: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device standin``: rows ``ringcomm-standin`` through ``ipc`` (the algorithm a
+    CuPy array takes), ``host-staged`` through staging; every row has ``algo``."""
+    out_json = tmp_path / "rows.json"
+    code, out = _bench([op, "-n", "2", "-b", "8", "-e", "256K", "-f", "16", "--iters", "2",
+                        "--warmup", "1", "--check", "-q", "--device", "standin,host-staged,host",
+                        "--json", str(out_json)], capsys)  # fmt: skip
+    assert code == 0, out
+    rows = [json.loads(line) for line in out_json.read_text().splitlines()]
+    by_impl: dict[str, set[str]] = {}
+    for row in rows:
+        assert row["errors"] == 0, row
+        by_impl.setdefault(row["impl"], set()).add(row["algo"])
+    assert set(by_impl) == {"ringcomm-standin", "ringcomm-staged", "ringcomm"}
+    if op == "sendrecv":
+        assert by_impl["ringcomm-standin"] == {"p2p"}
+    else:
+        assert by_impl["ringcomm-standin"] == {"ipc"}, by_impl
+        assert "ipc" not in by_impl["ringcomm-staged"] and by_impl["ringcomm"] == {"shm"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.needs_torch
+def test_bench_compare_gloo_rows_say_their_algo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "rows.json"
+    code, out = _bench(["all_reduce", "-n", "2", "-b", "8", "-e", "4K", "-f", "8", "--iters",
+                        "2", "--warmup", "1", "--check", "-q", "--device", "standin",
+                        "--compare", "gloo", "--json", str(out_json)], capsys)  # fmt: skip
+    assert code == 0, out
+    rows = [json.loads(line) for line in out_json.read_text().splitlines()]
+    assert {(r["impl"], r["algo"]) for r in rows} == {("ringcomm-standin", "ipc"), ("gloo", "gloo")}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.needs_torch
+def test_bench_compare_nccl_without_gpus_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs for NCCL")
+    from ringcomm.cli import main
+
+    code = main(["bench", "all_reduce", "-n", "2", "--compare", "nccl"])
+    err = capsys.readouterr().err
+    assert code == 2 and "nccl" in err.lower(), err

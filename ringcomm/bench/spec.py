@@ -59,17 +59,20 @@ GLOO_DTYPES = frozenset(
     {"bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
 )
 #: Implementations a row can come from (the JSON ``impl`` key).
-IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-staged")
+IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-staged",
+                          "ringcomm-standin", "gloo-cuda", "nccl")  # fmt: skip
 #: Where ``--device`` puts ringcomm's buffers: NumPy arrays (``host``), CuPy arrays on the
-#: current GPU (``cuda``), or the host stand-in for CuPy arrays (``host-staged``: NumPy
-#: memory through the same staging path as CuPy, to test and measure it without a GPU).
-DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "symmetric", "copy")
+#: rank's GPU (``cuda``), or the host stand-in for CuPy arrays: ``standin`` (through exactly
+#: the algorithm a CuPy array takes: device windows on one host), ``host-staged`` (through
+#: host staging, as CuPy across hosts), to test and measure them without a GPU.
+DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "standin", "symmetric", "copy")
 
 
 def device_impl(device: str) -> str:
     """The ``impl`` name of ringcomm's rows on ``device`` (host: plain ``ringcomm``)."""
     return {"host": "ringcomm", "cuda": "ringcomm-cuda", "host-staged": "ringcomm-staged",
-            "symmetric": "ringcomm-symmetric", "copy": "numpy-copyto"}[device]  # fmt: skip
+            "standin": "ringcomm-standin", "symmetric": "ringcomm-symmetric",
+            "copy": "numpy-copyto"}[device]  # fmt: skip
 
 
 def busbw_factor(op: str, world_size: int) -> float:
@@ -126,7 +129,7 @@ class BenchConfig:
     redop: str = "sum"
     root: int = 0
     check: bool = False
-    compare: str | None = None  # None | "gloo" | "mpi"
+    compare: str | None = None  # None | "gloo" | "mpi" | "nccl"
     rounds: int = 1  # alternations A B A B per size (pooled)
     timeout_s: float = 1800.0  # the whole job
     op_timeout_s: float = 120.0  # one collective call
@@ -138,9 +141,18 @@ class BenchConfig:
     multihost: bool = False  # ranks on several hosts (--hostfile/-H): Gloo's store at MASTER_ADDR
 
     @property
+    def peer_impl(self) -> str | None:
+        """The ``impl`` of the peer's rows: ``gloo`` (CPU tensors), ``gloo-cuda`` (CUDA
+        tensors: with ``--device cuda``), ``mpi``, ``nccl``; None without ``--compare``."""
+        if self.compare == "gloo" and "cuda" in self.devices:
+            return "gloo-cuda"
+        return self.compare
+
+    @property
     def impls(self) -> tuple[str, ...]:
         ours = tuple(device_impl(d) for d in self.devices)
-        return ours if self.compare is None else (*ours, self.compare)
+        peer = self.peer_impl
+        return ours if peer is None else (*ours, peer)
 
     def sizes(self) -> list[SizeSpec]:
         return plan_sizes(self)

@@ -369,11 +369,13 @@ def _pick(
 ) -> str:
     """The algorithm of a call (``choose_algorithm``; ``host``: its arrays are NumPy's)."""
     if requested is None and group.workspace is not None and not group.config.algo:
-        # the common case on one host, without the general rule
-        return WORKSPACE_ALGO if host else IPC_ALGO
+        if host:  # the common case on one host, without the general rule
+            return WORKSPACE_ALGO
+        if group.device_windows:
+            return IPC_ALGO
     same_host = group.workspace is not None or group.workspace_pending
     local = host and same_host
-    device = not host and same_host
+    device = not host and same_host and group.device_windows
     try:
         if group.state.costmodel is None:
             return choose_algorithm(collective, requested, _env_algo(group), nbytes,
@@ -659,8 +661,8 @@ def scatter(
         out = _empty(x, shape[1:])
     host = (x is None or type(x) is np.ndarray) and (out is None or type(out) is np.ndarray)
     same_host = group.workspace is not None or group.workspace_pending
-    if same_host and (algo == IPC_ALGO or (algo is None and _env_algo(group) == IPC_ALGO
-                                           and not host)):  # fmt: skip
+    env_ipc = algo is None and _env_algo(group) == IPC_ALGO and group.device_windows
+    if same_host and (algo == IPC_ALGO or (env_ipc and not host)):
         if host or (x is None and out is None):
             raise ValueError(
                 f"{what}: algo {IPC_ALGO!r} needs a device array on every rank (x on src, "
@@ -772,6 +774,7 @@ def _pick_v(group: GroupCore, collective: str, nbytes: int, what: str, x: Any = 
     device = (
         type(x) is not np.ndarray
         and x is not None
+        and group.device_windows
         and (group.workspace is not None or group.workspace_pending)
     )
     try:

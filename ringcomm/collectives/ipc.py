@@ -645,12 +645,15 @@ class IpcCollectives:
             hout = pinned[xin : xin + nout].view(out.dtype).reshape(out.shape)
         host_call = call._replace(x=hx, out=hout)
         self.calls.run_host(job, host_call)
+        result = x
         if out is not None and hout is not None:
             dev.h2d(stream, out, hout)
-            return out
-        if call.name == "all_reduce" or (call.name == "broadcast" and not sends):
+            result = out
+        elif call.name == "all_reduce" or (call.name == "broadcast" and not sends):
             dev.h2d(stream, x, hx)
-        return x
+        if dev.host_reads:
+            dev.complete(stream, watch)
+        return result
 
 
 class _Shape:

@@ -187,6 +187,10 @@ class IpcDevice:
 
     kind = "device"
     identity = ""
+    #: Whether the host reads this device's arrays without a stream (the stand-in: its
+    #: "device memory" is host memory that code may read directly): then every call
+    #: finishes its stream's work before it returns.
+    host_reads = False
 
     def __init__(self) -> None:
         self.cache = HandleCache(self._open_mapping, self._close_mapping)
@@ -335,6 +339,7 @@ class StandinIpcDevice(IpcDevice):
 
     kind = "standin"
     identity = "standin"
+    host_reads = True
 
     def __init__(self, backend: HostStandinBackend) -> None:
         super().__init__()

@@ -55,7 +55,10 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             raise ValueError(f"strategy single runs on one process; got -n {cfg.world_size}")
         return [train_rank(None, cfg)]
     # (one thread pool per rank: ranks share the cores; a value the user set stays)
-    with environ_changed({k: os.environ.get(k, "1") for k in _THREAD_VARS}):
+    env: dict[str, str | None] = {k: os.environ.get(k, "1") for k in _THREAD_VARS}
+    if cfg.device == "host-staged":  # the staging path, not the device windows (ipc)
+        env["RINGCOMM_IPC"] = "0"
+    with environ_changed(env):
         return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s,
                           elastic=cfg.elastic, max_restarts=cfg.max_restarts))  # fmt: skip
 
