@@ -291,8 +291,10 @@ class ProcessGroup:
         group per local rank) unless ``algo`` (or ``RINGCOMM_ALGO``) names a flat
         algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
         if async_op is False and self._hierarchical(x, op, algo):
-            return self._hier().all_reduce(x, parse_op(op), timeout_s,
-                                           self._hier_segment("all_reduce", x.nbytes))  # fmt: skip
+            result = self._hier().all_reduce(x, parse_op(op), timeout_s,
+                                             self._hier_segment("all_reduce", x.nbytes))  # fmt: skip
+            self.core.last_algo = HIER_ALGO  # (after: its leftover may go flat)
+            return result
         return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s,
                                        algo=_flat(algo))  # fmt: skip
 
@@ -373,9 +375,11 @@ class ProcessGroup:
             if not (rop is ReduceOp.AVG and x.dtype.kind in "iu") and self._model_hier(
                 "reduce_scatter", algo, x.nbytes
             ):  # (integer means: flat)
-                return self._hier().reduce_scatter(
+                result = self._hier().reduce_scatter(
                     x, out, rop, timeout_s, self._hier_segment("reduce_scatter", x.nbytes)
                 )
+                self.core.last_algo = HIER_ALGO
+                return result
         return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s,
                                            algo=_flat(algo))  # fmt: skip
 
@@ -395,9 +399,11 @@ class ProcessGroup:
         if async_op is False and self._hier_fits("all_gather", algo):
             x, out = _collectives.check_all_gather(self.core, x, out)
             if self._model_hier("all_gather", algo, x.nbytes):
-                return self._hier().all_gather(
+                result = self._hier().all_gather(
                     x, out, timeout_s, self._hier_segment("all_gather", x.nbytes)
                 )
+                self.core.last_algo = HIER_ALGO
+                return result
         return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s,
                                        algo=_flat(algo))  # fmt: skip
 
@@ -416,7 +422,9 @@ class ProcessGroup:
         ``"tree"`` or ``"chain"``)."""
         if async_op is False and self._hier_fits("broadcast", algo):
             x, src = _collectives.check_broadcast(self.core, x, src)
-            return self._hier().broadcast(x, src, timeout_s)
+            result = self._hier().broadcast(x, src, timeout_s)
+            self.core.last_algo = HIER_ALGO
+            return result
         return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s,
                                       algo=_flat(algo))  # fmt: skip
 
@@ -525,6 +533,7 @@ class ProcessGroup:
         or ``"dissemination"``)."""
         if async_op is False and self._hier_fits("barrier", algo):
             self._hier().barrier(timeout_s)
+            self.core.last_algo = HIER_ALGO
             return None
         return _collectives.barrier(self.core, async_op, timeout_s=timeout_s, algo=_flat(algo))
 

@@ -44,7 +44,6 @@ from ringcomm.device.ipc import (
     StandinIpcDevice,
     ipc_device_for,
 )
-from ringcomm.device.staging import HostStandinBackend
 from ringcomm.device.standin import StandinArray, standin_array
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ipc_fail.py"
@@ -89,7 +88,7 @@ def test_handle_cache_opens_once_per_handle_and_counts_references() -> None:
 def test_standin_windows_sit_at_an_offset_and_peers_map_them() -> None:
     """A window is exported as handle + offset; a mapping through the handle sees the
     window at that offset (the guard bytes before it, not the data, at offset 0)."""
-    dev = StandinIpcDevice(HostStandinBackend(1 << 20))
+    dev = StandinIpcDevice()
     win = dev.alloc_window(1000)
     assert win.offset == STANDIN_GUARD_BYTES and win.size == STANDIN_GUARD_BYTES + 1000
     win.buf._host[:] = np.arange(1000) % 251
@@ -112,8 +111,8 @@ def test_standin_event_wait_orders_two_streams() -> None:
     stream runs meanwhile, as another process's GPU work would); without the wait, the
     stale bytes."""
     a, b = (
-        StandinIpcDevice(HostStandinBackend(1 << 20)),
-        StandinIpcDevice(HostStandinBackend(1 << 20)),
+        StandinIpcDevice(),
+        StandinIpcDevice(),
     )
     sa, sb = a.caller_stream(), b.caller_stream()
     win = a.alloc_window(64)
@@ -138,10 +137,10 @@ def test_standin_event_wait_orders_two_streams() -> None:
 def test_a_stand_in_event_wait_gives_up_through_its_watch() -> None:
     """A peer's event recorded but never run (its process stalled): the wait spins and
     asks its watch, which gives up (the collectives' watch: deadline, dead peers)."""
-    a = StandinIpcDevice(HostStandinBackend(1 << 20))
+    a = StandinIpcDevice()
     ev, handle = a.new_event()
     a.record(a.caller_stream(), ev)  # recorded, never run
-    b = StandinIpcDevice(HostStandinBackend(1 << 20))
+    b = StandinIpcDevice()
     sb = b.caller_stream()
     stop = time.monotonic() + 0.2
     looks = []
@@ -684,3 +683,23 @@ def test_bench_compare_nccl_without_gpus_is_a_usage_error(
     code = main(["bench", "all_reduce", "-n", "2", "--compare", "nccl"])
     err = capsys.readouterr().err
     assert code == 2 and "nccl" in err.lower(), err
+
+
+# --------------------------------------------------------------------------- across hosts
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hosts", ["0,0,1,1", "0,0,0,1,1"])
+def test_device_arrays_across_pretend_hosts_use_windows_inside_each(hosts: str) -> None:
+    """Stand-in arrays on a group spanning (pretend) hosts: hierarchical, with the device
+    windows inside each host and host staging only across (tests/scripts/ipc_hier.py)."""
+    repo = Path(__file__).resolve().parents[1]
+    script = repo / "tests" / "scripts" / "ipc_hier.py"
+    n = len(hosts.split(","))
+    out = subprocess.run(
+        [sys.executable, "-m", "ringcomm", "run", "-n", str(n), str(script), hosts],
+        check=False, capture_output=True, text=True, timeout=280, cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "BAD" not in out.stdout
+    algos = [line for line in out.stdout.splitlines() if "local algos:" in line]
+    assert len(algos) == n and all("ipc" in line for line in algos), algos

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
 from ..transport.workspace import open_segment
-from .staging import HostStandinBackend, backend_for
+from .staging import LazyStream
 from .standin import StandinArray
 from .xp import cupy_or_none, is_cupy_array
 
@@ -341,16 +341,18 @@ class StandinIpcDevice(IpcDevice):
     identity = "standin"
     host_reads = True
 
-    def __init__(self, backend: HostStandinBackend) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.backend = backend
+        # Its own stream, apart from the staging path's (a GPU runs both side by side: one
+        # stream here would serialise an asynchronous staged call behind a window wait).
+        self._stream = LazyStream()
         self._events: _EventPage | None = None
         self._free_slots: list[int] = []
         self._peer_pages: dict[tuple[int, int], _EventPage] = {}
         self._lock = threading.Lock()
 
     def caller_stream(self) -> Any:
-        return self.backend.stream()
+        return self._stream
 
     # events
     def new_event(self) -> tuple[StandinEvent, bytes]:
@@ -675,9 +677,7 @@ def ipc_device_for(x: Any) -> IpcDevice:
             device = _DEVICES.get(key)
             if device is None:
                 if key == "standin":
-                    staging = backend_for(x)
-                    assert isinstance(staging, HostStandinBackend)
-                    device = StandinIpcDevice(staging)
+                    device = StandinIpcDevice()
                 else:
                     cp = cupy_or_none()
                     assert cp is not None  # x is a cupy array

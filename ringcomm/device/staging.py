@@ -62,6 +62,7 @@ __all__ = [
     "DeviceStager",
     "HostStager",
     "HostStandinBackend",
+    "LazyStream",
     "Slot",
     "StagingPool",
     "backend_for",
@@ -193,6 +194,11 @@ class _LazyStream:
 
     def synchronize(self) -> None:
         self.run_until(self.queued)
+
+
+#: The stand-in's stream, for other stand-in devices (ringcomm.device.ipc: its own stream,
+#: apart from staging's, as a GPU runs a caller's stream and a staging stream side by side).
+LazyStream = _LazyStream
 
 
 class _LazyEvent:

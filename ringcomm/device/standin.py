@@ -95,6 +95,15 @@ class StandinArray:
             raise TypeError("StandinArray supports basic indexing (views) only")
         return StandinArray(view)
 
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``a[index] = value`` (what a CuPy assignment kernel does, done at once: the
+        stand-in's memory is the host's)."""
+        self._host[index] = value._host if isinstance(value, StandinArray) else value
+
+    def __itruediv__(self, other: Any) -> StandinArray:  # noqa: PYI034 (no Self before 3.11)
+        self._host /= other
+        return self
+
     def copy(self) -> StandinArray:
         return StandinArray(self._host.copy())
 
@@ -128,6 +137,10 @@ class StandinModule:
     @staticmethod
     def empty_like(a: StandinArray) -> StandinArray:
         return StandinArray(np.empty_like(a._host))
+
+    @staticmethod
+    def concatenate(arrays: Any) -> StandinArray:
+        return StandinArray(np.concatenate([a._host for a in arrays]))
 
     @staticmethod
     def asarray(a: Any) -> StandinArray:
