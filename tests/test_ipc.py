@@ -306,8 +306,10 @@ def _uneven_cases(n: int) -> list[tuple[Any, ...]]:
     return out
 
 
-def job_ipc_matrix(pg: rc.ProcessGroup) -> tuple[list[str], dict[int, Any]]:
-    proxy = IpcProxy(pg)
+def job_ipc_matrix(pg: rc.ProcessGroup, proxy_cls: Any = None) -> tuple[list[str], dict[int, Any]]:
+    """The matrix on ``proxy_cls(pg)`` (default :class:`IpcProxy`: stand-in arrays;
+    tests/test_gpu.py runs it on CuPy arrays)."""
+    proxy = (proxy_cls or IpcProxy)(pg)
     failures: list[str] = []
     digests: dict[int, Any] = {}
     n = pg.world_size
@@ -362,32 +364,35 @@ def test_ipc_matrix(world_size: int, tiny_windows: None) -> None:
 
 
 def job_extremes(pg: rc.ProcessGroup, to_device: Any = standin_array) -> list[str]:
-    """int64/uint64 extremes through every op (and AVG's truncation) on device arrays."""
+    """int64/uint64 (and 32/8-bit) extremes through every op, AVG's truncation included,
+    on device arrays: through the small-message host path, the device windows, and the
+    staged ring."""
     from ringcomm.ops import reference_reduce
 
     n, r = pg.world_size, pg.rank
     bad = []
-    for dtn in ("int64", "uint64", "int32", "uint32", "int8"):
-        info = np.iinfo(dtn)
-        base = np.array([info.min, info.min + 1, info.max, info.max - 1, -1 if info.min else 1,
-                         0, 1, 2**53 + 1 if info.bits == 64 else 3], dtn)  # fmt: skip
-
-        def inp(k: int, base: np.ndarray = base, dtn: str = dtn) -> np.ndarray:
-            return np.roll(base, k).astype(dtn)
-
-        for op in OPS:
-            want = reference_reduce(op, [inp(k) for k in range(n)])
-            x = to_device(inp(r))
-            pg.all_reduce(x, op)
-            got = x.get()
-            if not np.array_equal(got, want):
-                bad.append(f"rank {r}: {dtn} {op}: {got.tolist()} != {want.tolist()}")
-    issue = np.array([-2672802113933191955], np.int64)  # the sum issue 31 saw
-    x = to_device(issue if r == 0 else np.zeros(1, np.int64))
-    if n == 2:
-        pg.all_reduce(x, "avg")
-        if int(x.get()[0]) != -1336401056966595977:
-            bad.append(f"rank {r}: int64 avg {int(x.get()[0])}")
+    for path in ("small", "windows", "ring"):
+        for dtn in ("int64", "uint64", "int32", "uint32", "int8"):
+            info = np.iinfo(dtn)
+            base = np.array([info.min, info.min + 1, info.max, info.max - 1, -1 if info.min else 1,
+                             0, 1, 2**53 + 1 if info.bits == 64 else 3], dtn)  # fmt: skip
+            for op in OPS:
+                inputs = [np.roll(base, k).astype(dtn) for k in range(n)]
+                want = reference_reduce(op, inputs)
+                x = to_device(inputs[r])
+                ext = _ipc(pg)
+                if ext is not None:
+                    ext.small_bytes = 1 << 20 if path == "small" else 0
+                pg.all_reduce(x, op, algo="ring" if path == "ring" else None)
+                got = x.get()
+                if not np.array_equal(got, want):
+                    bad.append(f"rank {r}: {path} {dtn} {op}: {got.tolist()} != {want.tolist()}")
+        issue = np.array([-2672802113933191955], np.int64)  # the sum issue 31 saw
+        x = to_device(issue if r == 0 else np.zeros(1, np.int64))
+        pg.all_reduce(x, "sum")
+        pg.all_reduce(x, "avg", algo="ring" if path == "ring" else None)  # n * issue / n
+        if int(x.get()[0]) != int(issue[0]):
+            bad.append(f"rank {r}: {path} int64 avg {int(x.get()[0])}")
     return bad
 
 

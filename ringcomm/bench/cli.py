@@ -148,7 +148,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="where ringcomm's buffers live: host (NumPy), cuda (CuPy on the rank's GPU: "
         "LOCAL_RANK modulo the GPUs), standin (the host stand-in for CuPy arrays, through "
         "the algorithm CuPy arrays take: device windows on one host), host-staged (the "
-        "stand-in through host staging, as CuPy across hosts), symmetric (NumPy arrays "
+        "stand-in through host staging, as CuPy across hosts), cuda-staged (CuPy through "
+        "host staging: the path before device windows), symmetric (NumPy arrays "
         "from pg.alloc: on one host in memory every rank maps), copy (not a collective: "
         "every rank's numpy.copyto of the size at once, the memory-bandwidth reference); "
         "several, comma-separated, "
@@ -229,7 +230,7 @@ def config_from_args(
             raise UsageError(f"--device {d!r}: choose from {', '.join(DEVICES)}")
     if len(set(devices)) != len(devices):
         raise UsageError(f"--device lists a device twice: {','.join(devices)}")
-    if args.compare == "mpi" and "cuda" in devices:
+    if args.compare == "mpi" and {"cuda", "cuda-staged"} & set(devices):
         raise UsageError("--compare mpi runs host buffers only (drop cuda from --device)")
     if args.compare == "nccl" and args.dtype not in _nccl_dtypes():
         raise UsageError(f"--compare nccl: NCCL does not support {args.dtype}")
@@ -367,7 +368,7 @@ def preamble(config: BenchConfig) -> str:
     # The ranks' own rule (ringcomm.config.binds_to_core); the job's ranks are this host's.
     if binds_to_core(bind, config.world_size, len(os.sched_getaffinity(0))):
         versus += "; each rank bound to a core"
-    if "cuda" in config.devices:
+    if {"cuda", "cuda-staged"} & set(config.devices):
         versus += "; " + gpu_line(config.world_size)
     lines = [
         (

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .spec import BenchConfig, SizeSpec
+from .spec import STAGED_DEVICES, BenchConfig, SizeSpec
 from .sweep import Impl, Record, Step, run_sweep
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def device_array_maker(device: str) -> Any:
         from ringcomm.device.standin import standin_array
 
         return standin_array
-    if device == "cuda":
+    if device in ("cuda", "cuda-staged"):
         from ringcomm.device.xp import cupy_or_none
 
         cp = cupy_or_none()
@@ -76,7 +76,7 @@ def device_array_maker(device: str) -> Any:
 
 def device_missing(device: str) -> str | None:
     """Why ``--device device`` cannot run here (None: it can)."""
-    if device != "cuda":
+    if device not in ("cuda", "cuda-staged"):
         return None
     from ringcomm.device.xp import cupy_or_none
 
@@ -104,7 +104,7 @@ class RingcommImpl:
         self._dev = device_array_maker(device)
         self._op = ""
         self._stream: Any = None
-        if device == "cuda":
+        if device in ("cuda", "cuda-staged"):
             from ringcomm.device.xp import cupy_or_none
 
             cp = cupy_or_none()
@@ -143,8 +143,8 @@ class RingcommImpl:
     def prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
         self._op = spec.op
         core = getattr(self.pg, "core", None)
-        if core is not None:  # host-staged measures the staging path: no device windows
-            core.device_windows = self.device != "host-staged"
+        if core is not None:  # *-staged measure the staging path: no device windows
+            core.device_windows = self.device not in STAGED_DEVICES
         step = self._prepare(spec, data)
         stream = self._stream
         if stream is None:

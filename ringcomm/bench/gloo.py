@@ -87,7 +87,7 @@ class GlooImpl:
         """Form the Gloo (or NCCL) group of ``pg``'s ranks (rank 0 serves the store); CUDA
         tensors with ``--device cuda`` (always for NCCL)."""
         device = "cpu"
-        if backend == "nccl" or "cuda" in config.devices:
+        if backend == "nccl" or {"cuda", "cuda-staged"} & set(config.devices):
             index = pg.config.local_rank % max(1, torch.cuda.device_count())
             torch.cuda.set_device(index)
             device = f"cuda:{index}"

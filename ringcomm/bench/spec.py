@@ -30,6 +30,7 @@ __all__ = [
     "REDUCING_OPS",
     "ROOTED_OPS",
     "SPLIT_OPS",
+    "STAGED_DEVICES",
     "BenchConfig",
     "SizeSpec",
     "busbw_factor",
@@ -60,19 +61,24 @@ GLOO_DTYPES = frozenset(
 )
 #: Implementations a row can come from (the JSON ``impl`` key).
 IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-staged",
-                          "ringcomm-standin", "gloo-cuda", "nccl")  # fmt: skip
+                          "ringcomm-standin", "ringcomm-cuda-staged", "gloo-cuda",
+                          "nccl")  # fmt: skip
 #: Where ``--device`` puts ringcomm's buffers: NumPy arrays (``host``), CuPy arrays on the
 #: rank's GPU (``cuda``), or the host stand-in for CuPy arrays: ``standin`` (through exactly
 #: the algorithm a CuPy array takes: device windows on one host), ``host-staged`` (through
-#: host staging, as CuPy across hosts), to test and measure them without a GPU.
-DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "standin", "symmetric", "copy")
+#: host staging, as CuPy across hosts), to test and measure them without a GPU;
+#: ``cuda-staged``: CuPy arrays through host staging (the path before device windows).
+DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "standin", "cuda-staged",
+                            "symmetric", "copy")  # fmt: skip
+#: Devices whose calls go through host staging (device windows off for their calls).
+STAGED_DEVICES = frozenset({"host-staged", "cuda-staged"})
 
 
 def device_impl(device: str) -> str:
     """The ``impl`` name of ringcomm's rows on ``device`` (host: plain ``ringcomm``)."""
     return {"host": "ringcomm", "cuda": "ringcomm-cuda", "host-staged": "ringcomm-staged",
-            "standin": "ringcomm-standin", "symmetric": "ringcomm-symmetric",
-            "copy": "numpy-copyto"}[device]  # fmt: skip
+            "standin": "ringcomm-standin", "cuda-staged": "ringcomm-cuda-staged",
+            "symmetric": "ringcomm-symmetric", "copy": "numpy-copyto"}[device]  # fmt: skip
 
 
 def busbw_factor(op: str, world_size: int) -> float:
@@ -144,7 +150,7 @@ class BenchConfig:
     def peer_impl(self) -> str | None:
         """The ``impl`` of the peer's rows: ``gloo`` (CPU tensors), ``gloo-cuda`` (CUDA
         tensors: with ``--device cuda``), ``mpi``, ``nccl``; None without ``--compare``."""
-        if self.compare == "gloo" and "cuda" in self.devices:
+        if self.compare == "gloo" and {"cuda", "cuda-staged"} & set(self.devices):
             return "gloo-cuda"
         return self.compare
 
