@@ -34,7 +34,10 @@ convention it came from.
 Settings that belong to no group are small pure functions of the same mapping, each
 raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
 with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
-(``RINGCOMM_STAGING_MAX_BYTES``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
+(``RINGCOMM_STAGING_MAX_BYTES``), :func:`ipc_enabled`, :func:`ipc_window_bytes` and
+:func:`ipc_small_bytes` (``RINGCOMM_IPC``, ``RINGCOMM_IPC_WINDOW_BYTES``,
+``RINGCOMM_IPC_SMALL_BYTES``: the device windows), :func:`mps_pipe_directory`
+(``CUDA_MPS_PIPE_DIRECTORY``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
 :func:`env_token` (``RINGCOMM_TOKEN``) and :func:`env_master_addr`
 (``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
 variable: they take these values as arguments.

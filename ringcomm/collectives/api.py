@@ -9,13 +9,15 @@ algorithm's op and run it through the group (blocking, or a ``Work`` with
 
 Device arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.device.standin.StandinArray``)
 are accepted wherever NumPy arrays are; outputs the call allocates are allocated on the
-same device. The ring all_reduce/reduce_scatter/all_gather and the broadcast chain stage
-them piece by piece; every other algorithm stages the whole buffer (``collectives.staged``).
-Inputs and outputs of one call are all host or all on one device.
+same device. On a group with a shared workspace they take the device windows (``ipc``,
+``collectives.ipc``; ``GroupCore.device_windows``). Elsewhere the ring
+all_reduce/reduce_scatter/all_gather and the broadcast chain stage them piece by piece;
+every other algorithm stages the whole buffer (``collectives.staged``). Inputs and outputs
+of one call are all host or all on one device.
 
 Contracts: DESIGN.md §1. Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
-all_reduce, reduce_scatter, all_gather, broadcast and barrier, ``async_op`` on every call,
-``out`` on gather (used on ``dst``).
+every collective but the uneven ones, ``async_op`` on every call, ``out`` on gather (used
+on ``dst``).
 """
 
 from __future__ import annotations
