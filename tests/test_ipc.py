@@ -708,3 +708,20 @@ def test_device_arrays_across_pretend_hosts_use_windows_inside_each(hosts: str) 
     assert "BAD" not in out.stdout
     algos = [line for line in out.stdout.splitlines() if "local algos:" in line]
     assert len(algos) == n and all("ipc" in line for line in algos), algos
+
+
+def job_uneven_first(pg: rc.ProcessGroup) -> list[str]:
+    """The group's first device call is an all_to_all_v whose splits differ per rank: the
+    window setup compares only what every rank shares."""
+    n, r = pg.world_size, pg.rank
+    ins = [(r + j) % 3 + 1 for j in range(n)]  # rank r sends (r + j) % 3 + 1 rows to j
+    outs = [(j + r) % 3 + 1 for j in range(n)]
+    x = standin_array(np.repeat(np.arange(n) * 10 + r, ins).astype(np.int32))
+    got = pg.all_to_all_v(x, ins, outs).get()
+    want = np.concatenate([np.full(outs[j], r * 10 + j, np.int32) for j in range(n)])
+    return [] if pg.core.last_algo == "ipc" and np.array_equal(got, want) else [f"{r}: {got}"]
+
+
+@pytest.mark.timeout(60)
+def test_an_uneven_call_first_sets_the_windows_up() -> None:
+    assert rc.spawn(job_uneven_first, 3, timeout_s=50) == [[]] * 3

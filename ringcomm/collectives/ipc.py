@@ -128,6 +128,8 @@ class IpcCollectives:
         self._stream: Any = None  # the stream of the running call
         self._last_stream: Any = None  # and of the latest one
         self._small_stream: Any = None  # the stream of the last small call
+        #: Per peer: its event this rank's stream waited for last, and the wait's mark.
+        self._waits: dict[int, tuple[Any, Any]] = {}
         #: Calls so far: by the windows, and through the host (small).
         self.window_calls = 0
         self.small_calls = 0
@@ -142,13 +144,14 @@ class IpcCollectives:
         device = ipc_device_for(arr)
         stream = job.device if job.device is not None else device.caller_stream()
         self._stream = self._last_stream = stream
+        self._waits = {}
 
         def watch() -> None:
             self._watch(job)
 
         try:
             if self.device is None:
-                self._setup(job, call, device, stream, watch)
+                self._setup(job, _shared(call, self.world_size), device, stream, watch)
             elif device is not self.device:
                 raise ValueError(
                     f"rank {self.core.rank}: {call.name}: the arrays are on {device.identity} "
@@ -291,8 +294,8 @@ class IpcCollectives:
         (so no later group reuses its mapping), once this rank's stream is quiet."""
         self.failed = True
         device = self.device
-        if device is None or device.kind != "standin":
-            return  # a GPU stream may still read the mapping: it goes with the process
+        if device is None or not device.quiet(self._last_stream):
+            return  # the stream may still read a mapping: it goes with the process
         dead = set(self.ws.dead_peers())
         failure = self.core.progress.failure
         peer = getattr(failure, "peer", None)
@@ -306,12 +309,25 @@ class IpcCollectives:
 
     # -- syncs -------------------------------------------------------------------------------
     def _watch(self, job: Job) -> None:
-        """Between looks at the device: the deadline, and peers that failed or left."""
-        core, ws = self.core, self.ws
+        """Between looks at the device: the deadline, and peers that failed or left while
+        this rank's stream still waits for one of their events (a peer whose last event
+        here is done may finish its call and leave: that is no failure)."""
+        core, ws, device = self.core, self.ws, self.device
         progress = core.progress
+        progress.poll_now()  # goodbyes and failure reports
         if progress.failure is not None:
             raise progress.failed_error(f"{job.desc} [{job.note or 'on the device'}]")
-        dead = ws.dead_peers()
+        assert device is not None
+        pending = [r for r, (ev, mark) in self._waits.items() if not device.event_done(ev, mark)]
+        for r in pending:
+            g = core.ranks[r]
+            if progress.departed(g):
+                progress.peer_failed(PeerFailedError(
+                    f"rank {core.global_rank}: peer rank {g} left the group "
+                    f"({progress.departure_note(g)}) while this rank's device work waited for "
+                    "it", peer=g))  # fmt: skip
+                raise progress.failed_error(f"{job.desc} [{job.note or 'on the device'}]")
+        dead = [r for r in ws.dead_peers() if r in pending]
         if dead:
             g = core.ranks[dead[0]]
             progress.peer_failed(PeerFailedError(
@@ -334,7 +350,8 @@ class IpcCollectives:
             self.calls.check(job)
         for r, events in enumerate(self.peer_events):
             if events is not None and r != self.rank:
-                device.wait(stream, events[parity], watch)
+                ev = events[parity]
+                self._waits[r] = (ev, device.wait(stream, ev, watch))
 
     def _rounds(self, count: int, itemsize: int, rows: int = 1) -> tuple[int, int]:
         """(elements per row per round, rounds) for ``count`` elements a row."""
@@ -518,8 +535,7 @@ class IpcCollectives:
         n, me = self.world_size, self.rank
         sizes = list(call.shape[:n])
         row = int(np.prod(call.shape[n:], dtype=np.int64))
-        fp = call._replace(shape=(n, *call.shape[n:]))  # sizes are checked below instead
-        theirs = self._counts(job, fp, sizes, "sharing the row counts")
+        theirs = self._counts(job, _shared(call, n), sizes, "sharing the row counts")
         for r, got in enumerate(theirs):
             if got != sizes:
                 raise CollectiveMismatchError(
@@ -552,8 +568,7 @@ class IpcCollectives:
         n, me = self.world_size, self.rank
         splits = list(call.shape[:n])
         row = int(np.prod(call.shape[n:], dtype=np.int64))
-        fp = call._replace(shape=(n, *call.shape[n:]))
-        theirs = self._counts(job, fp, splits, "sharing the splits")
+        theirs = self._counts(job, _shared(call, n), splits, "sharing the splits")
         for r, got in enumerate(theirs):
             if got != splits:
                 raise CollectiveMismatchError(
@@ -589,8 +604,7 @@ class IpcCollectives:
         n, me = self.world_size, self.rank
         ins, outs = list(call.shape[:n]), list(call.shape[n : 2 * n])
         row = int(np.prod(call.shape[2 * n :], dtype=np.int64))
-        fp = call._replace(shape=(n, *call.shape[2 * n :]))  # splits: checked below
-        theirs = self._counts(job, fp, ins + outs, "sharing the splits")
+        theirs = self._counts(job, _shared(call, n), ins + outs, "sharing the splits")
         for r, got in enumerate(theirs):
             their_in, their_out = got[:n], got[n:]
             if their_in[me] != outs[r] or their_out[me] != ins[r]:
@@ -654,6 +668,16 @@ class IpcCollectives:
         if dev.host_reads:
             dev.complete(stream, watch)
         return result
+
+
+def _shared(call: Call, n: int) -> Call:
+    """``call`` as every rank fingerprints it: an uneven collective's per-rank counts
+    (all_to_all_v's differ from rank to rank) are left out, and checked by the call."""
+    shape = call.shape
+    if shape is None or not call.name.endswith("_v"):
+        return call
+    rest = shape[2 * n :] if call.name == "all_to_all_v" else shape[n:]
+    return call._replace(shape=(n, *rest))
 
 
 class _Shape:

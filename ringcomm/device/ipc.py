@@ -214,9 +214,14 @@ class IpcDevice:
     def record(self, stream: Any, event: Any) -> None:
         raise NotImplementedError
 
-    def wait(self, stream: Any, event: Any, watch: Watch) -> None:
+    def wait(self, stream: Any, event: Any, watch: Watch) -> Any:
         """Make ``stream`` wait (on the device) for ``event``'s latest record, made by its
-        owner before it said so on the host. ``watch`` is for the stand-in's emulation."""
+        owner before it said so on the host; return a mark for :meth:`event_done`.
+        ``watch`` is for the stand-in's emulation."""
+        raise NotImplementedError
+
+    def event_done(self, event: Any, mark: Any) -> bool:
+        """Whether the record a :meth:`wait` returned ``mark`` for has run (now)."""
         raise NotImplementedError
 
     def complete(self, stream: Any, watch: Watch) -> None:
@@ -400,14 +405,18 @@ class StandinIpcDevice(IpcDevice):
 
         stream.enqueue(done)
 
-    def wait(self, stream: Any, event: Any, watch: Watch) -> None:
-        target = event.recorded  # the latest record its owner made (and then said so)
+    def wait(self, stream: Any, event: Any, watch: Watch) -> int:
+        target = int(event.recorded)  # the latest record its owner made (and then said so)
         words, i = event.page.words, 2 * event.index + 1
 
         def spin() -> None:
             poll_until(lambda: int(words[i]) >= target, watch)
 
         stream.enqueue(spin)
+        return target
+
+    def event_done(self, event: Any, mark: Any) -> bool:
+        return mark is None or int(event.completed) >= int(mark)
 
     def complete(self, stream: Any, watch: Watch) -> None:
         stream.synchronize()  # (its event waits watch for themselves)
@@ -573,6 +582,10 @@ class CupyIpcDevice(IpcDevice):
     def wait(self, stream: Any, event: Any, watch: Watch) -> None:
         with self.device:
             self._rt.streamWaitEvent(stream.ptr, event.ptr, 0)
+
+    def event_done(self, event: Any, mark: Any) -> bool:
+        with self.device:  # (its latest record: one this rank waited for, or a later one)
+            return int(self._rt.eventQuery(event.ptr)) == 0
 
     def quiet(self, stream: Any) -> bool:
         if stream is None:
