@@ -36,8 +36,7 @@ raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_B
 with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
 (``RINGCOMM_STAGING_MAX_BYTES``), :func:`ipc_enabled`, :func:`ipc_window_bytes` and
 :func:`ipc_small_bytes` (``RINGCOMM_IPC``, ``RINGCOMM_IPC_WINDOW_BYTES``,
-``RINGCOMM_IPC_SMALL_BYTES``: the device windows), :func:`mps_pipe_directory`
-(``CUDA_MPS_PIPE_DIRECTORY``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
+``RINGCOMM_IPC_SMALL_BYTES``: the device windows), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
 :func:`env_token` (``RINGCOMM_TOKEN``) and :func:`env_master_addr`
 (``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
 variable: they take these values as arguments.
@@ -64,7 +63,6 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_IPC_SMALL_BYTES",
     "DEFAULT_IPC_WINDOW_BYTES",
-    "DEFAULT_MPS_PIPE_DIRECTORY",
     "DEFAULT_PS_LOG_LEVEL",
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
@@ -87,7 +85,6 @@ __all__ = [
     "ipc_window_bytes",
     "mpirun_job_id",
     "mpirun_master_port",
-    "mps_pipe_directory",
     "parse_size",
     "parse_slurm_nodelist",
     "ps_log_level",
@@ -114,8 +111,6 @@ DEFAULT_IPC_WINDOW_BYTES = 64 << 20
 #: Device collectives up to this many bytes go through the host (a pinned copy), without
 #: RINGCOMM_IPC_SMALL_BYTES.
 DEFAULT_IPC_SMALL_BYTES = 16 << 10
-#: Where the CUDA MPS daemon's pipes are when CUDA_MPS_PIPE_DIRECTORY is unset.
-DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 #: RINGCOMM_PS_LOG values (logging's level names, any case) and the default.
 PS_LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
 DEFAULT_PS_LOG_LEVEL = "WARNING"
@@ -575,12 +570,6 @@ def ipc_small_bytes(env: Mapping[str, str] | None = None) -> int:
     return _size_setting(env, "RINGCOMM_IPC_SMALL_BYTES", DEFAULT_IPC_SMALL_BYTES, 0)
 
 
-def mps_pipe_directory(env: Mapping[str, str] | None = None) -> str:
-    """Where the CUDA MPS daemon's pipes are: ``CUDA_MPS_PIPE_DIRECTORY`` (what CUDA and
-    ``nvidia-cuda-mps-control`` read), else :data:`DEFAULT_MPS_PIPE_DIRECTORY`."""
-    return _environ(env).get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIRECTORY
-
-
 def ps_log_level(env: Mapping[str, str] | None = None) -> str:
     """``RINGCOMM_PS_LOG``: the ``ringcomm ps-server`` log level, one of
     :data:`PS_LOG_LEVELS` (any case, returned upper case); ``"WARNING"`` when unset."""
@@ -593,6 +582,14 @@ def ps_log_level(env: Mapping[str, str] | None = None) -> str:
             f"{found.describe()} is not a log level: use one of {', '.join(PS_LOG_LEVELS)}"
         )
     return level
+
+
+def mps_active(env: Mapping[str, str] | None = None) -> bool:
+    """Whether an NVIDIA MPS control daemon serves this host: its pipe directory
+    (``CUDA_MPS_PIPE_DIRECTORY``, else ``/tmp/nvidia-mps``) holds its ``control`` pipe.
+    Without MPS, kernels of different processes on one GPU do not run concurrently."""
+    pipe_dir = _environ(env).get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe_dir, "control"))
 
 
 def env_token(env: Mapping[str, str] | None = None) -> str | None:

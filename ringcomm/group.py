@@ -299,6 +299,17 @@ class ProcessGroup:
                                        algo=_flat(algo))  # fmt: skip
 
     @property
+    def device_windows(self) -> bool:
+        """Whether device arrays (CuPy) take device windows (``algo="ipc"``, CUDA IPC) on a
+        group whose ranks share one host (``RINGCOMM_IPC``, default on); False: host
+        staging, as across hosts. Settable; sub-groups made afterwards inherit it."""
+        return self.core.device_windows
+
+    @device_windows.setter
+    def device_windows(self, on: bool) -> None:
+        self.core.device_windows = bool(on)
+
+    @property
     def topology(self) -> Topology:
         """Which of this group's ranks share a host (:class:`ringcomm.schedule.topology.
         Topology`: ranks per host, local ranks, leaders, a host-contiguous ring order)."""

@@ -1,4 +1,4 @@
-"""ringcomm as a ``torch.distributed`` backend (CPU tensors), in pure Python.
+"""ringcomm as a ``torch.distributed`` backend (CPU and CUDA tensors), in pure Python.
 
     import torch.distributed as dist
     import ringcomm.torch_backend  # registers the backend "ringcomm"
@@ -8,8 +8,8 @@
 The only module of ringcomm that imports torch (an optional extra: ``pip install
 ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.13):
 
-* Registration: ``dist.Backend.register_backend("ringcomm", _create, devices=["cpu"])`` at
-  import. torch calls :func:`_create` ``(store, rank, world_size, timeout)`` once for the
+* Registration: ``dist.Backend.register_backend("ringcomm", _create, devices=["cpu",
+  "cuda"])`` at import. torch calls :func:`_create` ``(store, rank, world_size, timeout)`` once for the
   default group and once more for every ``new_group`` this rank belongs to (only on
   members); ``store`` is a ``PrefixStore`` unique to the group.
 * Rendezvous (one ringcomm group per torch group): rank 0 of the torch group starts a
@@ -27,7 +27,8 @@ ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.
   store, sockets and a progress thread per group).
 * :class:`RingcommProcessGroup` subclasses ``dist.ProcessGroup`` (``super().__init__(rank,
   size)``; ``dist._Backend`` cannot be subclassed from Python). Each call turns tensors into
-  NumPy views (``tensor.numpy()``: zero-copy for contiguous CPU tensors) and returns a
+  arrays on their memory (``tensor.numpy()`` for contiguous CPU tensors; CuPy arrays for
+  CUDA tensors, below) and returns a
   :class:`RingcommWork`. Where torch will wait at once (``opts.asyncOp`` False: plain
   ``dist.all_reduce(t)`` and friends) the ringcomm call runs blocking on the caller's thread
   (ringcomm's small-message fast lane, no thread hand-off). Otherwise (``async_op=True``,
@@ -42,6 +43,15 @@ ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.
   fails the future's C++ side (not ``Future.set_exception``, which only stores the
   exception as the value: DDP would read it as tensors and crash), so under DDP the error
   surfaces from ``loss.backward()``.
+
+CUDA tensors (:mod:`ringcomm.torch_device`): a CUDA tensor goes to ringcomm as a CuPy array
+on its memory (DLPack, no copy); each call is ordered after the caller's current stream at
+the call, the backend's own steps after ringcomm's (copies back, casts) run on that stream,
+and ``Work.wait()`` makes the waiter's current stream wait for them (NCCL's semantics); the
+future is a CUDA future. Every tensor of one call is on the rank's device (its current
+device at the group's first CUDA call) or every one on the CPU; a CUDA tensor must be
+contiguous (no hidden copy); else ``ValueError`` naming rank and op, at the call. Several
+ranks may share one GPU. A job may mix calls on CPU and on CUDA tensors.
 
 Dtypes: the NumPy ones go as they are. bfloat16 reductions run in float32 on a copy (the
 result, rounded back, is the same bytes on every rank); complex SUM/AVG/PREMUL_SUM reduce the
@@ -110,6 +120,14 @@ from .group import ProcessGroup as RcGroup
 from .group import init_process_group
 from .p2p import ANY_SOURCE
 from .rendezvous import StoreServer
+from .torch_device import (
+    CallScope,
+    DeviceBinding,
+    array_of,
+    current_call,
+    start_call,
+    tensor_of,
+)
 from .work import Work as RcWork
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "RingcommWork"]
@@ -157,16 +175,13 @@ _Post = Callable[[], object]
 
 # -- tensors <-> arrays ------------------------------------------------------------------
 def _check_cpu(t: Any, what: str) -> torch.Tensor:
+    """Check a tensor of the current call: a dense tensor on the CPU or on the rank's device,
+    on the same device as the call's others (:meth:`ringcomm.torch_device.CallScope.check`)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"{what}: the ringcomm backend takes CPU tensors, got one on {t.device} "
-            "(move it with .cpu(), or use nccl for CUDA tensors)"
-        )
     if t.is_sparse:
         raise ValueError(f"{what}: sparse tensors are not supported")
-    return t
+    return current_call().check(t)
 
 
 def _contig(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -177,22 +192,25 @@ def _contig(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return t.contiguous(), True
 
 
-def _move_view(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of contiguous ``t`` for data movement: any dtype, as bytes if needed."""
+def _move_view(t: torch.Tensor) -> Any:
+    """The array on contiguous ``t`` for data movement (NumPy, or the call's device array):
+    any dtype, as bytes if needed."""
+    if t.dtype == torch.bool and current_call().device is not None:
+        return array_of(t.view(torch.uint8))  # (DLPack's bool is not everywhere)
     if t.dtype in _NUMPY_DTYPES:
-        return t.numpy()
+        return array_of(t)
     if t.dtype.is_complex:
-        return torch.view_as_real(t).numpy()
+        return array_of(torch.view_as_real(t))
     if t.dtype == torch.bfloat16 or t.element_size() == 2:
-        return t.view(torch.int16).numpy()
-    return t.reshape(-1).view(torch.uint8).numpy()
+        return array_of(t.view(torch.int16))
+    return array_of(t.reshape(-1).view(torch.uint8))
 
 
 class _Reduction:
     """How one tensor takes part in a reduction: the array to reduce, the ringcomm op,
     and what to do before (pre-scaling) and after (copy back, cast back)."""
 
-    __slots__ = ("array", "op", "post", "scale", "tensor", "work_tensor")
+    __slots__ = ("array", "flat", "op", "post", "scale", "tensor", "work_tensor")
 
     def __init__(self, t: torch.Tensor, op: Any, what: str, *, in_place: bool) -> None:
         t = _check_cpu(t, what)
@@ -211,7 +229,12 @@ class _Reduction:
             work.mul_(scale)
         self.tensor = t
         self.work_tensor = work
-        self.array = torch.view_as_real(work).numpy() if work.dtype.is_complex else work.numpy()
+        #: What ``array`` views: the real pairs of a complex tensor; bool as uint8 (0/1:
+        #: MIN and MAX are still AND and OR) off the CPU.
+        self.flat = torch.view_as_real(work) if work.dtype.is_complex else work
+        if work.dtype == torch.bool and current_call().device is not None:
+            self.flat = work.view(torch.uint8)
+        self.array = array_of(self.flat)
         self.op = rop
         self.scale = scale
         self.post = copied and in_place
@@ -279,8 +302,12 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
         desc: str,
         on_error: Callable[[BaseException], None] | None = None,
         watch: Callable[[RingcommWork], None] | None = None,
+        scope: CallScope | None = None,
     ) -> None:
         super().__init__()
+        #: The call's device and stream (None or host: nothing to order).
+        self._scope = scope
+        self._end: Any = None  # the event after the call's own steps (device calls)
         self._on_error = on_error
         self._watch = watch
         self._works = list(works)
@@ -288,7 +315,8 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
         self._post = post
         self._timeout_s = timeout_s
         self._desc = desc
-        self._source: Future[Any] = Future()
+        devices: list[Any] = scope.future_devices() if scope is not None else []
+        self._source: Future[Any] = Future(devices=devices)
         self._future: Future[Any] | None = None
         self._lock = threading.Lock()
         self._settled = False
@@ -311,22 +339,31 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
                         w.wait()
                     else:
                         cast(RcWork, w).wait(max(deadline - time.monotonic(), 1e-3))
-                if self._post is not None:
-                    self._post()
+                # (device calls: on the caller's stream, then an event after them)
+                with self._on_stream():
+                    if self._post is not None:
+                        self._post()
+                    if self._scope is not None:
+                        self._end = self._scope.finish()
             except BaseException as exc:  # noqa: BLE001 (reported through the future)
                 error = _torch_wording(exc, f"ringcomm backend: {self._desc}")
             self._error = error
             self._settled = True
         if error is not None and self._on_error is not None:
             self._on_error(error)
-        if error is None:
+        with self._on_stream():  # (a CUDA future records its event on the current stream)
             self._source.set_result(self._outputs)
-        else:
-            self._source.set_result(
-                _Failed(
-                    RuntimeError(f"ringcomm {self._desc} failed: {type(error).__name__}: {error}")
-                )
-            )
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return self._scope.on_stream() if self._scope is not None else contextlib.nullcontext()
+
+    def _unwrap(self, fut: Future[Any]) -> Any:
+        """The chained future's value; raises the failure (see ``get_future``)."""
+        value = fut.value()
+        error = self._error
+        if error is not None:
+            raise RuntimeError(f"ringcomm {self._desc} failed: {type(error).__name__}: {error}")
+        return value
 
     def _ready(self) -> bool:
         """Non-blocking: are the ringcomm operations done (progress made if possible)?"""
@@ -343,6 +380,8 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
         self._settle(limit_s if limit_s > 0 else None)
         if self._error is not None:
             raise self._error
+        if self._scope is not None:  # the waiter's stream waits for the result (not the host)
+            self._scope.join(self._end)
         return True
 
     def get_future(self) -> Future[Any]:
@@ -354,16 +393,17 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
         with self._lock:
             if self._future is not None:
                 return self._future
-            self._future = self._source.then(_unwrap)
+            self._future = self._source.then(self._unwrap)
             settled = self._settled
         if not settled and self._watch is not None:
             self._watch(self)  # someone must complete it without a wait(): the completer
         return self._future
 
     def is_completed(self) -> bool:
+        """Done, and (device calls) the steps queued on the caller's stream after it too."""
         if not self._settled and self._ready():
             self._settle()
-        return self._settled
+        return self._settled and (self._end is None or bool(self._end.query()))
 
     def is_success(self) -> bool:
         return self._settled and self._error is None
@@ -390,22 +430,6 @@ class RingcommWork(dist._Work):  # type: ignore[misc,name-defined]
     def __repr__(self) -> str:
         state = "pending" if not self._settled else ("failed" if self._error else "done")
         return f"<RingcommWork {self._desc}: {state}>"
-
-
-class _Failed:
-    """The value a failed operation's source future carries (see ``get_future``)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _unwrap(fut: Future[Any]) -> Any:
-    value = fut.value()
-    if isinstance(value, _Failed):
-        raise value.error
-    return value
 
 
 def _when_done(work: RingcommWork, fn: Callable[[], None]) -> None:
@@ -536,6 +560,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._completer = _Completer(f"r{rc_group.rank}")
+        self._binding = DeviceBinding()  # this rank's device, at its first device call
         self._shut = False
         self._failure: BaseException | None = None  # the first failed operation's error
 
@@ -591,6 +616,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             desc,
             self._note_failure,
             lambda w: self._completer.add(w, p2p),
+            current_call(),
         )
         if not pending:  # ran blocking (torch will wait at once): done now
             work._settle()
@@ -602,9 +628,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return _check_cpu(tensors[0], what)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call ringcomm; note a failure raised at once (blocking calls) for shutdown."""
+        """Call ringcomm (device calls: ordered after the caller's stream); note a failure
+        raised at once (blocking calls) for shutdown."""
         try:
-            return fn(*args, **kwargs)
+            with current_call().ordered():
+                return fn(*args, **kwargs)
         except RingcommError as exc:
             error = _torch_wording(exc, self._what(getattr(fn, "__name__", "call")))
             self._note_failure(error)
@@ -617,8 +645,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
             self._failure = error
 
     def _check_usable(self, what: str) -> None:
+        """First thing of every call: the group is open; the call's scope starts."""
         if self._shut:
             raise RuntimeError(f"{what}: the process group was shut down")
+        start_call(what, self._binding)
 
     # -- reductions -------------------------------------------------------------------
     def allreduce(  # type: ignore[override]
@@ -705,16 +735,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
             _Reduction(_check_cpu(t, what), opts.reduceOp, what, in_place=True) for t in tensors
         ]
         timeout_s = _timeout_s(opts, self._timeout_s)
-        groups: dict[tuple[np.dtype[Any], str], list[_Reduction]] = {}
+        groups: dict[tuple[torch.dtype, str], list[_Reduction]] = {}
         for r in reds:  # in order of first appearance: the same on every rank
-            groups.setdefault((r.array.dtype, r.op), []).append(r)
+            groups.setdefault((r.flat.dtype, r.op), []).append(r)
         works, unpack = [], []
         for (_, op), members in groups.items():
             if len(members) == 1:
                 flat = members[0].array
             else:
-                flat = np.concatenate([m.array.reshape(-1) for m in members])
-                unpack.append((flat, members))
+                cat = torch.cat([m.flat.reshape(-1) for m in members])
+                unpack.append((cat, members))
+                flat = array_of(cat)
             works.append(
                 self._call(
                     self._rc.all_reduce, flat, op=op, async_op=_async(opts), timeout_s=timeout_s
@@ -722,11 +753,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
             )
 
         def post() -> None:
-            for flat, members in unpack:
+            for cat, members in unpack:
                 at = 0
                 for m in members:
-                    k = m.array.size
-                    m.array[...] = flat[at : at + k].reshape(m.array.shape)
+                    k = m.flat.numel()
+                    m.flat.copy_(cat[at : at + k].reshape(m.flat.shape))
                     at += k
             for r in reds:
                 r.copy_back()
@@ -769,8 +800,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         rows = red.array.reshape(n, -1)
         o, o_copied = _contig(out)
         if out.dtype == torch.bfloat16:
-            o, o_copied = torch.empty(o.shape, dtype=torch.float32), True
-        o_arr = torch.view_as_real(o).numpy() if o.dtype.is_complex else o.numpy()
+            o, o_copied = torch.empty(o.shape, dtype=torch.float32, device=o.device), True
+        o_arr = _reduce_view(o)
         w = self._call(
             self._rc.reduce_scatter,
             rows,
@@ -849,8 +880,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         rows = red.array.reshape(flat.numel(), -1)  # complex: a row is (real, imag)
         o, o_copied = _contig(out)
         if out.dtype == torch.bfloat16:
-            o, o_copied = torch.empty(o.shape, dtype=torch.float32), True
-        o_arr = torch.view_as_real(o).numpy() if o.dtype.is_complex else o.numpy()
+            o, o_copied = torch.empty(o.shape, dtype=torch.float32, device=o.device), True
+        o_arr = _reduce_view(o)
         w = self._call(
             self._rc.reduce_scatter_v,
             rows,
@@ -968,7 +999,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"{what}: every output must have the input's dtype")
         if any(o.numel() != inp.numel() for o in outs):
             return self._allgather_uneven(outs, inp, what, opts)
-        gathered = torch.empty((self._rc.world_size, *inp.shape), dtype=inp.dtype)
+        gathered = torch.empty(
+            (self._rc.world_size, *inp.shape), dtype=inp.dtype, device=inp.device
+        )
         w, _ = self._all_gather_into(gathered, inp, what, opts)
 
         def post() -> None:
@@ -993,12 +1026,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
         x = _move_view(i).reshape(-1).view(np.uint8)
         size = inp.element_size()
         sizes = [o.numel() * size for o in outs]
-        gathered = torch.empty(sum(sizes), dtype=torch.uint8)
+        gathered = torch.empty(sum(sizes), dtype=torch.uint8, device=inp.device)
         w = self._call(
             self._rc.all_gather_v,
             x,
             sizes,
-            out=gathered.numpy(),
+            out=array_of(gathered),
             async_op=_async(opts),
             timeout_s=_timeout_s(opts, self._timeout_s),
         )
@@ -1055,7 +1088,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         for idx in _by_dtype(inputs):
             parts = [inputs[i].detach().reshape(-1) for i in idx]
             flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
-            gathered = torch.empty((n, flat.numel()), dtype=flat.dtype)
+            gathered = torch.empty((n, flat.numel()), dtype=flat.dtype, device=flat.device)
             w, _ = self._all_gather_into(gathered, flat, what, opts)
             works.append(w)
 
@@ -1208,7 +1241,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
             return self._issue([w], outs, post, "all_to_all", opts)
         flat_in = torch.cat([t.reshape(-1) for t in ins])
-        flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
+        flat_out = torch.empty(
+            sum(t.numel() for t in outs), dtype=outs[0].dtype, device=outs[0].device
+        )
         inner = self.alltoall_base(
             flat_out, flat_in, [t.numel() for t in outs], [t.numel() for t in ins], opts
         )
@@ -1402,7 +1437,12 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _rows_view(t: torch.Tensor) -> np.ndarray:
+def _reduce_view(t: torch.Tensor) -> Any:
+    """The array a reduction writes into contiguous ``t``: real pairs of a complex tensor."""
+    return array_of(torch.view_as_real(t) if t.dtype.is_complex else t)
+
+
+def _rows_view(t: torch.Tensor) -> Any:
     """:func:`_move_view` of contiguous ``t`` as rows: ``(t.shape[0], elements per row)``
     (also with no rows, so every rank agrees on the row shape)."""
     if t.dtype in _NUMPY_DTYPES or t.dtype == torch.bfloat16 or t.element_size() == 2:
@@ -1415,9 +1455,9 @@ def _rows_view(t: torch.Tensor) -> np.ndarray:
     return _move_view(t).reshape(t.shape[0], per_row)
 
 
-def _from_move_view(row: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """Undo :func:`_move_view` for one gathered row shaped like ``like``."""
-    t = torch.from_numpy(np.ascontiguousarray(row))
+def _from_move_view(row: Any, like: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`_move_view` for one gathered row (a ringcomm array) shaped like ``like``."""
+    t = tensor_of(row, like)
     if like.dtype in _NUMPY_DTYPES:
         return t.reshape(like.shape)
     if like.dtype.is_complex:
@@ -1495,7 +1535,7 @@ def _create(
 
 def _register() -> None:
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
 
 _register()

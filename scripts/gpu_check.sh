@@ -28,6 +28,8 @@
 #   ar_<mode>_W{2,4}.{json,md}  bench all_reduce 8 B - 256 MiB --device cuda,cuda-staged,host
 #                        --compare gloo (Gloo on CUDA tensors), checked
 #   rsag_<mode>_W4_{reduce_scatter,all_gather}.{json,md}  the same at W=4, 16 B - 64 MiB
+# then issue 32's half (scripts/gpu_check_train.sh: train_summary.txt, train_e2e.tar.gz) in
+# what is left of the budget. GPU_CHECK_PARTS="31" or "32" runs one half.
 # Exit status: 0 if every test passed and every checked result was right (the targets are
 # reported, not enforced), else 1.
 set -uo pipefail
@@ -91,10 +93,11 @@ try:
 except Exception as exc:
     print("torch unavailable:", exc)
 import ringcomm
-from ringcomm.config import mps_pipe_directory
-from ringcomm.device.ipc import mps_active
+import os
+from ringcomm.config import mps_active
 print("ringcomm", ringcomm.__version__, "from", ringcomm.__file__)
-print("MPS daemon already running at", mps_pipe_directory(), ":", mps_active(mps_pipe_directory()))
+print("MPS daemon already running (CUDA_MPS_PIPE_DIRECTORY",
+      os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "unset: /tmp/nvidia-mps"), "):", mps_active())
 PYEOF
 } >"$OUT_DIR/env.txt" 2>&1 || fail "environment probe (see env.txt)"
 cat "$OUT_DIR/env.txt"
@@ -134,8 +137,10 @@ stop_mps() {
 }
 trap 'stop_mps; rm -rf "$WORK"' EXIT
 
-run_mode nomps 110 55
-if command -v nvidia-cuda-mps-control >/dev/null; then
+PART31=0
+[[ " ${GPU_CHECK_PARTS:-31 32} " == *" 31 "* ]] && PART31=1
+[ "$PART31" = 1 ] && run_mode nomps 110 55
+if [ "$PART31" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
     MPS_PIPE=$(mktemp -d)
     MPS_LOG=$(mktemp -d)
     if CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" CUDA_MPS_LOG_DIRECTORY="$MPS_LOG" \
@@ -152,6 +157,7 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
 fi
 
 # -- the verdicts and the targets of issue 31 --------------------------------------------
+if [ "$PART31" = 1 ]; then
 "$PY" - "$WORK" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 from pathlib import Path
@@ -243,11 +249,23 @@ print(f"wrong elements in every checked sweep: {wrong}")
 sys.exit(1 if wrong else 0)
 PYEOF
 [ "${PIPESTATUS[0]}" = 0 ] || fail "checked sweeps found wrong results (see summary.txt)"
+fi
 
 # == issue 32: the training engine on CuPy and the torch backend's CUDA tensors ===========
-# (the branch of issue 32 merges its own block here: `ringcomm train --device cuda` for
-# every strategy of both models, and its tests/test_gpu_e2e.py; it gets what is left of
-# BUDGET_S, `$(left)` seconds, and writes its logs under "$WORK" so they go in the tarball)
+# Self-contained: scripts/gpu_check_train.sh (its own parts and timeouts, ~3 min); it
+# writes train_summary.txt and train_e2e.tar.gz into OUTDIR and appends to summary.txt.
+# It gets what is left of BUDGET_S; with less than TRAIN_MIN_S left it is skipped, and
+# said so (run it alone then: bash scripts/gpu_check_train.sh OUTDIR).
+# GPU_CHECK_PARTS="31 32" (the default) selects the halves.
+if [[ " ${GPU_CHECK_PARTS:-31 32} " == *" 32 "* ]]; then
+    if [ "$(left)" -ge "${TRAIN_MIN_S:-120}" ]; then
+        timeout "$(within 600)" bash scripts/gpu_check_train.sh "$OUT_DIR" \
+            || fail "gpu_check_train.sh (see train_summary.txt)"
+    else
+        echo "gpu_check: issue 32's half skipped: $(left) s left of ${BUDGET_S} s" \
+            "(run: bash scripts/gpu_check_train.sh $OUT_DIR)" | tee -a "$SUMMARY"
+    fi
+fi
 # == end of issue 32's block ================================================================
 
 tar -czf "$OUT_DIR/gpu_check.tar.gz" -C "$WORK" . || fail "packing the logs"

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,6 +73,9 @@ def test_usage_errors_exit_2(argv, message, capsys) -> None:
 def test_cuda_without_cupy_exits_2(capsys) -> None:
     assert main(["train", "--strategy", "dp", "-n", "2", "--device", "cuda"]) == 2
     assert "CuPy" in capsys.readouterr().err
+    # the transformer too (every strategy of both models runs on cuda): CuPy is what is missing
+    assert main(["train", "--strategy", "tp", "-n", "2", "--device", "cuda"]) == 2
+    assert "needs CuPy" in capsys.readouterr().err
 
 
 def test_bucket_options_are_exclusive(capsys) -> None:
@@ -123,3 +127,52 @@ def test_pipeline_cli_reports_bubble(tmp_path: Path, no_child_processes: None) -
     assert 0.0 <= res["bubble_fraction"] < 1.0
     assert res["bubble_fraction_theory"] == pytest.approx(1 / 4)
     assert len(res["losses"]) == 3 and "bubble" in out
+    place = res["pipeline_placement"]
+    assert place["stages"] == 2 and place["unit"] == "CPU core" and place["units"] >= 1
+    assert "by the formula (p-1)/(m+p-1) = 1/4" in out
+
+
+def _pipeline_result(device_ids: list[int | None], device: str, m: int = 4) -> Any:
+    from ringcomm.engine.strategy import TrainConfig
+    from ringcomm.engine.train import stage_placement
+
+    cfg = TrainConfig(strategy="pipeline", world_size=len(device_ids), device=device,
+                      micro_batches=m)  # fmt: skip
+    per_rank = [{"device_id": d} for d in device_ids]
+    p = len(device_ids)
+    return {
+        "schedule": "gpipe",
+        "micro_batches": m,
+        "bubble_fraction": 0.80,
+        "bubble_fraction_theory": (p - 1) / (m + p - 1),
+        "pipeline_placement": stage_placement(cfg, per_rank),
+    }
+
+
+def test_bubble_on_a_shared_gpu_says_why_it_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 stages on one GPU without MPS (the H200 run: 0.80 measured, 0.27 by the formula):
+    both figures, and the floor the sharing alone implies, 1 - 1/4."""
+    from ringcomm.engine.train import bubble_lines
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no control pipe there
+    res = _pipeline_result([0, 0, 0, 0], "cuda", m=8)
+    assert res["pipeline_placement"] == {
+        "stages": 4, "units": 1, "unit": "GPU", "mps": False, "shared_floor": 0.75,
+    }  # fmt: skip
+    text = "\n".join(bubble_lines(res))
+    assert "bubble 0.800 measured, 0.273 by the formula (p-1)/(m+p-1) = 3/11" in text
+    assert "4 stages share 1 GPU" in text and "without MPS" in text
+    assert "at least 1 - 1/4 = 0.750" in text and "not a schedule bug" in text
+    # two GPUs for four stages: at most two compute at once
+    assert _pipeline_result([0, 1, 0, 1], "cuda")["pipeline_placement"]["shared_floor"] == 0.5
+    # a GPU per stage: no floor, no explanation needed
+    alone = _pipeline_result([0, 1, 2, 3], "cuda")
+    assert alone["pipeline_placement"]["shared_floor"] == 0.0
+    assert len(bubble_lines(alone)) == 1
+    # MPS active: the stages' kernels may overlap; no floor
+    (tmp_path / "control").touch()
+    shared = _pipeline_result([0, 0, 0, 0], "cuda")
+    assert shared["pipeline_placement"]["mps"] and shared["pipeline_placement"]["shared_floor"] == 0
+    assert "MPS is active" in "\n".join(bubble_lines(shared))

@@ -1,20 +1,25 @@
 """The engine on device arrays, checked without a GPU: ``--device host-staged``.
 
-``host-staged`` computes in NumPy but hands the group every model buffer as a stand-in
-device array (``ringcomm.device.standin``) viewing the same memory, so every collective and p2p
-call of every strategy takes the staged path CuPy arrays take: pinned staging buffers, a
-stream whose copies and reductions run lazily (only when an event after them is waited
-for), events, the pool. A strategy that reads a buffer before its collective finished, or
-a staged path that hands back a buffer early, gives stale bytes here and misses the
-oracle, as it would race on a GPU. What this cannot check is CUDA itself
-(``tests/test_gpu.py``, ``scripts/gpu_check.sh``).
+``host-staged`` computes on the host stand-in device (``ringcomm.device.standin``): every
+parameter, gradient, optimizer state, batch and activation is a stand-in device array,
+computed with the stand-in's ``xp`` (NumPy underneath) through the very code CuPy runs,
+and every collective and p2p call takes the staged path CuPy arrays take: pinned staging
+buffers, a stream whose copies and reductions run lazily (only when an event after them is
+waited for), events, the pool. The stand-in never turns into a NumPy array implicitly, so a
+step that forgot to copy its data over or reads device memory with NumPy raises here as it
+would on a GPU; a strategy that reads a buffer before its collective finished gives stale
+bytes and misses the oracle. What this cannot check is CUDA itself (``tests/test_gpu.py``,
+``tests/test_gpu_e2e.py``, ``scripts/gpu_check.sh``).
 
-* Oracle: every strategy (dp, zero1, zero2, zero3, pipeline GPipe/1F1B at M = 1, 4) with
-  host-staged equals ``single`` (float64: losses to 1e-10 relative, parameters to 1e-10
-  absolute, as ``test_engine_oracle``), at W = 2 and 3 (uneven shards), with 512-byte
-  pieces so every message is many staged pieces. Each run must have taken buffers from the
-  staging pool (the staged path really ran), and sent exactly the bytes the same strategy
-  sends on ``cpu``, where nothing is staged.
+* Oracle (MLP): every strategy (dp, zero1, zero2, zero3, pipeline GPipe/1F1B at M = 1, 4)
+  with host-staged equals ``single`` on NumPy (float64: losses to 1e-10 relative,
+  parameters to 1e-10 absolute, as ``test_engine_oracle``), at W = 2 and 3 (uneven
+  shards), with 512-byte pieces so every message is many staged pieces. Each run must have
+  taken buffers from the staging pool (the staged path really ran), computed on the
+  stand-in, and sent exactly the bytes the same strategy sends on ``cpu``.
+* Oracle (transformer): single, dp, zero1/2/3, pipeline, tp (with and without sequence
+  parallel) and 3d meshes on host-staged equal NumPy's ``single`` (float64 1e-10, float32
+  1e-5) at W = 2 and 4.
 * The CLI: ``ringcomm train --device host-staged`` end to end, its JSON.
 * The GPU-only bookkeeping that can run on the host: the CuPy-pool meter against a fake
   pool, device selection, the array modules of the devices.
@@ -32,7 +37,7 @@ import pytest
 from conftest import compare_to_single
 
 import ringcomm as rc
-from ringcomm.device.standin import StandinArray
+from ringcomm.device.standin import STANDIN, StandinArray
 from ringcomm.engine.cli import run_training
 from ringcomm.engine.memory import CupyPoolMeter, device_used_bytes, make_meter, staging_stats
 from ringcomm.engine.strategy import (
@@ -150,8 +155,9 @@ def test_host_staged_strategies_match_single(
                 failures.append(f"{label}: rank {r} took no staging buffer: {res}")
             if not staged and res["staging_acquires"] != 0:
                 failures.append(f"{label}: rank {r} staged on cpu ({res['staging_acquires']})")
-            if res["array_module"] != "numpy":
-                failures.append(f"{label}: computed with {res['array_module']}")
+            want = STANDIN.__name__ if staged else "numpy"
+            if res["array_module"] != want:
+                failures.append(f"{label}: computed with {res['array_module']}, not {want}")
         sent[(cfg.strategy, cfg.schedule, cfg.micro_batches, cfg.optimizer, cfg.device)] = [
             res["sent_bytes_per_step"] for res in results
         ]
@@ -170,6 +176,124 @@ def test_host_staged_strategies_match_single(
     assert compared == len(ALSO_ON_CPU)
     print(f"n={n}: worst relative loss / absolute parameter error {worst:.3g}")
     assert not failures, "\n".join(failures)
+
+
+# -- the transformer on the stand-in device ------------------------------------------------
+TBASE = {
+    "model": "transformer",
+    "vocab": 8,
+    "seq_len": 4,
+    "d_model": 8,
+    "heads": 4,
+    "depth": 2,
+    "steps": 3,
+    "dtype": "float64",
+    "batch_size": 6,  # uneven over 4 replicas and over 4 micro-batches
+    "micro_batches": 2,
+    "export": True,
+    "timeout_s": 120.0,
+}
+TTOL = {"float64": 1e-10, "float32": 1e-5}
+
+
+def _t(strategy: str, n: int, **kw: Any) -> TrainConfig:
+    return TrainConfig(strategy=strategy, world_size=n, device="host-staged", **{**TBASE, **kw})
+
+
+#: Every strategy of the transformer on the stand-in device (both dtypes among them).
+TRANSFORMER_CASES = {
+    2: [
+        _t("dp", 2),
+        _t("zero1", 2),
+        _t("zero2", 2, dtype="float32"),
+        _t("zero3", 2),
+        _t("pipeline", 2),
+        _t("pipeline", 2, schedule="1f1b", dtype="float32"),
+        _t("tp", 2, tp=2),
+        _t("tp", 2, tp=2, sequence_parallel=True),
+        _t("tp", 2, tp=2, sequence_parallel=True, dtype="float32"),
+        _t("3d", 2, pp=2, schedule="1f1b"),
+    ],
+    4: [
+        _t("tp", 4, tp=4, dtype="float32"),
+        _t("pipeline", 4, micro_batches=4),
+        _t("3d", 4, dp=2, tp=2, sequence_parallel=True, zero=1),
+        _t("3d", 4, dp=2, pp=2, zero=2),
+        _t("3d", 4, pp=2, tp=2, sequence_parallel=True, dtype="float32"),
+    ],
+}
+
+
+def _tlabel(cfg: TrainConfig) -> str:
+    s = f"{cfg.strategy}-n{cfg.world_size}-dp{cfg.dp}-pp{cfg.pp}-tp{cfg.tp}-{cfg.dtype}"
+    if cfg.sequence_parallel:
+        s += "-sp"
+    if cfg.zero:
+        s += f"-zero{cfg.zero}"
+    return s + (f"-{cfg.schedule}-m{cfg.micro_batches}" if cfg.strategy == "pipeline" else "")
+
+
+_TSINGLE: dict[str, dict[str, Any]] = {}
+
+
+def _tsingle(dtype: str) -> dict[str, Any]:
+    """NumPy's ``single`` (device cpu): the oracle."""
+    if dtype not in _TSINGLE:
+        cfg = TrainConfig(strategy="single", **{**TBASE, "dtype": dtype})
+        _TSINGLE[dtype] = run_training(cfg)[0]
+    return _TSINGLE[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_host_staged_transformer_single_matches_numpy(dtype: str) -> None:
+    """One process: the stand-in device computes exactly what NumPy computes."""
+    cfg = TrainConfig(strategy="single", device="host-staged", **{**TBASE, "dtype": dtype})
+    res = run_training(cfg)[0]
+    assert res["array_module"] == STANDIN.__name__
+    failures: list[str] = []
+    err = compare_to_single(failures, f"single-{dtype}", [res], _tsingle(dtype), 3, TTOL[dtype])
+    assert not failures and err is not None and err <= TTOL[dtype], failures
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [2, 4])
+def test_host_staged_transformer_strategies_match_single(n: int, no_child_processes: None) -> None:
+    cases = TRANSFORMER_CASES[n]
+    per_rank = rc.spawn(staged_job, n, args=(cases,), timeout_s=200)
+    failures: list[str] = []
+    worst: dict[str, float] = {}
+    for k, cfg in enumerate(cases):
+        label = _tlabel(cfg)
+        results = [per_rank[r][k] for r in range(n)]
+        for r, res in enumerate(results):
+            if res["array_module"] != STANDIN.__name__:
+                failures.append(f"{label}: rank {r} computed with {res['array_module']}")
+            if not res["staging_acquires"] > 0:
+                failures.append(f"{label}: rank {r} took no staging buffer")
+        err = compare_to_single(
+            failures, label, results, _tsingle(cfg.dtype), cfg.steps, TTOL[cfg.dtype]
+        )
+        if err is not None:
+            worst[cfg.dtype] = max(worst.get(cfg.dtype, 0.0), err)
+    print(f"n={n}: worst relative loss / absolute parameter error per dtype: {worst}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(120)
+def test_gpu_e2e_transformer_check_runs_on_the_standin(no_child_processes: None) -> None:
+    """``tests/test_gpu_e2e.py``'s transformer job and checker, on the stand-in device (a
+    few cases): the GPU test's own code is exercised here, where CI runs."""
+    from test_gpu_e2e import check_transformer_results, transformer_cases, transformer_job
+
+    cases = transformer_cases(2, "host-staged")[-4:]
+    per_rank = rc.spawn(transformer_job, 2, args=(cases,), timeout_s=100)
+    assert not check_transformer_results(per_rank, cases, STANDIN.__name__)
+    # and it can fail: a wrong module, or losses off the oracle
+    assert check_transformer_results(per_rank, cases, "cupy")
+    per_rank[0]["cases"][0]["losses"][1] *= 1.001
+    assert any(
+        "loss rel err" in f for f in check_transformer_results(per_rank, cases, STANDIN.__name__)
+    )
 
 
 @pytest.mark.timeout(200)
@@ -200,19 +324,27 @@ def test_train_cli_host_staged(
 # -- the GPU-only bookkeeping, on the host ----------------------------------------------
 def test_device_array_modules() -> None:
     assert DEVICES == ("cpu", "cuda", "host-staged")
-    assert array_module("cpu") is np and array_module("host-staged") is np
+    assert array_module("cpu") is np and array_module("host-staged") is STANDIN
     with pytest.raises(StrategyUnavailable, match="cpu, cuda, host-staged"):
         array_module("tpu")
 
 
-def test_host_staged_hands_the_group_views_of_the_model_buffers() -> None:
-    """``as_comm`` wraps, never copies: what a collective writes lands in the model."""
+def test_host_staged_model_lives_on_the_standin_device() -> None:
+    """Parameters, gradients, optimizer state and the batch are device arrays; the group is
+    handed the buffers themselves (views: what a collective writes lands in the model)."""
     cfg = TrainConfig(strategy="single", device="host-staged", **{**BASE, "export": False})
     strat = strategy_class("single")(None, cfg)
+    for a in (strat.params, strat.grads, *strat.opt.state_arrays(), *strat.local_batch(0)):
+        assert isinstance(a, StandinArray)
     view = strat.as_comm(strat.params[3:9])
     assert isinstance(view, StandinArray)
     view.set(np.arange(6.0))
-    assert np.array_equal(strat.params[3:9], np.arange(6.0))
+    assert np.array_equal(strat.params[3:9].get(), np.arange(6.0))
+    # a host batch handed to a device layer is refused, as CuPy refuses it
+    x_host = strat.data.batch(0)[0]
+    with pytest.raises(TypeError, match=r"numpy\.ndarray mixed with stand-in"):
+        strat.layers[0].forward(strat.pviews[0], x_host)
+    assert strat.step(0) > 0  # (the step itself computes on the device only)
     cpu = strategy_class("single")(None, TrainConfig(strategy="single", **BASE))
     assert cpu.as_comm(cpu.params) is cpu.params and cpu.device_id is None
     assert staging_stats(None) == {"bytes": 0, "acquires": 0}

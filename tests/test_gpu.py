@@ -400,12 +400,11 @@ def test_devices_and_the_mps_warning(world_size: int) -> None:
     process naming the fix; with MPS, or one rank per GPU: none."""
     import cupy
 
-    from ringcomm.config import mps_pipe_directory
-    from ringcomm.device.ipc import mps_active
+    from ringcomm.config import mps_active
 
     gpus = int(cupy.cuda.runtime.getDeviceCount())
     got = rc.spawn(job_devices, world_size, timeout_s=100)
-    mps = mps_active(mps_pipe_directory())
+    mps = mps_active()
     n = world_size
     shared = n > gpus
     for r, res in enumerate(got):

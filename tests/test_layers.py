@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.config": 0,
     "ringcomm.device.xp": 0,  # the only module that imports cupy
     "ringcomm.device.standin": 0,  # the host stand-in for cupy.ndarray; xp imports it, it imports nothing
+    "ringcomm.device.standin_math": 0,  # the stand-in's arithmetic (imports nothing of ours)
     "ringcomm.standin": 0,  # the old name of device.standin, a re-export
     "ringcomm.schedule": 0,  # pure schedules
     "ringcomm.costmodel": 0,  # the alpha-beta-gamma cost model (pure)
@@ -79,6 +80,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.bench": 8,
     "ringcomm.launch": 8,
     "ringcomm.torch_backend": 8,
+    "ringcomm.torch_device": 8,  # the torch backend's device tensors and streams
     "ringcomm.cli": 8,
     "ringcomm.trace_cli": 8,
     "ringcomm.model_cli": 8,
@@ -93,7 +95,7 @@ CONFINED = {
     "zmq": ("ringcomm.transport",),  # today: transport.zmq_transport and transport.rpc
     "cupy": ("ringcomm.device.xp",),
     "cupyx": ("ringcomm.device.xp",),
-    "torch": ("ringcomm.torch_backend", "ringcomm.bench.gloo"),
+    "torch": ("ringcomm.torch_backend", "ringcomm.torch_device", "ringcomm.bench.gloo"),
 }
 
 # "engine never touches the transport, only a ProcessGroup" (DESIGN §3).

@@ -189,3 +189,13 @@ def test_gpipe_bubble_formula() -> None:
     assert gpipe_bubble(1, 4) == 0.0
     assert gpipe_bubble(2, 4) == pytest.approx(1 / 5)
     assert gpipe_bubble(4, 1) == pytest.approx(3 / 4)
+
+
+def test_shared_bubble_floor() -> None:
+    from ringcomm.schedule.pipeline import shared_bubble_floor
+
+    assert shared_bubble_floor(4, 1) == 0.75  # 4 stages on one GPU without MPS
+    assert shared_bubble_floor(4, 2) == 0.5
+    assert shared_bubble_floor(4, 4) == 0.0 and shared_bubble_floor(2, 8) == 0.0
+    with pytest.raises(ValueError, match="units >= 1"):
+        shared_bubble_floor(4, 0)

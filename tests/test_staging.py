@@ -148,8 +148,11 @@ def test_standin_array_and_xp() -> None:
     assert isinstance(a[1], StandinArray) and np.array_equal(a[1].get(), [4, 5, 6, 7])
     assert get_xp(a).empty((2,), np.int8).shape == (2,)
     assert isinstance(backend_for(a), HostStandinBackend)
-    with pytest.raises(TypeError, match="basic indexing"):
-        a[[0, 2]]
+    picked = a[[0, 2]]  # advanced indexing: a copy, as CuPy's (basic indexing: views)
+    assert isinstance(picked, StandinArray) and not get_xp(a).may_share_memory(picked, a)
+    assert np.array_equal(picked.get(), [[0, 1, 2, 3], [8, 9, 10, 11]])
+    with pytest.raises(TypeError, match=r"numpy\.ndarray mixed with stand-in"):
+        a[np.array([0, 2])]  # a host index array: copy it over first, as CuPy requires
 
 
 # --------------------------------------------------------------------------- multi-process

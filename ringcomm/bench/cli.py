@@ -396,11 +396,10 @@ def _nccl_dtypes() -> frozenset[str]:
 
 def gpu_line(world_size: int) -> str:
     """``2 ranks on 1 GPU (NVIDIA H200), MPS daemon running`` (the header's GPU part)."""
-    from ringcomm.config import mps_pipe_directory
-    from ringcomm.device.ipc import mps_active
+    from ringcomm.config import mps_active
     from ringcomm.device.xp import cupy_or_none
 
-    mps = "MPS daemon running" if mps_active(mps_pipe_directory()) else "no MPS daemon"
+    mps = "MPS daemon running" if mps_active() else "no MPS daemon"
     cp = cupy_or_none()
     try:
         count = int(cp.cuda.runtime.getDeviceCount()) if cp is not None else 0

@@ -142,9 +142,8 @@ class RingcommImpl:
 
     def prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
         self._op = spec.op
-        core = getattr(self.pg, "core", None)
-        if core is not None:  # *-staged measure the staging path: no device windows
-            core.device_windows = self.device not in STAGED_DEVICES
+        if hasattr(self.pg, "device_windows"):  # *-staged measure host staging: no windows
+            self.pg.device_windows = self.device not in STAGED_DEVICES
         step = self._prepare(spec, data)
         stream = self._stream
         if stream is None:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..buffers import check_array, check_peer
-from ..config import ipc_small_bytes, ipc_window_bytes, mps_pipe_directory
+from ..config import ipc_small_bytes, ipc_window_bytes, mps_active
 from ..device.ipc import ipc_device_for
 from ..device.staging import backend_for
 from ..device.xp import get_xp, is_device_array
@@ -355,7 +355,7 @@ def _run_on_windows(
     ext = calls.extensions.get(IPC_ALGO)
     if ext is None:
         ext = calls.extensions[IPC_ALGO] = IpcCollectives(
-            calls, ipc_window_bytes(), ipc_small_bytes(), mps_pipe_directory()
+            calls, ipc_window_bytes(), ipc_small_bytes(), mps_active()
         )
     arr = call.x if call.x is not None else call.out
     stream = None if arr is None else ipc_device_for(arr).caller_stream()

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..device.ipc import IpcDevice, LocalWindow, ipc_device_for, mps_active
+from ..device.ipc import IpcDevice, LocalWindow, ipc_device_for
 from ..errors import CollectiveMismatchError, CommTimeoutError, PeerFailedError, RingcommError
 from ..ops import ReduceOp
 from .base import Call
@@ -100,7 +100,7 @@ class IpcCollectives:
 
     def __init__(
         self, calls: WorkspaceCollectives, buffer_bytes: int, small_bytes: int = SMALL_BYTES,
-        mps_pipe_dir: str | None = None,
+        mps: bool = False,
     ) -> None:  # fmt: skip
         self.calls = calls
         self.core = calls.core
@@ -112,7 +112,6 @@ class IpcCollectives:
         self.offer_bytes = max(256, buffer_bytes // 256 * 256)
         self.buffer_bytes = 0
         self.small_bytes = small_bytes
-        self.mps_pipe_dir = mps_pipe_dir
         self.device: IpcDevice | None = None
         self.window: LocalWindow | None = None
         self.wins: list[Any] = []  # rank -> its window (uint8 device array), ours included
@@ -120,9 +119,9 @@ class IpcCollectives:
         self.events: list[Any] = []  # our two events
         self.peer_events: list[list[Any] | None] = []  # rank -> its two events, opened here
         #: Ranks per physical device of this group (identity -> group ranks), and whether
-        #: the MPS daemon serves this host.
+        #: the MPS daemon serves this host (``ringcomm.config.mps_active``).
         self.sharing: dict[str, list[int]] = {}
-        self.mps = False
+        self.mps = mps
         self.failed = False
         self.closed = False
         self._stream: Any = None  # the stream of the running call
@@ -142,6 +141,7 @@ class IpcCollectives:
         if arr is None:  # barrier, or a scatter onto nothing: the host's
             return self.calls.run_host(job, call)
         device = ipc_device_for(arr)
+        device.calls += 1
         stream = job.device if job.device is not None else device.caller_stream()
         self._stream = self._last_stream = stream
         self._waits = {}
@@ -252,7 +252,6 @@ class IpcCollectives:
 
     def _warn_if_sharing(self, device: IpcDevice) -> None:
         """Several ranks of this host on one GPU without MPS: one warning per process."""
-        self.mps = self.mps_pipe_dir is not None and mps_active(self.mps_pipe_dir)
         shared = [ranks for ranks in self.sharing.values() if len(ranks) > 1]
         if device.kind != "cupy" or not shared or self.mps or _WARNED:
             return

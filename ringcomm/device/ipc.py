@@ -49,7 +49,6 @@ __all__ = [
     "LocalWindow",
     "StandinIpcDevice",
     "ipc_device_for",
-    "mps_active",
 ]
 
 #: Where a stand-in window starts in its segment: never at the base, so a peer that forgot
@@ -195,6 +194,8 @@ class IpcDevice:
     def __init__(self) -> None:
         self.cache = HandleCache(self._open_mapping, self._close_mapping)
         self._pinned: np.ndarray | None = None
+        #: Collective calls this process ran on this device's windows (all groups).
+        self.calls = 0
 
     # streams and events
     def caller_stream(self) -> Any:
@@ -698,7 +699,3 @@ def ipc_device_for(x: Any) -> IpcDevice:
                 _DEVICES[key] = device
     return device
 
-
-def mps_active(pipe_dir: str) -> bool:
-    """Whether an MPS control daemon serves ``pipe_dir`` (its control pipe exists there)."""
-    return os.path.exists(os.path.join(pipe_dir, "control"))

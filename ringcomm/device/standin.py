@@ -1,8 +1,10 @@
 """A NumPy array posing as device memory: the host stand-in for ``cupy.ndarray``.
 
-:class:`StandinArray` wraps a contiguous NumPy array and exposes the small part of CuPy's
+:class:`StandinArray` wraps a NumPy array and exposes the small part of CuPy's
 ndarray surface ringcomm uses (shape, dtype, sizes, views by ``reshape``/``view``/basic
-slicing, ``get()``/``set()``). ringcomm treats it exactly like a CuPy array: every
+slicing, ``get()``/``set()``) and, through :mod:`~ringcomm.device.standin_math`, the
+arithmetic the training engine computes with (:data:`STANDIN` is its ``xp``; it never turns
+into a NumPy array implicitly). ringcomm treats it exactly like a CuPy array: every
 collective and p2p call on it takes the *staged* path (``ringcomm.device.staging``: pinned staging
 buffers, a stream, events), with NumPy copies and ufuncs standing in for CUDA copies and
 kernels. So a machine without a GPU exercises the staging bookkeeping; what it cannot
@@ -26,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .standin_math import ArrayMath, ModuleMath, host_operand
+
 __all__ = ["STANDIN", "StandinArray", "StandinModule", "set_read_barrier", "standin_array"]
 
 #: What ``get()`` runs before it reads (the stand-in stream's synchronize; empty: nothing).
@@ -39,8 +43,8 @@ def set_read_barrier(fn: Callable[[], None]) -> None:
     _READ_BARRIER[:] = [fn]
 
 
-class StandinArray:
-    """Stand-in device array: a view of a NumPy array that only staging code reads."""
+class StandinArray(ArrayMath):
+    """Stand-in device array: a NumPy array that only staging code and its own methods read."""
 
     __slots__ = ("__weakref__", "_host")
 
@@ -88,21 +92,10 @@ class StandinArray:
         return StandinArray(self._host.view(dtype))
 
     def __getitem__(self, index: Any) -> StandinArray:
-        view = self._host[index]
-        if not isinstance(view, np.ndarray) or (
-            view.size and not np.may_share_memory(view, self._host)
-        ):
-            raise TypeError("StandinArray supports basic indexing (views) only")
-        return StandinArray(view)
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        """``a[index] = value`` (what a CuPy assignment kernel does, done at once: the
-        stand-in's memory is the host's)."""
-        self._host[index] = value._host if isinstance(value, StandinArray) else value
-
-    def __itruediv__(self, other: Any) -> StandinArray:  # noqa: PYI034 (no Self before 3.11)
-        self._host /= other
-        return self
+        """Basic indexing gives a view, advanced indexing (stand-in index arrays, lists) a
+        copy, one element a 0-d array: CuPy's semantics. NumPy index arrays are refused."""
+        got = self._host[host_operand(index, "stand-in __getitem__")]
+        return StandinArray(got if isinstance(got, np.ndarray) else np.asarray(got))
 
     def copy(self) -> StandinArray:
         return StandinArray(self._host.copy())
@@ -121,10 +114,14 @@ class StandinArray:
         return f"StandinArray({self._host!r})"
 
 
-class StandinModule:
-    """What ``get_xp`` returns for stand-in arrays: allocation and overlap helpers."""
+class StandinModule(ModuleMath):
+    """What ``get_xp`` returns for stand-in arrays: allocation and overlap helpers, and
+    (:class:`~ringcomm.device.standin_math.ModuleMath`) NumPy's functions over stand-in
+    arrays."""
 
     __name__ = "ringcomm.device.standin"
+    _array_type = StandinArray
+    ndarray = StandinArray
 
     @staticmethod
     def empty(shape: Any, dtype: Any = float) -> StandinArray:
@@ -135,16 +132,20 @@ class StandinModule:
         return StandinArray(np.zeros(shape, dtype))
 
     @staticmethod
-    def empty_like(a: StandinArray) -> StandinArray:
-        return StandinArray(np.empty_like(a._host))
+    def empty_like(a: StandinArray, dtype: Any = None) -> StandinArray:
+        return StandinArray(np.empty_like(a._host, dtype))
 
     @staticmethod
-    def concatenate(arrays: Any) -> StandinArray:
-        return StandinArray(np.concatenate([a._host for a in arrays]))
+    def zeros_like(a: StandinArray, dtype: Any = None) -> StandinArray:
+        return StandinArray(np.zeros_like(a._host, dtype))
 
     @staticmethod
-    def asarray(a: Any) -> StandinArray:
-        return a if isinstance(a, StandinArray) else StandinArray(np.array(a, copy=True))
+    def asarray(a: Any, dtype: Any = None) -> StandinArray:
+        """``a`` on the device: a stand-in array as it is (or cast to ``dtype``), anything
+        else (a NumPy array, a list, a scalar) copied over, like ``cupy.asarray``."""
+        if isinstance(a, StandinArray):
+            return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
+        return StandinArray(np.array(a, dtype=dtype, copy=True))
 
     @staticmethod
     def may_share_memory(a: StandinArray, b: StandinArray) -> bool:

@@ -41,7 +41,7 @@ from .strategy import (
     TrainConfig,
     array_module,
 )
-from .train import summarize, train_rank
+from .train import bubble_lines, summarize, train_rank
 from .transformer import check_tp_sizes
 
 #: Thread pools capped at one per rank (ranks share the cores).
@@ -55,10 +55,7 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             raise ValueError(f"strategy single runs on one process; got -n {cfg.world_size}")
         return [train_rank(None, cfg)]
     # (one thread pool per rank: ranks share the cores; a value the user set stays)
-    env: dict[str, str | None] = {k: os.environ.get(k, "1") for k in _THREAD_VARS}
-    if cfg.device == "host-staged":  # the staging path, not the device windows (ipc)
-        env["RINGCOMM_IPC"] = "0"
-    with environ_changed(env):
+    with environ_changed({k: os.environ.get(k, "1") for k in _THREAD_VARS}):
         return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s,
                           elastic=cfg.elastic, max_restarts=cfg.max_restarts))  # fmt: skip
 
@@ -198,8 +195,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     elif args.strategy == "pipeline":
         if not 1 <= args.micro_batches <= args.batch_size:
             raise UsageError(f"--micro-batches must be in [1, --batch-size {args.batch_size}]")
-        if 3 * args.depth + 1 < n:
-            raise UsageError(f"pipeline: {3 * args.depth + 1} layers cannot fill {n} stages")
+        layers = args.depth + 3 if (args.model or "mlp") == "transformer" else 3 * args.depth + 1
+        if layers < n:
+            raise UsageError(f"pipeline: {layers} layers cannot fill {n} stages")
     elif args.strategy != "tp" and args.batch_size < n:
         raise UsageError(f"--batch-size {args.batch_size} leaves ranks without rows at -n {n}")
     if args.bucket_bytes is not None:
@@ -312,11 +310,8 @@ def _mesh_from_args(args: argparse.Namespace, n: int) -> dict[str, Any]:
     model = args.model or ("transformer" if parallel else "mlp")
     if model == "transformer" and strategy not in TRANSFORMER_STRATEGIES:
         raise UsageError(
-            f"--model transformer runs with --strategy {', '.join(TRANSFORMER_STRATEGIES)} "
-            "(pipeline stages of blocks: --strategy 3d --pp P)"
+            f"--model transformer runs with --strategy {', '.join(TRANSFORMER_STRATEGIES)}"
         )
-    if model == "transformer" and args.device == "cuda":
-        raise UsageError("--model transformer runs on --device cpu or host-staged (not yet cuda)")
     if parallel and model != "transformer":
         raise UsageError(f"--strategy {strategy} trains --model transformer")
     if not parallel:
@@ -396,11 +391,7 @@ def format_summary(result: dict[str, Any]) -> str:
     if "peak_bytes_source" in result:
         lines.append(f"peak: {result['peak_bytes_source']}")
     if "bubble_fraction" in result:
-        lines.append(
-            f"pipeline {result['schedule']}, {result['micro_batches']} micro-batches: bubble "
-            f"{result['bubble_fraction']:.3f} measured, {result['bubble_fraction_theory']:.3f} "
-            "= (p-1)/(m+p-1)"
-        )
+        lines += bubble_lines(result)
     if "mesh_shape" in result:
         ms = result["mesh_shape"]
         lines.append(

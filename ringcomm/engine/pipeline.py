@@ -70,8 +70,9 @@ class Pipeline(Strategy):
         self.opt = make_optimizer(cfg.optimizer, xp, self.layout.total, self.dtype, cfg.lr)
         self.order = stage_orders(p, cfg.micro_batches, cfg.schedule)[s]
         self.micro = split_rows(cfg.batch_size, cfg.micro_batches)
-        self.in_dim = self.layers[a].in_features
-        self.out_dim = self.layers[b - 1].out_features
+        # Per-sample shapes of what this stage receives and sends (a >= 1 when it receives).
+        self.in_shape = cfg.activation_shape(self.layers, a - 1) if a > 0 else ()
+        self.out_shape = cfg.activation_shape(self.layers, b - 1)
         self.busy_s: list[float] = []
         self.span_s: list[float] = []
         self.max_live = 0
@@ -103,7 +104,7 @@ class Pipeline(Strategy):
                 if self.first:
                     x = x_all[r0:r1]
                 else:
-                    x = xp.empty((r1 - r0, self.in_dim), self.dtype)
+                    x = xp.empty((r1 - r0, *self.in_shape), self.dtype)
                     pg.recv(self.as_comm(x), src=s - 1, tag=2 * i)
                 self.sync()
                 t0 = time.perf_counter()
@@ -128,7 +129,7 @@ class Pipeline(Strategy):
                     t0 = time.perf_counter()
                     dy = self.loss.backward(loss_cache)
                 else:
-                    dy = xp.empty((r1 - r0, self.out_dim), self.dtype)
+                    dy = xp.empty((r1 - r0, *self.out_shape), self.dtype)
                     pg.recv(self.as_comm(dy), src=s + 1, tag=2 * i + 1)
                     self.sync()
                     t0 = time.perf_counter()

@@ -25,15 +25,18 @@ global batch per step (:meth:`TrainConfig.build_data`: the MLP's
 seeded initialisation (:func:`~ringcomm.engine.params.init_layer`), the loss summed over
 the global batch and divided by its size.
 
-Devices (``cfg.device``, :data:`DEVICES`): ``cpu`` keeps everything in NumPy arrays;
-``cuda`` keeps parameters, gradients, optimizer state and activations in CuPy arrays on
-GPU ``rank % device_count`` (the batch is drawn on the host from the seed, as on the CPU,
-then copied over), and ringcomm stages them through pinned host buffers itself;
-``host-staged`` computes in NumPy but hands the group every model buffer as a
-:class:`~ringcomm.device.standin.StandinArray` view of the same memory, so every collective and
-p2p call on them takes the staged device path (the one CuPy arrays take) on a machine
-without a GPU. Strategies pass each buffer through :attr:`Strategy.as_comm` before giving
-it to the group, and call :meth:`Strategy.sync` before reading a clock.
+Devices (``cfg.device``, :data:`DEVICES`; :func:`array_module` gives each one's ``xp``):
+``cpu`` keeps everything in NumPy arrays; ``cuda`` keeps parameters, gradients, optimizer
+state, the batch and activations in CuPy arrays on GPU ``rank % device_count`` (the batch
+is drawn on the host from the seed, as on the CPU, then copied over); ``host-staged`` does
+the same on the host stand-in device (:mod:`ringcomm.device.standin`: NumPy underneath, but
+a device array that never turns into a NumPy array implicitly, whose collectives and p2p
+take the device path CuPy arrays take). One code path: a strategy computes with ``self.xp``
+only, moves host data over with ``xp.asarray`` and reads results back with ``float()`` or
+``to_host``, so a step that would read device memory with NumPy fails on the stand-in as it
+would on a GPU. Strategies pass each buffer through :attr:`Strategy.as_comm` before giving
+it to the group (today the buffer itself on every device), and call :meth:`Strategy.sync`
+before reading a clock.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ringcomm.device.standin import StandinArray
+from ringcomm.device.standin import STANDIN
 from ringcomm.device.xp import cupy_or_none
 from ringcomm.schedule.partition import split_rows
 
@@ -83,7 +86,7 @@ STRATEGIES: dict[str, str] = {
 #: Every name ``--strategy`` accepts (DESIGN.md §2), registered or not.
 STRATEGY_NAMES = ("single", "dp", "ps", "zero1", "zero2", "zero3", "pipeline", "tp", "3d")
 #: The strategies that run ``--model transformer``.
-TRANSFORMER_STRATEGIES = ("single", "dp", "zero1", "zero2", "zero3", "tp", "3d")
+TRANSFORMER_STRATEGIES = ("single", "dp", "zero1", "zero2", "zero3", "pipeline", "tp", "3d")
 #: What ``--device`` accepts: NumPy, CuPy on a GPU, NumPy through the staged device path.
 DEVICES = ("cpu", "cuda", "host-staged")
 
@@ -150,6 +153,18 @@ class TrainConfig:
             )
         return mlp(self.in_features, self.hidden, self.depth, self.classes, self.act)
 
+    def activation_shape(self, layers: list[Layer], i: int) -> tuple[int, ...]:
+        """Shape of one sample's output of ``layers[i]`` (what a pipeline stage ending at
+        layer ``i`` sends the next): the residual stream ``(seq_len, d_model)`` of the
+        transformer (its logits after the head), ``(out_features,)`` of an MLP layer."""
+        if self.model == "transformer":
+            return (self.seq_len, self.d_model if i < len(layers) - 1 else self.vocab)
+        return (layers[i].out_features,)
+
+    def num_layers(self) -> int:
+        """Layers of the unsplit model (what pipeline stages divide)."""
+        return self.depth + 3 if self.model == "transformer" else 3 * self.depth + 1
+
     def build_data(self) -> Any:
         """The seeded task: next tokens (transformer) or classes (MLP)."""
         if self.model == "transformer":
@@ -166,10 +181,13 @@ class TrainConfig:
 
 
 def array_module(device: str) -> ModuleType:
-    """The array module computing on ``device``: numpy for ``cpu`` and ``host-staged``;
-    cupy for ``cuda`` (StrategyUnavailable without CuPy or a GPU)."""
-    if device in ("cpu", "host-staged"):
+    """The array module computing on ``device``: numpy for ``cpu``; the host stand-in
+    device's module (:data:`ringcomm.device.standin.STANDIN`) for ``host-staged``; cupy for
+    ``cuda`` (StrategyUnavailable without CuPy or a GPU)."""
+    if device == "cpu":
         return np
+    if device == "host-staged":
+        return STANDIN  # type: ignore[return-value]  # (duck-typed like a module)
     if device == "cuda":
         cp = cupy_or_none()
         if cp is None:
@@ -232,8 +250,8 @@ class Strategy:
         #: The GPU this rank computes on (``cuda``), else None.
         self.device_id = select_device(self.xp, self.rank) if cfg.device == "cuda" else None
         #: ``as_comm(buffer)``: what the group is handed for a model buffer (see the module
-        #: docstring): the buffer itself, or a stand-in device view of it (``host-staged``).
-        self.as_comm: Any = StandinArray if cfg.device == "host-staged" else _as_is
+        #: docstring): the buffer itself (it is an ``xp`` array on every device).
+        self.as_comm: Any = _as_is
         self.dtype = np.dtype(cfg.dtype)
         self.layers = cfg.build_model()
         self.data = cfg.build_data()

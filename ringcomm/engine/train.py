@@ -15,18 +15,20 @@ module, so the engine never imports the launcher).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ringcomm.schedule.pipeline import gpipe_bubble
+from ringcomm.config import mps_active
+from ringcomm.schedule.pipeline import gpipe_bubble, shared_bubble_floor
 
 from .elastic import run_elastic
 from .memory import TracemallocMeter, make_meter, staging_stats
 from .strategy import TrainConfig, array_module, strategy_class
 
-__all__ = ["describe_model", "summarize", "train_rank"]
+__all__ = ["bubble_lines", "describe_model", "stage_placement", "summarize", "train_rank"]
 
 #: BLAS threads per rank when several ranks share a host (set unless already set).
 
@@ -54,6 +56,8 @@ def _staging_probe(strat: Any) -> Any:
 
 def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank (``pg`` None: single process); return its measurements."""
+    if pg is not None and cfg.device == "host-staged":
+        pg.device_windows = False  # host staging, not the device windows (ipc): its point
     meter = make_meter(cfg.device, array_module(cfg.device))
     meter.start()
     if cfg.elastic:
@@ -143,6 +147,66 @@ def pipeline_bubble(per_rank: Sequence[dict[str, Any]]) -> list[float]:
     return out
 
 
+def stage_placement(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Where the pipeline's stages computed, and the bubble that alone implies: ``units``
+    compute units (distinct GPUs on ``cuda``, without MPS each runs one process's kernels
+    at a time; else the CPU cores this job may use) shared by ``stages`` stage processes,
+    so the measured bubble is at least ``shared_floor`` = ``1 - units/stages`` whatever the
+    schedule (:func:`~ringcomm.schedule.pipeline.shared_bubble_floor`). The formula
+    ``(p-1)/(m+p-1)`` assumes a unit per stage."""
+    stages = len(per_rank)
+    if cfg.device == "cuda":
+        kind = "GPU"
+        units = len({r["device_id"] for r in per_rank})
+        mps = mps_active()
+        floor_units = stages if mps else units  # (MPS: kernels of the stages may overlap)
+    else:
+        kind, mps = "CPU core", False
+        units = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        units = min(units, os.cpu_count() or units)
+        floor_units = units
+    return {
+        "stages": stages,
+        "units": min(units, stages),
+        "unit": kind,
+        "mps": mps,
+        "shared_floor": shared_bubble_floor(stages, min(floor_units, stages)),
+    }
+
+
+def bubble_lines(result: dict[str, Any]) -> list[str]:
+    """The pipeline's bubble for people: measured, the formula, and (when stages share a
+    compute unit) why the two differ."""
+    measured, theory = result["bubble_fraction"], result["bubble_fraction_theory"]
+    place = result["pipeline_placement"]
+    p, m = place["stages"], result["micro_batches"]
+    head = (
+        f"pipeline {result['schedule']}, {m} micro-batches: bubble {measured:.3f} measured, "
+        f"{theory:.3f} by the formula (p-1)/(m+p-1) = {p - 1}/{m + p - 1}, which assumes "
+        f"each of the {p} stages computes on its own {place['unit']}"
+    )
+    lines = [head]
+    if place["shared_floor"] > 0:
+        units, unit = place["units"], place["unit"]
+        plural = "s" if units > 1 else ""
+        why = (
+            "kernels of different processes do not run concurrently on one GPU without MPS"
+            if unit == "GPU"
+            else "a core runs one stage at a time"
+        )
+        lines.append(
+            f"  here {p} stages share {units} {unit}{plural} ({why}): at most {units} "
+            f"stage{plural} compute{'' if plural else 's'} at once, so the measured bubble is "
+            f"at least 1 - {units}/{p}"
+            f" = {place['shared_floor']:.3f} whatever the schedule, a floor the formula does "
+            "not include: a measured figure above the formula here is the placement, not a "
+            "schedule bug"
+        )
+    elif place["unit"] == "GPU" and place["mps"]:
+        lines.append("  (MPS is active: the stages' kernels may overlap on a shared GPU)")
+    return lines
+
+
 def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The ``train --json`` object (DESIGN.md §2) plus extra keys."""
     loss_rank = per_rank[0]["loss_rank"]
@@ -224,6 +288,7 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
             bubble_fraction_best=min(measured) if measured else 0.0,
             bubble_fraction_per_step=bubbles,
             bubble_fraction_theory=gpipe_bubble(len(per_rank), cfg.micro_batches),
+            pipeline_placement=stage_placement(cfg, per_rank),
         )
         for row, r in zip(out["per_rank"], per_rank):
             peaks = r["extra"]["activation_peak_bytes"]

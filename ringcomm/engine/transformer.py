@@ -128,6 +128,15 @@ def _flat(x: Any) -> Any:
     return x.reshape(-1, x.shape[-1])
 
 
+def _scatter_rows(rows: Any, inside: Any, values: Any, n_rows: int) -> Any:
+    """``(n_rows, d)``: row ``r`` the sum of the ``values`` rows whose index in ``rows``
+    is ``r`` (entries where ``inside`` is False left out). A one-hot matrix product, not
+    ``add.at`` (which CuPy lacks): deterministic on a GPU, no atomics, one code path."""
+    xp = get_xp(values)
+    hits = (rows.reshape(-1, 1) == xp.arange(n_rows).reshape(1, -1)) & inside.reshape(-1, 1)
+    return hits.astype(values.dtype).T @ values
+
+
 class TokenEmbedding(TPLayer):
     """Vocab-parallel token embedding plus learned positions (replicated)."""
 
@@ -169,10 +178,9 @@ class TokenEmbedding(TPLayer):
 
     def backward(self, p: Params, g: Params, cache: Any, dy: Any) -> Any:
         rows, inside = cache
-        xp = get_xp(dy)
         g["pos"][self._positions()] += dy.sum(axis=0)
         dy = exit_tp(self.tp).backward(self.tp, dy)
-        xp.add.at(g["tok"], rows[inside], dy[inside])
+        g["tok"] += _scatter_rows(rows, inside, _flat(dy), g["tok"].shape[0])
         return None  # token ids have no gradient
 
 
@@ -372,18 +380,19 @@ class VocabParallelCrossEntropy:
         e = xp.exp(z)
         local = xp.asarray(targets).reshape(-1) - tp.rank * v_local
         inside = (local >= 0) & (local < v_local)
-        rows = xp.arange(n)
-        sums = xp.stack([e.sum(axis=1), xp.where(inside, z[rows, xp.where(inside, local, 0)], 0)])
+        cols = xp.where(inside, local, 0)  # (targets in another shard: column 0, masked)
+        sums = xp.stack([e.sum(axis=1), xp.where(inside, z[xp.arange(n), cols], 0)])
         if tp.size > 1:
             tp.group.all_reduce(sums)  # [sum of exp, target logit] over the vocab shards
         loss = (xp.log(sums[0]) - sums[1]).sum() / self.scale
-        return loss, (e / sums[0][:, None], local, inside, logits.shape)
+        return loss, (e / sums[0][:, None], cols, inside, logits.shape)
 
     def backward(self, cache: Any) -> Any:
-        probs, local, inside, shape = cache
+        probs, cols, inside, shape = cache
         xp = get_xp(probs)
         d = probs
-        d[xp.arange(d.shape[0])[inside], local[inside]] -= 1.0
+        # one entry per row (no repeated index): minus one at the target, if in this shard
+        d[xp.arange(d.shape[0]), cols] -= inside.astype(d.dtype)
         return (d / self.scale).reshape(shape)
 
 

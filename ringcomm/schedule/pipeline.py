@@ -26,6 +26,7 @@ __all__ = [
     "gpipe_bubble",
     "live_activations",
     "schedule",
+    "shared_bubble_floor",
     "simulate",
     "stage_orders",
 ]
@@ -146,3 +147,14 @@ def gpipe_bubble(p: int, m: int) -> float:
     """The pipeline bubble of GPipe (and 1F1B): ``(p-1)/(m+p-1)``."""
     _check(p, m)
     return (p - 1) / (m + p - 1)
+
+
+def shared_bubble_floor(p: int, units: int) -> float:
+    """The least bubble of ``p`` stages that share ``units`` compute units, each running
+    one stage at a time (several stage processes on one GPU without MPS, or on one core):
+    at most ``units`` stages compute at once, so ``sum(busy) <= units * makespan`` and the
+    bubble ``1 - sum(busy) / (p * makespan)`` is at least ``1 - units/p`` whatever the
+    schedule. 0 when every stage has a unit of its own."""
+    if p < 1 or units < 1:
+        raise ValueError(f"need p >= 1 stages and units >= 1, got p={p}, units={units}")
+    return max(0.0, 1.0 - units / p)
