@@ -698,4 +698,3 @@ def ipc_device_for(x: Any) -> IpcDevice:
                     device = CupyIpcDevice(cp, key[1])
                 _DEVICES[key] = device
     return device
-
