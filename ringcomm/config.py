@@ -34,9 +34,11 @@ convention it came from.
 Settings that belong to no group are small pure functions of the same mapping, each
 raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
 with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
-(``RINGCOMM_STAGING_MAX_BYTES``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
-:func:`env_token` (``RINGCOMM_TOKEN``), :func:`env_trace_dir` (``RINGCOMM_TRACE_DIR``)
-and :func:`env_master_addr`
+(``RINGCOMM_STAGING_MAX_BYTES``), :func:`ipc_enabled`, :func:`ipc_window_bytes` and
+:func:`ipc_small_bytes` (``RINGCOMM_IPC``, ``RINGCOMM_IPC_WINDOW_BYTES``,
+``RINGCOMM_IPC_SMALL_BYTES``: the device windows), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
+:func:`env_token` (``RINGCOMM_TOKEN``), :func:`env_trace_dir`
+(``RINGCOMM_TRACE_DIR``) and :func:`env_master_addr`
 (``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
 variable: they take these values as arguments.
 """
@@ -60,6 +62,8 @@ from ringcomm.errors import RendezvousError
 __all__ = [
     "BIND_MODES",
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_IPC_SMALL_BYTES",
+    "DEFAULT_IPC_WINDOW_BYTES",
     "DEFAULT_PS_LOG_LEVEL",
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
@@ -81,6 +85,9 @@ __all__ = [
     "env_trace_dir",
     "environ_changed",
     "format_size",
+    "ipc_enabled",
+    "ipc_small_bytes",
+    "ipc_window_bytes",
     "mpirun_job_id",
     "mpirun_master_port",
     "parse_size",
@@ -106,6 +113,12 @@ BIND_MODES = ("auto", "none", "core")
 TRANSPORT_MODES = ("auto", "ipc", "tcp")
 #: Most pinned bytes one staging pool keeps, without RINGCOMM_STAGING_MAX_BYTES.
 DEFAULT_STAGING_MAX_BYTES = 1 << 30
+#: Bytes of each of the two buffers of a rank's device window (ringcomm.collectives.ipc),
+#: without RINGCOMM_IPC_WINDOW_BYTES: a round of a large device collective.
+DEFAULT_IPC_WINDOW_BYTES = 64 << 20
+#: Device collectives up to this many bytes go through the host (a pinned copy), without
+#: RINGCOMM_IPC_SMALL_BYTES.
+DEFAULT_IPC_SMALL_BYTES = 16 << 10
 #: RINGCOMM_PS_LOG values (logging's level names, any case) and the default.
 PS_LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
 DEFAULT_PS_LOG_LEVEL = "WARNING"
@@ -576,6 +589,41 @@ def staging_max_bytes(env: Mapping[str, str] | None = None) -> int:
         return parse_size(str(found.value))
     except ValueError as exc:
         raise ValueError(f"{found.describe()}: {exc}") from None
+
+
+def _size_setting(env: Mapping[str, str] | None, name: str, default: int, least: int) -> int:
+    found = _env_setting(_environ(env), name)
+    if found is None:
+        return default
+    try:
+        value = parse_size(str(found.value))
+    except ValueError as exc:
+        raise ValueError(f"{found.describe()}: {exc}") from None
+    if value < least:
+        raise ValueError(f"{found.describe()}: must be at least {least} bytes")
+    return value
+
+
+def ipc_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``RINGCOMM_IPC``: whether device arrays on a group of one host use device windows
+    (``algo="ipc"``, the default); ``0`` sends them through host staging as across hosts
+    (what ``--device host-staged`` measures and trains with)."""
+    found = _env_setting(_environ(env), "RINGCOMM_IPC")
+    return True if found is None else _parse_bool(found)
+
+
+def ipc_window_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``RINGCOMM_IPC_WINDOW_BYTES``: bytes of each of the two buffers of a rank's device
+    window (K/M/G suffixes; at least 256): a round of a large device collective;
+    :data:`DEFAULT_IPC_WINDOW_BYTES` (64 MiB) when unset. Tests set it small to force many
+    rounds."""
+    return _size_setting(env, "RINGCOMM_IPC_WINDOW_BYTES", DEFAULT_IPC_WINDOW_BYTES, 256)
+
+
+def ipc_small_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``RINGCOMM_IPC_SMALL_BYTES``: device collectives up to this many bytes go through
+    the host (K/M/G suffixes; 0: never); :data:`DEFAULT_IPC_SMALL_BYTES` when unset."""
+    return _size_setting(env, "RINGCOMM_IPC_SMALL_BYTES", DEFAULT_IPC_SMALL_BYTES, 0)
 
 
 def ps_log_level(env: Mapping[str, str] | None = None) -> str:

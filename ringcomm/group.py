@@ -36,6 +36,7 @@ from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init
 from .costmodel import ALGORITHMS as MODEL_ALGORITHMS
 from .costmodel import CostModel, load_tune_file
 from .device.p2p import recv_op_class, send_op_class
+from .device.xp import select_device
 from .elastic import (
     SHRINK_SLICE_S,
     agree_survivors,
@@ -293,10 +294,23 @@ class ProcessGroup:
         group per local rank) unless ``algo`` (or ``RINGCOMM_ALGO``) names a flat
         algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
         if async_op is False and self._hierarchical(x, op, algo):
-            return self._hier().all_reduce(x, parse_op(op), timeout_s,
-                                           self._hier_segment("all_reduce", x.nbytes))  # fmt: skip
+            result = self._hier().all_reduce(x, parse_op(op), timeout_s,
+                                             self._hier_segment("all_reduce", x.nbytes))  # fmt: skip
+            self.core.last_algo = HIER_ALGO  # (after: its leftover may go flat)
+            return result
         return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s,
                                        algo=_flat(algo))  # fmt: skip
+
+    @property
+    def device_windows(self) -> bool:
+        """Whether device arrays (CuPy) take device windows (``algo="ipc"``, CUDA IPC) on a
+        group whose ranks share one host (``RINGCOMM_IPC``, default on); False: host
+        staging, as across hosts. Settable; sub-groups made afterwards inherit it."""
+        return self.core.device_windows
+
+    @device_windows.setter
+    def device_windows(self, on: bool) -> None:
+        self.core.device_windows = bool(on)
 
     @property
     def topology(self) -> Topology:
@@ -375,9 +389,11 @@ class ProcessGroup:
             if not (rop is ReduceOp.AVG and x.dtype.kind in "iu") and self._model_hier(
                 "reduce_scatter", algo, x.nbytes
             ):  # (integer means: flat)
-                return self._hier().reduce_scatter(
+                result = self._hier().reduce_scatter(
                     x, out, rop, timeout_s, self._hier_segment("reduce_scatter", x.nbytes)
                 )
+                self.core.last_algo = HIER_ALGO
+                return result
         return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s,
                                            algo=_flat(algo))  # fmt: skip
 
@@ -397,9 +413,11 @@ class ProcessGroup:
         if async_op is False and self._hier_fits("all_gather", algo):
             x, out = _collectives.check_all_gather(self.core, x, out)
             if self._model_hier("all_gather", algo, x.nbytes):
-                return self._hier().all_gather(
+                result = self._hier().all_gather(
                     x, out, timeout_s, self._hier_segment("all_gather", x.nbytes)
                 )
+                self.core.last_algo = HIER_ALGO
+                return result
         return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s,
                                        algo=_flat(algo))  # fmt: skip
 
@@ -418,7 +436,9 @@ class ProcessGroup:
         ``"tree"`` or ``"chain"``)."""
         if async_op is False and self._hier_fits("broadcast", algo):
             x, src = _collectives.check_broadcast(self.core, x, src)
-            return self._hier().broadcast(x, src, timeout_s)
+            result = self._hier().broadcast(x, src, timeout_s)
+            self.core.last_algo = HIER_ALGO
+            return result
         return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s,
                                       algo=_flat(algo))  # fmt: skip
 
@@ -430,9 +450,11 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
         """Reduction of ``x`` over the group, in place on ``dst``."""
-        return _collectives.reduce(self.core, x, dst, op, async_op, timeout_s=timeout_s)
+        return _collectives.reduce(self.core, x, dst, op, async_op, timeout_s=timeout_s,
+                                   algo=_flat(algo))  # fmt: skip
 
     def gather(
         self,
@@ -442,9 +464,11 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
         """``(world_size, *x.shape)`` on ``dst``, None elsewhere."""
-        return _collectives.gather(self.core, x, dst, out, async_op, timeout_s=timeout_s)
+        return _collectives.gather(self.core, x, dst, out, async_op, timeout_s=timeout_s,
+                                   algo=_flat(algo))  # fmt: skip
 
     def scatter(
         self,
@@ -454,15 +478,20 @@ class ProcessGroup:
         async_op: bool = False,
         *,
         timeout_s: float | None = None,
+        algo: str | None = None,
     ) -> Any:
-        """Row ``x[rank]`` of ``src``'s ``x`` on every rank (``x`` may be None off ``src``)."""
-        return _collectives.scatter(self.core, x, src, out, async_op, timeout_s=timeout_s)
+        """Row ``x[rank]`` of ``src``'s ``x`` on every rank (``x`` may be None off ``src``;
+        device arrays with ``algo="ipc"``: a device array on every rank)."""
+        return _collectives.scatter(self.core, x, src, out, async_op, timeout_s=timeout_s,
+                                    algo=_flat(algo))  # fmt: skip
 
     def all_to_all(
-        self, x: Any, out: Any = None, async_op: bool = False, *, timeout_s: float | None = None
-    ) -> Any:
+        self, x: Any, out: Any = None, async_op: bool = False, *,
+        timeout_s: float | None = None, algo: str | None = None,
+    ) -> Any:  # fmt: skip
         """``out[j]`` is rank ``j``'s ``x[rank]``."""
-        return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s)
+        return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s,
+                                       algo=_flat(algo))  # fmt: skip
 
     # Uneven collectives: rows of different counts per rank (README "Uneven collectives").
     def all_gather_v(
@@ -518,6 +547,7 @@ class ProcessGroup:
         or ``"dissemination"``)."""
         if async_op is False and self._hier_fits("barrier", algo):
             self._hier().barrier(timeout_s)
+            self.core.last_algo = HIER_ALGO
             return None
         return _collectives.barrier(self.core, async_op, timeout_s=timeout_s, algo=_flat(algo))
 
@@ -1190,6 +1220,7 @@ def _form(
             raise RendezvousError(str(exc)) from exc  # (it names this rank)
         if binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0))):
             _bind_to_core(cfg.local_rank)
+        select_device(cfg.local_rank)  # with CuPy: GPU LOCAL_RANK % GPUs, unless chosen
         if cfg.log_debug:
             _enable_log(logging.DEBUG)
         progress = Progress(

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lifecycle
-from .config import InitConfig
+from .config import InitConfig, ipc_enabled
 from .costmodel import CostModel
 from .errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
 from .flight import FlightRecorder
@@ -321,6 +321,11 @@ class GroupCore:
         #: The choices of the cost model for this group's world shape
         #: (ringcomm.collectives.choice.ModelChooser, made at its first call), if any.
         self.chooser: Any = None
+        #: The algorithm of this group's latest collective (``ringcomm bench``'s "algo").
+        self.last_algo = ""
+        #: Whether device arrays take device windows (``ipc``) on a group of one host
+        #: (``RINGCOMM_IPC``; the bench's ``host-staged`` rows turn it off for their calls).
+        self.device_windows = ipc_enabled()
         #: A sub-group that may have a workspace sets it up at its first collective
         #: (every member is in that call; ``new_group`` itself stays local).
         self.workspace_pending = False
@@ -424,6 +429,7 @@ class GroupCore:
         sub = GroupCore(self.state, global_ranks, group_id)
         sub.timeout_s = self.timeout_s
         sub.chunk_bytes = self.chunk_bytes
+        sub.device_windows = self.device_windows
         return sub
 
 

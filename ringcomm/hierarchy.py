@@ -44,9 +44,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from .costmodel import HIER_SEGMENT_BYTES
+from .device.xp import get_xp
 from .ops import ReduceOp
 from .schedule.topology import Topology, hier_plan, piece_bounds
 
@@ -244,7 +243,8 @@ class Hierarchy:
         """The host's block first, then piece j of every host's block among piece j's
         owners, broadcast on each host from its owner there."""
         count, local, h = int(flat_x.size), self.local, self.host
-        ordered = rows if self.order is None else np.empty_like(rows)  # rows in host order
+        xp = get_xp(rows)  # (device arrays: their module, so the copies stay on the device)
+        ordered = rows if self.order is None else xp.empty_like(rows)  # rows in host order
         mine = ordered[self.offsets[h] : self.offsets[h] + self.local_size]
         if self.local_size > 1:
             local.all_gather(flat_x, out=mine, timeout_s=t())
@@ -255,7 +255,7 @@ class Hierarchy:
         for j in range(self.plan.pieces):
             spans = [p[j] for p in pieces]
             sizes = [b - a for a, b in spans]
-            got = np.empty(sum(sizes), flat.dtype)
+            got = xp.empty(sum(sizes), flat.dtype)
             if j in self.cross:
                 a, b = spans[h]
                 self.cross[j].all_gather_v(flat[a:b], sizes=sizes, out=got, timeout_s=t())
@@ -304,8 +304,10 @@ class Hierarchy:
         cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
         m, nh = self.plan.pieces, self.topo.num_hosts
 
+        xp = get_xp(rows)
+
         def start(c0: int, c1: int) -> Any:
-            by_local = np.empty((m, nh, c1 - c0), rows.dtype)  # [i][h]: rank hosts[h][i]'s row
+            by_local = xp.empty((m, nh, c1 - c0), rows.dtype)  # [i][h]: rank hosts[h][i]'s row
             for h, members in enumerate(hosts):
                 for i, r in enumerate(members):
                     by_local[i, h] = rows[r, c0:c1]
@@ -325,15 +327,17 @@ class Hierarchy:
         """Piece j of every host's block of rows reduced onto its owner on each host,
         reduce-scattered among piece j's owners, broadcast on the host from the owner."""
         count, local, h = int(rows.shape[1]), self.local, self.host
-        ordered = rows if self.order is None else rows[self.order]  # rows in host order
+        xp = get_xp(rows)
+        ordered = (rows if self.order is None  # rows in host order
+                   else xp.concatenate([rows[i : i + 1] for i in self.order]))  # fmt: skip
         flat = ordered.reshape(-1)
         pieces = self._block_pieces(count)
-        block = np.empty(self.local_size * count, rows.dtype)  # my host's rows, reduced
+        block = xp.empty(self.local_size * count, rows.dtype)  # my host's rows, reduced
         base = self.offsets[h] * count
         for j in range(self.plan.pieces):
             spans = [p[j] for p in pieces]
             sizes = [b - a for a, b in spans]
-            part = np.concatenate([flat[a:b] for a, b in spans])
+            part = xp.concatenate([flat[a:b] for a, b in spans])
             owner = j % self.local_size
             if self.local_size > 1:
                 local.reduce(part, dst=owner, op=op, timeout_s=t())

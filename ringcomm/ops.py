@@ -40,6 +40,7 @@ import numpy as np
 from ringcomm.device.xp import get_xp
 
 __all__ = [
+    "INTEGER_AVG_FUNCTIONS",
     "SUPPORTED_DTYPES",
     "ReduceOp",
     "check_op_dtype",
@@ -236,8 +237,9 @@ def finalize(op: ReduceOp | str, acc: Any, world_size: int) -> None:
     """Finish a reduction in place: AVG divides the SUM by ``world_size``; other ops: no-op.
 
     Floats: ``acc /= world_size`` (true division in the buffer's dtype). Integers: division
-    truncating toward zero, exact for every value (no float round trip; signed dtypes use
-    one temporary for the remainder, once per collective). Bool: TypeError.
+    truncating toward zero, exact for every value in NumPy and CuPy (integer arithmetic
+    only, :data:`INTEGER_AVG_FUNCTIONS`; signed dtypes use one temporary, once per
+    collective). Bool: TypeError.
     """
     op = parse_op(op)
     if op is not ReduceOp.AVG:
@@ -253,24 +255,40 @@ def finalize(op: ReduceOp | str, acc: Any, world_size: int) -> None:
         _truncating_divide(xp, acc, world_size)
 
 
+#: The only ``xp`` functions the integer AVG path calls (a CPU test pins it down): integer
+#: arithmetic and comparisons, whose integer loops are integer code in NumPy and in CuPy.
+#: Not ``fmod``/``remainder``-by-C-semantics or any true division: CuPy's ``fmod`` on
+#: integers computes ``fmod((double)a, (double)b)``, which is wrong beyond 2**53.
+INTEGER_AVG_FUNCTIONS = frozenset({"floor_divide", "add", "less", "multiply", "empty_like"})
+
+
 def _truncating_divide(xp: Any, acc: Any, divisor: int) -> None:
-    """``acc <- trunc(acc / divisor)`` in place for an integer array, ``divisor >= 1``."""
+    """``acc <- trunc(acc / divisor)`` in place for an integer array, ``divisor >= 1``.
+
+    Integer arithmetic only (:data:`INTEGER_AVG_FUNCTIONS`), exact for every value of
+    every integer dtype in NumPy and CuPy alike: floor division is truncation for values
+    >= 0, and for a negative value ``trunc(a / d) == floor((a + d - 1) / d)``, where
+    ``a + d - 1`` cannot overflow (``a < 0`` and ``d - 1 <= max``). Scalars go in as
+    NumPy scalars of the array's dtype, so neither module promotes to another type.
+    """
     if divisor == 1:
         return
+    dtype = acc.dtype
     # A divisor beyond the dtype's range: go through int64 (rare: int8 with > 127 ranks).
-    if divisor > np.iinfo(acc.dtype).max:
-        wide = acc.astype(xp.int64)
+    if divisor > np.iinfo(dtype).max:
+        wide = acc.astype(np.int64)
         _truncating_divide(xp, wide, divisor)
         acc[...] = wide
         return
-    # Unsigned: floor == truncation.
-    if acc.dtype.kind == "u":
-        xp.floor_divide(acc, divisor, out=acc)
+    d = dtype.type(divisor)
+    if dtype.kind == "u":  # unsigned: floor == truncation
+        xp.floor_divide(acc, d, out=acc)
         return
-    # Signed: remove the C remainder (same sign as acc, so no overflow), then divide exactly.
-    remainder = xp.fmod(acc, divisor)
-    xp.subtract(acc, remainder, out=acc)
-    xp.floor_divide(acc, divisor, out=acc)
+    bias = xp.empty_like(acc)
+    xp.less(acc, dtype.type(0), out=bias)  # 1 where negative, else 0 (bool -> int: exact)
+    xp.multiply(bias, dtype.type(divisor - 1), out=bias)
+    xp.add(acc, bias, out=acc)
+    xp.floor_divide(acc, d, out=acc)
 
 
 # ----------------------------------------------------------------------------- test oracle

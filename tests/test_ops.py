@@ -268,6 +268,64 @@ def test_integer_finalize_is_exact_truncation(dtype, world_size, seed):
     assert acc.tolist() == [trunc_div(v, world_size) for v in values]
 
 
+class _RecordingXp:
+    """NumPy as an ``xp`` module that records every function the code under test takes
+    from it, and fails on any argument or result that is not an integer or bool array or
+    scalar (a float round trip, as CuPy's integer ``fmod`` does, would show here)."""
+
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+
+    def __getattr__(self, name: str):
+        self.used.add(name)
+        fn = getattr(np, name)
+
+        def checked(*args, **kwargs):
+            for a in (*args, *kwargs.values()):
+                kind = getattr(getattr(a, "dtype", None), "kind", None)
+                assert kind is None or kind in "iub", f"xp.{name} got a {a.dtype} operand"
+                assert not isinstance(a, float), f"xp.{name} got a Python float"
+            res = fn(*args, **kwargs)
+            assert res.dtype.kind in "iub", f"xp.{name} made a {res.dtype} result"
+            return res
+
+        return checked
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
+def test_integer_avg_uses_integer_functions_only(dtype, monkeypatch):
+    """The integer AVG path calls only :data:`ops.INTEGER_AVG_FUNCTIONS`, all on integer
+    operands (what CuPy computes exactly); none of them is fmod, remainder or a true
+    division. Extremes of the dtype come out exact, at world sizes small and large."""
+    import ringcomm.ops as ops
+
+    assert not ops.INTEGER_AVG_FUNCTIONS & {"fmod", "remainder", "mod", "divide",
+                                            "true_divide", "trunc", "fix", "rint"}  # fmt: skip
+    info = np.iinfo(dtype)
+    values = [info.min, info.min + 1, info.min + 2, -3, -2, -1, 0, 1, 2, 3, info.max - 1,
+              info.max]  # fmt: skip
+    values = [v for v in values if info.min <= v <= info.max]
+    for world_size in (2, 3, 7, 8, 127, 1000):
+        rec = _RecordingXp()
+        monkeypatch.setattr(ops, "get_xp", lambda a, rec=rec: rec)
+        acc = np.array(values, dtype=dtype)
+        finalize("avg", acc, world_size)
+        assert acc.tolist() == [trunc_div(v, world_size) for v in values], world_size
+        assert rec.used <= ops.INTEGER_AVG_FUNCTIONS, rec.used - ops.INTEGER_AVG_FUNCTIONS
+
+
+def test_integer_avg_is_exact_beyond_two_to_the_53():
+    """The issue-31 case: a float64 round trip rounds int64 values past 2**53."""
+    acc = np.array([-2672802113933191955, 2**62 + 1, -(2**63), 2**63 - 1], np.int64)
+    want = [trunc_div(int(v), 2) for v in acc.tolist()]
+    finalize("avg", acc, 2)
+    assert acc.tolist() == want
+    assert want[0] == -1336401056966595977
+    u = np.array([2**64 - 1, 2**63 + 3], np.uint64)
+    finalize("avg", u, 3)
+    assert u.tolist() == [(2**64 - 1) // 3, (2**63 + 3) // 3]
+
+
 # ----------------------------------------------------------------------------- floats
 
 

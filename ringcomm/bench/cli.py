@@ -57,7 +57,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Sweep buffer sizes of one operation over N local ranks (or ranks on other hosts "
         "over ssh: --hostfile, -H) and print an "
         "nccl-tests-style table (time = median per rank, max over ranks; GB/s = 1e9 B/s). "
-        "With --compare, the same sweep through Gloo or MPI in the same invocation, "
+        "With --compare, the same sweep through Gloo, MPI or NCCL in the same invocation, "
         "alternating implementations per size, with ratios.",
     )
     p.add_argument("op", choices=OPS, metavar="OP", help=f"one of: {', '.join(OPS)}")
@@ -152,8 +152,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compare",
-        choices=("gloo", "mpi"),
-        help="also run the sweep through torch.distributed Gloo or mpi4py",
+        choices=("gloo", "mpi", "nccl"),
+        help="also run the sweep through torch.distributed Gloo (on CUDA tensors with "
+        "--device cuda) or NCCL (one rank per GPU), or mpi4py",
     )
     p.add_argument(
         "--rounds",
@@ -171,8 +172,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--device",
         default=",".join(BenchConfig.devices),
         metavar="D[,D...]",
-        help="where ringcomm's buffers live: host (NumPy), cuda (CuPy on the current GPU), "
-        "host-staged (NumPy through the staging path CuPy takes), symmetric (NumPy arrays "
+        help="where ringcomm's buffers live: host (NumPy), cuda (CuPy on the rank's GPU: "
+        "LOCAL_RANK modulo the GPUs), standin (the host stand-in for CuPy arrays, through "
+        "the algorithm CuPy arrays take: device windows on one host), host-staged (the "
+        "stand-in through host staging, as CuPy across hosts), cuda-staged (CuPy through "
+        "host staging: the path before device windows), symmetric (NumPy arrays "
         "from pg.alloc: on one host in memory every rank maps), copy (not a collective: "
         "every rank's numpy.copyto of the size at once, the memory-bandwidth reference); "
         "several, comma-separated, "
@@ -253,8 +257,10 @@ def config_from_args(
             raise UsageError(f"--device {d!r}: choose from {', '.join(DEVICES)}")
     if len(set(devices)) != len(devices):
         raise UsageError(f"--device lists a device twice: {','.join(devices)}")
-    if args.compare == "mpi" and "cuda" in devices:
+    if args.compare == "mpi" and {"cuda", "cuda-staged"} & set(devices):
         raise UsageError("--compare mpi runs host buffers only (drop cuda from --device)")
+    if args.compare == "nccl" and args.dtype not in _nccl_dtypes():
+        raise UsageError(f"--compare nccl: NCCL does not support {args.dtype}")
     bind = args.bind
     if bind is None:
         try:
@@ -352,6 +358,16 @@ def _check_available(config: BenchConfig, plot: str | None) -> None:
                 "--compare gloo needs PyTorch (torch.distributed with Gloo): "
                 "pip install 'ringcomm[torch]' (or pip install torch)"
             )
+    if config.compare == "nccl":
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            raise UsageError("--compare nccl needs PyTorch with CUDA: pip install torch")
+        from .gloo import nccl_missing
+
+        why = nccl_missing(config.world_size)
+        if why is not None:
+            raise UsageError(why)
     if config.compare == "mpi":
         from .mpi import mpi_missing
 
@@ -381,6 +397,8 @@ def preamble(config: BenchConfig) -> str:
     # The ranks' own rule (ringcomm.config.binds_to_core); the job's ranks are this host's.
     if binds_to_core(bind, config.world_size, len(os.sched_getaffinity(0))):
         versus += "; each rank bound to a core"
+    if {"cuda", "cuda-staged"} & set(config.devices):
+        versus += "; " + gpu_line(config.world_size)
     lines = [
         (
             f"# ringcomm bench {config.op}: nranks {config.world_size} minBytes {config.begin} "
@@ -399,6 +417,28 @@ def preamble(config: BenchConfig) -> str:
         "#",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _nccl_dtypes() -> frozenset[str]:
+    return frozenset({"int8", "uint8", "int32", "int64", "float16", "float32", "float64"})
+
+
+def gpu_line(world_size: int) -> str:
+    """``2 ranks on 1 GPU (NVIDIA H200), MPS daemon running`` (the header's GPU part)."""
+    from ringcomm.config import mps_active
+    from ringcomm.device.xp import cupy_or_none
+
+    mps = "MPS daemon running" if mps_active() else "no MPS daemon"
+    cp = cupy_or_none()
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount()) if cp is not None else 0
+        name = cp.cuda.runtime.getDeviceProperties(0)["name"] if cp is not None and count else "?"
+        name = name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 (no driver: say so, the run fails later on its own)
+        count, name = 0, "?"
+    per_gpu = -(-world_size // count) if count else world_size
+    share = f", {per_gpu} ranks per GPU" if per_gpu > 1 else ""
+    return f"{world_size} ranks on {min(count, world_size)} GPU(s) ({name}){share}, {mps}"
 
 
 def write_outputs(

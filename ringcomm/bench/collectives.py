@@ -6,10 +6,14 @@ with ``--compare gloo`` (one process start for both; the sizes alternate ringcom
 ringcomm, Gloo, ...).
 
 ``--device``: ringcomm's buffers are NumPy arrays (host), CuPy arrays (cuda), the host
-stand-in for CuPy arrays (host-staged) or symmetric buffers (``pg.alloc``); ``copy`` is no
-collective but the reference of memory bandwidth (every rank ``numpy.copyto`` of the size at
-once); several devices are measured side by side, sizes alternating between them, like
-``--compare``.
+stand-in for CuPy arrays (``standin``: through the algorithm a CuPy array takes, device
+windows on one host; ``host-staged``: through host staging, device windows off for its
+calls) or symmetric buffers (``pg.alloc``); ``copy`` is no collective but the reference of
+memory bandwidth (every rank ``numpy.copyto`` of the size at once); several devices are
+measured side by side, sizes alternating between them, like ``--compare``. A CuPy step ends
+with a synchronize of the rank's current stream (what it left there is part of its time),
+as Gloo's and NCCL's on CUDA tensors end with ``torch.cuda.synchronize()``. Each row says
+which algorithm the calls took (``algo``: the group's latest call's, after the steps).
 
 sendrecv: the ranks form a ring; each posts ``isend`` to rank+1 and ``irecv`` from rank-1,
 then waits for both (nccl-tests' sendrecv_perf).
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .spec import BenchConfig, SizeSpec
+from .spec import STAGED_DEVICES, BenchConfig, SizeSpec
 from .sweep import Impl, Record, Step, run_sweep
 
 if TYPE_CHECKING:
@@ -56,11 +60,11 @@ def device_array_maker(device: str) -> Any:
     """``numpy array -> array on device`` for ``--device`` (a copy; identity for host)."""
     if device in ("host", "symmetric", "copy"):  # (RingcommImpl allocates these two)
         return lambda a: a
-    if device == "host-staged":
+    if device in ("host-staged", "standin"):
         from ringcomm.device.standin import standin_array
 
         return standin_array
-    if device == "cuda":
+    if device in ("cuda", "cuda-staged"):
         from ringcomm.device.xp import cupy_or_none
 
         cp = cupy_or_none()
@@ -72,7 +76,7 @@ def device_array_maker(device: str) -> Any:
 
 def device_missing(device: str) -> str | None:
     """Why ``--device device`` cannot run here (None: it can)."""
-    if device != "cuda":
+    if device not in ("cuda", "cuda-staged"):
         return None
     from ringcomm.device.xp import cupy_or_none
 
@@ -98,6 +102,13 @@ class RingcommImpl:
         self.device = device
         self.name = device_impl(device)
         self._dev = device_array_maker(device)
+        self._op = ""
+        self._stream: Any = None
+        if device in ("cuda", "cuda-staged"):
+            from ringcomm.device.xp import cupy_or_none
+
+            cp = cupy_or_none()
+            self._stream = None if cp is None else cp.cuda.get_current_stream()
         if device == "symmetric":  # buffers from pg.alloc (every rank, in one order)
 
             def symmetric(a: np.ndarray) -> np.ndarray:
@@ -119,7 +130,33 @@ class RingcommImpl:
         """Whether its output is the operation's (not for the copy reference)."""
         return self.device != "copy"
 
+    @property
+    def algo(self) -> str:
+        """The algorithm the latest step's call took."""
+        if self.device == "copy":
+            return "copy"
+        if self._op == "sendrecv":
+            return "p2p"
+        core = getattr(self.pg, "core", None)
+        return str(getattr(core, "last_algo", "") or "")
+
     def prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
+        self._op = spec.op
+        if hasattr(self.pg, "device_windows"):  # *-staged measure host staging: no windows
+            self.pg.device_windows = self.device not in STAGED_DEVICES
+        step = self._prepare(spec, data)
+        stream = self._stream
+        if stream is None:
+            return step
+
+        def synced() -> Any:  # what the call left on the stream is part of its time
+            out = step()
+            stream.synchronize()
+            return out
+
+        return synced
+
+    def _prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
         pg = self.pg
         dev = self._dev
         if self.device == "copy":  # the reference: every rank copies spec.nbytes at once
@@ -191,10 +228,10 @@ def rank_main(pg: ProcessGroup, config: BenchConfig) -> list[Record]:
     pg.timeout_s = min(pg.timeout_s, config.op_timeout_s)
     impls: list[Impl] = [RingcommImpl(pg, device) for device in config.devices]
     closers: list[Any] = []
-    if config.compare == "gloo":
+    if config.compare in ("gloo", "nccl"):
         from . import gloo  # the only bench module importing torch
 
-        peer = gloo.GlooImpl.join(pg, config)
+        peer = gloo.GlooImpl.join(pg, config, backend=config.compare)
         impls.append(peer)
         closers.append(peer)
     try:

@@ -1,4 +1,4 @@
-"""The Gloo family: the same operations through torch.distributed's Gloo backend.
+"""The Gloo family: the same operations through torch.distributed's Gloo (or NCCL) backend.
 
 The only module of ``ringcomm.bench`` that imports torch. Set-up (BENCHMARKING.md): each
 rank ``torch.set_num_threads(1)``, ``GLOO_SOCKET_IFNAME=lo``, a Gloo group over a TCP store
@@ -10,7 +10,11 @@ and hands the port to the other ranks over the ringcomm group.
 
 Operations: ``all_reduce``; ``reduce_scatter_tensor``; ``all_gather_into_tensor``;
 ``broadcast``; ``all_to_all_single``; sendrecv as ``isend``/``irecv`` then wait. Tensors
-are ``torch.from_numpy`` views of NumPy buffers (no copies).
+are ``torch.from_numpy`` views of NumPy buffers (no copies), or, with ``device="cuda"``
+(``ringcomm bench --device cuda --compare gloo``: Gloo on CUDA tensors; ``--compare
+nccl``: NCCL, one rank per GPU), tensors on the rank's GPU (``LOCAL_RANK`` modulo the GPUs,
+as ringcomm's ranks), each step ending with ``torch.cuda.synchronize()`` so its time is
+the operation's, as ringcomm's CuPy steps end with a stream synchronize.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from .sweep import Record, Step, run_sweep
 if TYPE_CHECKING:
     from ringcomm.group import ProcessGroup
 
-__all__ = ["GLOO_DTYPES", "GlooImpl", "bench"]
+__all__ = ["GLOO_DTYPES", "NCCL_DTYPES", "GlooImpl", "bench", "nccl_missing"]
+
+#: NumPy dtypes NCCL reduces (no bool, int16 or uint16-64).
+NCCL_DTYPES = frozenset({"int8", "uint8", "int32", "int64", "float16", "float32", "float64"})
 
 _PORT_TAG = 0x600
 _HOST = "127.0.0.1"
@@ -47,18 +54,43 @@ def _redop(name: str | None) -> Any:
     return table[name or "sum"]
 
 
+def nccl_missing(world_size: int) -> str | None:
+    """Why ``--compare nccl`` cannot run ``world_size`` ranks here (None: it can)."""
+    if not torch.cuda.is_available():
+        return "--compare nccl needs torch with CUDA and a GPU"
+    if not dist.is_nccl_available():
+        return "--compare nccl: this torch has no NCCL"
+    gpus = torch.cuda.device_count()
+    if gpus < world_size:
+        return (f"--compare nccl runs one rank per GPU (NCCL refuses two ranks on one): "
+                f"{world_size} ranks, {gpus} GPU(s)")  # fmt: skip
+    return None
+
+
 class GlooImpl:
-    """The operations over torch.distributed's default (Gloo) group."""
+    """The operations over torch.distributed's default group (Gloo, or NCCL), on CPU
+    tensors or on the rank's GPU (``device="cuda"``)."""
 
     name = "gloo"
+    algo = "gloo"
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, device: str = "cpu",
+                 backend: str = "gloo") -> None:  # fmt: skip
         self.rank = rank
         self.world_size = world_size
+        self.device = device
+        self.cuda = device != "cpu"
+        self.name = self.algo = backend if backend != "gloo" or not self.cuda else "gloo-cuda"
 
     @classmethod
-    def join(cls, pg: ProcessGroup, config: BenchConfig) -> GlooImpl:
-        """Form the Gloo group of ``pg``'s ranks (rank 0 serves the store)."""
+    def join(cls, pg: ProcessGroup, config: BenchConfig, backend: str = "gloo") -> GlooImpl:
+        """Form the Gloo (or NCCL) group of ``pg``'s ranks (rank 0 serves the store); CUDA
+        tensors with ``--device cuda`` (always for NCCL)."""
+        device = "cpu"
+        if backend == "nccl" or {"cuda", "cuda-staged"} & set(config.devices):
+            index = pg.config.local_rank % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(index)
+            device = f"cuda:{index}"
         host = _HOST
         if config.multihost:  # GLOO_SOCKET_IFNAME: set by ringcomm.bench.multihost per host
             from ringcomm.config import env_master_addr
@@ -83,8 +115,8 @@ class GlooImpl:
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 host, int(port[0]), n, is_master=False, timeout=timeout
             )
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timeout)
-        return cls(rank, n)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=timeout)
+        return cls(rank, n, device, backend)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -92,10 +124,26 @@ class GlooImpl:
 
     def sync(self) -> None:
         dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
-        x = data.copy()
+        step = self._prepare(spec, data)
+        if not self.cuda:
+            return step
+
+        def synced() -> Any:
+            out = step()
+            torch.cuda.synchronize()
+            return out
+
+        return synced
+
+    def _prepare(self, spec: SizeSpec, data: np.ndarray) -> Step:
+        x: Any = data.copy()
         t = torch.from_numpy(x)
+        if self.cuda:  # the outputs go back as tensors (the check reads them with .cpu())
+            t = x = t.to(self.device)
         op = spec.op
         if op == "all_reduce":
             redop = _redop(spec.redop)
@@ -105,8 +153,10 @@ class GlooImpl:
                 return x
 
             return all_reduce
-        out = np.empty(spec.out_shape, dtype=x.dtype)
+        out: Any = np.empty(spec.out_shape, dtype=data.dtype)
         o = torch.from_numpy(out)
+        if self.cuda:
+            o = out = o.to(self.device)
         if op == "reduce_scatter":
             redop = _redop(spec.redop)
             flat = t.view(-1)

@@ -88,6 +88,8 @@ def count_wrong(got: np.ndarray, expected: np.ndarray) -> int:
     NaN equal to NaN); a shape mismatch counts every element wrong."""
     if not isinstance(got, np.ndarray) and hasattr(got, "get"):
         got = got.get()  # a device array (CuPy, or the host stand-in)
+    elif not isinstance(got, np.ndarray) and hasattr(got, "cpu"):
+        got = got.cpu().numpy()  # a torch tensor (Gloo or NCCL on CUDA tensors)
     got = np.asarray(got)
     if got.shape != expected.shape:
         return int(expected.size)

@@ -49,6 +49,7 @@ JSON_KEYS: tuple[str, ...] = (
     "algbw_GBps",
     "busbw_GBps",
     "errors",
+    "algo",
 )
 
 
@@ -63,6 +64,9 @@ class Result:
     p99_us: float
     errors: int | None  # wrong elements summed over ranks; None: not checked
     iters: int  # iterations per rank (all rounds)
+    #: The algorithm the calls took (ringcomm's name, e.g. ``ipc``, ``shm``, ``ring``,
+    #: ``hier``; ``p2p`` for sendrecv); a peer's: its own name (``gloo``, ``nccl``, ``mpi``).
+    algo: str = ""
 
     @property
     def algbw_GBps(self) -> float:
@@ -78,10 +82,12 @@ def summarize(
     spec: SizeSpec,
     per_rank_times_s: Sequence[Sequence[float]],
     errors: Sequence[int | None] | None = None,
+    algo: str = "",
 ) -> Result:
     """Aggregate per-rank iteration times (seconds) into one :class:`Result`.
 
-    ``errors`` holds each rank's wrong-element count (None where not checked).
+    ``errors`` holds each rank's wrong-element count (None where not checked); ``algo``
+    the algorithm the calls took.
     """
     if not per_rank_times_s or any(len(t) == 0 for t in per_rank_times_s):
         raise ValueError(f"{impl} {spec.op} {spec.nbytes} B: every rank needs >= 1 time")
@@ -99,6 +105,7 @@ def summarize(
         p99_us=float(p99_s) * 1e6,
         errors=total,
         iters=min(len(t) for t in per_rank_times_s),
+        algo=algo,
     )
 
 
@@ -129,6 +136,7 @@ def json_row(result: Result) -> dict[str, Any]:
         "algbw_GBps": round(result.algbw_GBps, 6),
         "busbw_GBps": round(result.busbw_GBps, 6),
         "errors": result.errors,
+        "algo": result.algo,
         "p50_us": round(result.p50_us, 3),
         "p99_us": round(result.p99_us, 3),
         "redop": s.redop,

@@ -78,7 +78,6 @@ def aggregate(config: BenchConfig, per_rank: Sequence[Sequence[Record]]) -> list
                 continue
             if len(recs) != len(per_rank):
                 raise ValueError(f"{impl} {spec.nbytes} B: records from only some ranks")
-            results.append(
-                summarize(impl, spec, [r["times_s"] for r in recs], [r["errors"] for r in recs])
-            )
+            times, errors = [r["times_s"] for r in recs], [r["errors"] for r in recs]
+            results.append(summarize(impl, spec, times, errors, str(recs[0].get("algo") or "")))
     return results

@@ -30,6 +30,7 @@ __all__ = [
     "REDUCING_OPS",
     "ROOTED_OPS",
     "SPLIT_OPS",
+    "STAGED_DEVICES",
     "BenchConfig",
     "SizeSpec",
     "busbw_factor",
@@ -59,16 +60,24 @@ GLOO_DTYPES = frozenset(
     {"bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
 )
 #: Implementations a row can come from (the JSON ``impl`` key).
-IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-staged")
+IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-staged",
+                          "ringcomm-standin", "ringcomm-cuda-staged", "gloo-cuda",
+                          "nccl")  # fmt: skip
 #: Where ``--device`` puts ringcomm's buffers: NumPy arrays (``host``), CuPy arrays on the
-#: current GPU (``cuda``), or the host stand-in for CuPy arrays (``host-staged``: NumPy
-#: memory through the same staging path as CuPy, to test and measure it without a GPU).
-DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "symmetric", "copy")
+#: rank's GPU (``cuda``), or the host stand-in for CuPy arrays: ``standin`` (through exactly
+#: the algorithm a CuPy array takes: device windows on one host), ``host-staged`` (through
+#: host staging, as CuPy across hosts), to test and measure them without a GPU;
+#: ``cuda-staged``: CuPy arrays through host staging (the path before device windows).
+DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "standin", "cuda-staged",
+                            "symmetric", "copy")  # fmt: skip
+#: Devices whose calls go through host staging (device windows off for their calls).
+STAGED_DEVICES = frozenset({"host-staged", "cuda-staged"})
 
 
 def device_impl(device: str) -> str:
     """The ``impl`` name of ringcomm's rows on ``device`` (host: plain ``ringcomm``)."""
     return {"host": "ringcomm", "cuda": "ringcomm-cuda", "host-staged": "ringcomm-staged",
+            "standin": "ringcomm-standin", "cuda-staged": "ringcomm-cuda-staged",
             "symmetric": "ringcomm-symmetric", "copy": "numpy-copyto"}[device]  # fmt: skip
 
 
@@ -126,7 +135,7 @@ class BenchConfig:
     redop: str = "sum"
     root: int = 0
     check: bool = False
-    compare: str | None = None  # None | "gloo" | "mpi"
+    compare: str | None = None  # None | "gloo" | "mpi" | "nccl"
     rounds: int = 1  # alternations A B A B per size (pooled)
     timeout_s: float = 1800.0  # the whole job
     op_timeout_s: float = 120.0  # one collective call
@@ -138,9 +147,18 @@ class BenchConfig:
     multihost: bool = False  # ranks on several hosts (--hostfile/-H): Gloo's store at MASTER_ADDR
 
     @property
+    def peer_impl(self) -> str | None:
+        """The ``impl`` of the peer's rows: ``gloo`` (CPU tensors), ``gloo-cuda`` (CUDA
+        tensors: with ``--device cuda``), ``mpi``, ``nccl``; None without ``--compare``."""
+        if self.compare == "gloo" and {"cuda", "cuda-staged"} & set(self.devices):
+            return "gloo-cuda"
+        return self.compare
+
+    @property
     def impls(self) -> tuple[str, ...]:
         ours = tuple(device_impl(d) for d in self.devices)
-        return ours if self.compare is None else (*ours, self.compare)
+        peer = self.peer_impl
+        return ours if peer is None else (*ours, peer)
 
     def sizes(self) -> list[SizeSpec]:
         return plan_sizes(self)

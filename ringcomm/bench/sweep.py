@@ -12,8 +12,9 @@ turn (A B A B ..., so machine drift hits all of them alike):
 4. ``warmup`` untimed steps, then ``iters`` timed ones, back to back, each timed on its own.
 
 Each rank returns plain records (picklable, JSON-able) for the parent to aggregate:
-``{"impl", "count", "times_s": [...], "errors": int | None}``, one per implementation and
-size, the iteration times of every round pooled.
+``{"impl", "count", "times_s": [...], "errors": int | None, "algo": str}``, one per
+implementation and size, the iteration times of every round pooled (``algo``: what the
+implementation's ``algo`` attribute said after its steps, the algorithm its calls took).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def run_sweep(
         expected = expected_output(spec, rank, config.seed) if config.check else None
         times: dict[str, list[float]] = {impl.name: [] for impl in impls}
         errors: dict[str, int | None] = {impl.name: None for impl in impls}
+        algos: dict[str, str] = {impl.name: impl.name for impl in impls}
         for rnd in range(config.rounds):
             for impl in impls:
                 impl.sync()
@@ -80,6 +82,7 @@ def run_sweep(
                 if rnd == 0 and expected is not None and getattr(impl, "checked", True):
                     errors[impl.name] = count_wrong(step(), expected)
                 times[impl.name].extend(_time_steps(step, config.warmup, config.iters))
+                algos[impl.name] = str(getattr(impl, "algo", impl.name))
                 del step
         for impl in impls:
             records.append(
@@ -88,6 +91,7 @@ def run_sweep(
                     "count": spec.count,
                     "times_s": times[impl.name],
                     "errors": errors[impl.name],
+                    "algo": algos[impl.name],
                 }
             )
         elapsed = time.perf_counter() - start

@@ -34,6 +34,14 @@ reduce_scatter and all_gather take the algorithm and piece size it predicts chea
 The uneven (``_v``) collectives have no ``shm`` algorithm: on a group with a workspace
 they run over the engine like elsewhere (after the group's earlier workspace calls).
 
+Device arrays (CuPy, or the host stand-in) on a group with a workspace take ``ipc``
+(:mod:`ringcomm.collectives.ipc`: device windows over CUDA IPC), every collective but
+scatter (a rank may pass ``x=None`` there, not knowing where the source's rows live: it
+runs on host copies unless ``algo="ipc"``), the uneven ones included. ``algo="shm"`` on
+device arrays means the same (the same-host algorithm's device form); ``algo=`` or
+``RINGCOMM_ALGO`` naming another algorithm of the collective stages through the host as
+elsewhere; ``RINGCOMM_ALGO=ipc`` is ignored where it does not fit (host arrays).
+
 A group whose ranks share one host and a workspace (``ringcomm.transport.workspace``)
 runs every collective on host arrays as ``shm`` (:mod:`ringcomm.collectives.workspace`)
 unless ``algo=`` or ``RINGCOMM_ALGO`` names another of the collective's algorithms;
@@ -63,6 +71,7 @@ from .broadcast_chain import BroadcastChain
 from .broadcast_tree import BroadcastTree
 from .choice import ModelChooser
 from .gather_direct import GatherDirect
+from .ipc import IPC_ALGO
 from .reduce_scatter_ring import ReduceScatterRing
 from .reduce_scatter_v_ring import ReduceScatterVRing
 from .reduce_tree import ReduceTree
@@ -75,6 +84,7 @@ __all__ = [
     "ALL_REDUCE_RD_MAX_BYTES",
     "BROADCAST_TREE_MAX_BYTES",
     "HIER_ALGO",
+    "IPC_ALGO",
     "UNEVEN_ALGORITHMS",
     "WORKSPACE_ALGO",
     "Call",
@@ -168,6 +178,7 @@ def choose_algorithm(
     local: bool = False,
     model: ModelChooser | None = None,
     hier: bool = False,
+    device: bool = False,
 ) -> str:
     """The algorithm to run: ``requested`` (the ``algo=`` keyword), else ``env_algo``
     (``RINGCOMM_ALGO``) when it names one of this collective's algorithms, else
@@ -182,8 +193,24 @@ def choose_algorithm(
     An ``algo=`` naming no algorithm of the collective raises ValueError (``"shm"``
     without a workspace too); so does a ``RINGCOMM_ALGO`` that names no algorithm of any
     collective.
+
+    ``device``: the call's arrays are device arrays on a group with a workspace: then
+    :data:`IPC_ALGO` is the default, and ``"shm"`` asks for it too (``"ipc"`` anywhere else
+    is a ValueError, but on a barrier, which has no arrays: there it is ``"shm"``).
     """
     table = ALGORITHMS.get(collective) or UNEVEN_ALGORITHMS[collective]
+    if requested in (IPC_ALGO, WORKSPACE_ALGO) and device:
+        return IPC_ALGO
+    if requested == IPC_ALGO:
+        if collective == "barrier":
+            requested = WORKSPACE_ALGO if local else None
+        elif world_size == 1:
+            return next(iter(table))
+        else:
+            raise ValueError(
+                f"algo {IPC_ALGO!r} needs device arrays (CuPy) on a group whose ranks share "
+                "one host and a workspace"
+            )
     if requested is not None:
         if requested == WORKSPACE_ALGO:
             if world_size == 1 and not local:
@@ -199,11 +226,14 @@ def choose_algorithm(
     if env_algo:
         if env_algo in table:
             return env_algo
-        if env_algo not in (WORKSPACE_ALGO, HIER_ALGO) and not any(
+        if env_algo not in (WORKSPACE_ALGO, HIER_ALGO, IPC_ALGO) and not any(
             env_algo in t for t in ALGORITHMS.values()
         ):
-            names = sorted({a for t in ALGORITHMS.values() for a in t} | {WORKSPACE_ALGO, HIER_ALGO})
+            names = sorted({a for t in ALGORITHMS.values() for a in t}
+                           | {WORKSPACE_ALGO, HIER_ALGO, IPC_ALGO})  # fmt: skip
             raise ValueError(f"RINGCOMM_ALGO={env_algo!r} names no algorithm; known: {names}")
+    if device:
+        return IPC_ALGO
     if local:
         return WORKSPACE_ALGO
     if collective == "all_reduce":

@@ -9,13 +9,15 @@ algorithm's op and run it through the group (blocking, or a ``Work`` with
 
 Device arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.device.standin.StandinArray``)
 are accepted wherever NumPy arrays are; outputs the call allocates are allocated on the
-same device. The ring all_reduce/reduce_scatter/all_gather and the broadcast chain stage
-them piece by piece; every other algorithm stages the whole buffer (``collectives.staged``).
-Inputs and outputs of one call are all host or all on one device.
+same device. On a group with a shared workspace they take the device windows (``ipc``,
+``collectives.ipc``; ``GroupCore.device_windows``). Elsewhere the ring
+all_reduce/reduce_scatter/all_gather and the broadcast chain stage them piece by piece;
+every other algorithm stages the whole buffer (``collectives.staged``). Inputs and outputs
+of one call are all host or all on one device.
 
 Contracts: docs/contracts.md (Python API). Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
-all_reduce, reduce_scatter, all_gather, broadcast and barrier, ``async_op`` on every call,
-``out`` on gather (used on ``dst``).
+every collective but the uneven ones, ``async_op`` on every call, ``out`` on gather (used
+on ``dst``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..buffers import check_array, check_peer
+from ..config import ipc_small_bytes, ipc_window_bytes, mps_active
+from ..device.ipc import ipc_device_for
 from ..device.staging import backend_for
 from ..device.xp import get_xp, is_device_array
 from ..errors import CollectiveMismatchError, CommTimeoutError, PeerFailedError, RingcommError
@@ -34,9 +38,10 @@ from ..group_core import GroupCore, setup_workspace
 from ..ops import ReduceOp, check_op_dtype, parse_op
 from ..progress import Op
 from ..work import Work
-from . import ALGORITHMS, HIER_ALGO, WORKSPACE_ALGO, choose_algorithm, get_algorithm
+from . import ALGORITHMS, HIER_ALGO, IPC_ALGO, WORKSPACE_ALGO, choose_algorithm, get_algorithm
 from .base import Call, Comm
 from .choice import ModelChooser
+from .ipc import IpcCollectives
 from .staged import PIPELINED, DeviceCall, staged_class
 from .workspace import WorkspaceCollectives
 
@@ -240,8 +245,11 @@ def _run_call(
     group.check_usable(call.name)
     if start_s is None:
         start_s = time.monotonic()
+    group.last_algo = call.algo
     if call.algo == WORKSPACE_ALGO:
         return _run_on_workspace(group, call, timeout, async_op, start_s)
+    if call.algo == IPC_ALGO:
+        return _run_on_windows(group, call, timeout, async_op, start_s)
     cls = get_algorithm(call.name, call.algo)
     if group.workspace_calls is not None:  # earlier collectives of the group go first
         group.workspace_calls.drain(timeout)
@@ -333,6 +341,27 @@ def _run_on_workspace(
     return calls.run(call, group.next_collective_seq(), timeout, async_op, start_s)
 
 
+def _run_on_windows(
+    group: GroupCore, call: Call, timeout: float, async_op: bool, start_s: float
+) -> Any:
+    """A device call on the group's device windows (ringcomm.collectives.ipc), run by its
+    workspace; the caller's stream is taken now (an async call runs on the worker)."""
+    calls = _workspace_calls(group, timeout)
+    if calls is None:  # a sub-group found it has no workspace: staged, as elsewhere
+        arr = call.x if call.x is not None else call.out
+        nbytes = 0 if arr is None else int(arr.nbytes)
+        algo = choose_algorithm(call.name, None, _env_algo(group), nbytes, group.world_size)
+        return _run_call(group, call._replace(algo=algo), timeout, async_op, start_s=start_s)
+    ext = calls.extensions.get(IPC_ALGO)
+    if ext is None:
+        ext = calls.extensions[IPC_ALGO] = IpcCollectives(
+            calls, ipc_window_bytes(), ipc_small_bytes(), mps_active()
+        )
+    arr = call.x if call.x is not None else call.out
+    stream = None if arr is None else ipc_device_for(arr).caller_stream()
+    return calls.run(call, group.next_collective_seq(), timeout, async_op, start_s, stream)
+
+
 def _env_algo(group: GroupCore) -> str | None:
     return group.config.algo
 
@@ -341,17 +370,21 @@ def _pick(
     group: GroupCore, collective: str, requested: str | None, nbytes: int, host: bool, what: str
 ) -> str:
     """The algorithm of a call (``choose_algorithm``; ``host``: its arrays are NumPy's)."""
-    if requested is None and host and group.workspace is not None and not group.config.algo:
-        return WORKSPACE_ALGO  # the common case on one host, without the general rule
-    local = host and (group.workspace is not None or group.workspace_pending)
+    if requested is None and group.workspace is not None and not group.config.algo:
+        if host:  # the common case on one host, without the general rule
+            return WORKSPACE_ALGO
+        if group.device_windows:
+            return IPC_ALGO
+    same_host = group.workspace is not None or group.workspace_pending
+    local = host and same_host
+    device = not host and same_host and group.device_windows
     try:
         if group.state.costmodel is None:
-            return choose_algorithm(
-                collective, requested, _env_algo(group), nbytes, group.world_size, local=local
-            )
+            return choose_algorithm(collective, requested, _env_algo(group), nbytes,
+                                    group.world_size, local=local, device=device)  # fmt: skip
         return choose_algorithm(
             collective, requested, _env_algo(group), nbytes, group.world_size, local=local,
-            model=group.chooser or model_chooser(group),
+            model=group.chooser or model_chooser(group), device=device,
         )  # fmt: skip
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
@@ -548,6 +581,7 @@ def reduce(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """Reduce ``x`` over all ranks into ``dst``'s ``x`` (in place there); return ``x``.
     Other ranks' ``x`` is not modified."""
@@ -556,7 +590,7 @@ def reduce(
     x = check_array(x, what, writeable=group.rank == dst, device=True)
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
-    algo = _pick(group, "reduce", None, x.nbytes, type(x) is np.ndarray, what)
+    algo = _pick(group, "reduce", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("reduce", algo, x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -569,6 +603,7 @@ def gather(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """Every rank's ``x`` as ``(world_size, *x.shape)`` on ``dst`` (in ``out`` if given
     there); None on the other ranks (which ignore ``out``)."""
@@ -581,7 +616,7 @@ def gather(
         out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     else:
         out = None
-    algo = _pick(group, "gather", None, x.nbytes, type(x) is np.ndarray, what)
+    algo = _pick(group, "gather", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("gather", algo, x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -594,12 +629,19 @@ def scatter(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """Row ``x[rank]`` of ``src``'s ``x`` (``x.shape[0] == world_size``) on every rank.
 
     On other ranks ``x`` may be None (dtype and shape then come from ``src``'s message) or
     an array of ``src``'s shape and dtype (checked against it; not written). The row is
     returned, in ``out`` if given (shape ``x.shape[1:]``).
+
+    Device arrays on a group with a workspace go through host copies (a rank passing
+    ``x=None`` cannot know where the source's rows live), unless ``algo="ipc"`` (or
+    ``RINGCOMM_ALGO=ipc`` on a rank with a device array): then every rank passes a device
+    array (``x`` on ``src``, ``x`` or ``out`` elsewhere) and the rows move between device
+    windows.
     """
     what = _what(group, "scatter")
     src = _check_root(src, group, what, "src")
@@ -620,11 +662,21 @@ def scatter(
     elif dtype is not None and shape is not None:  # src, or a rank that passed x
         out = _empty(x, shape[1:])
     host = (x is None or type(x) is np.ndarray) and (out is None or type(out) is np.ndarray)
-    if not host and (group.workspace is not None or group.workspace_pending):
+    same_host = group.workspace is not None or group.workspace_pending
+    env_ipc = algo is None and _env_algo(group) == IPC_ALGO and group.device_windows
+    if same_host and (algo == IPC_ALGO or (env_ipc and not host)):
+        if host or (x is None and out is None):
+            raise ValueError(
+                f"{what}: algo {IPC_ALGO!r} needs a device array on every rank (x on src, "
+                "x or out elsewhere)"
+            )
+        call = Call("scatter", IPC_ALGO, x=x, out=out, root=src, dtype=dtype, shape=shape)
+        return _run(group, call, timeout_s, async_op)
+    if not host and same_host:
         # A rank that passed x=None cannot know the source's kind of array: on a group with
         # a workspace every rank takes it, device arrays copied through the host.
         return _scatter_device_on_workspace(group, x, src, out, dtype, shape, timeout_s, async_op)
-    algo = _pick(group, "scatter", None, 0, host, what)
+    algo = _pick(group, "scatter", algo, 0, host, what)
     call = Call("scatter", algo, x=x, out=out, root=src, dtype=dtype, shape=shape)
     return _run(group, call, timeout_s, async_op)
 
@@ -658,6 +710,7 @@ def all_to_all(
     async_op: bool = False,
     *,
     timeout_s: float | None = None,
+    algo: str | None = None,
 ) -> Any:
     """``out[j]`` is rank ``j``'s ``x[rank]`` (``x.shape[0] == world_size``); return out."""
     what = _what(group, "all_to_all")
@@ -670,7 +723,7 @@ def all_to_all(
         out = _check_out(out, tuple(x.shape), x.dtype, what, x)
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
-    algo = _pick(group, "all_to_all", None, x.nbytes, type(x) is np.ndarray, what)
+    algo = _pick(group, "all_to_all", algo, x.nbytes, type(x) is np.ndarray, what)
     call = Call("all_to_all", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -717,10 +770,18 @@ def _check_row_array(x: Any, what: str, *, writeable: bool = False) -> Any:
     return x
 
 
-def _pick_v(group: GroupCore, collective: str, nbytes: int, what: str) -> str:
-    """The algorithm of an uneven collective (none has a workspace algorithm)."""
+def _pick_v(group: GroupCore, collective: str, nbytes: int, what: str, x: Any = None) -> str:
+    """The algorithm of an uneven collective (no ``shm`` for host arrays; device arrays
+    on a group with a workspace take ``ipc``)."""
+    device = (
+        type(x) is not np.ndarray
+        and x is not None
+        and group.device_windows
+        and (group.workspace is not None or group.workspace_pending)
+    )
     try:
-        return choose_algorithm(collective, None, _env_algo(group), nbytes, group.world_size)
+        return choose_algorithm(collective, None, _env_algo(group), nbytes, group.world_size,
+                                device=device)  # fmt: skip
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
 
@@ -758,7 +819,7 @@ def all_gather_v(
             )
     shape = (sum(sizes), *x.shape[1:])
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    algo = _pick_v(group, "all_gather_v", out.nbytes, what)
+    algo = _pick_v(group, "all_gather_v", out.nbytes, what, x)
     call = Call("all_gather_v", algo, x=x, out=out, dtype=x.dtype, shape=(*sizes, *x.shape[1:]))
     return _run(group, call, timeout_s, async_op)
 
@@ -794,7 +855,7 @@ def reduce_scatter_v(
         out = _check_out(out, shape, x.dtype, what, x)
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (reduce_scatter_v is not in place)")
-    algo = _pick_v(group, "reduce_scatter_v", x.nbytes, what)
+    algo = _pick_v(group, "reduce_scatter_v", x.nbytes, what, x)
     call = Call("reduce_scatter_v", algo, x=x, out=out, op=rop, dtype=x.dtype,
                 shape=(*splits, *x.shape[1:]))  # fmt: skip
     return _run(group, call, timeout_s, async_op)
@@ -839,7 +900,7 @@ def all_to_all_v(
         out = _check_out(out, shape, x.dtype, what, x)
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all_v is not in place)")
-    algo = _pick_v(group, "all_to_all_v", x.nbytes, what)
+    algo = _pick_v(group, "all_to_all_v", x.nbytes, what, x)
     call = Call("all_to_all_v", algo, x=x, out=out, dtype=x.dtype,
                 shape=(*ins, *outs, *x.shape[1:]))  # fmt: skip
     return _run(group, call, timeout_s, async_op)

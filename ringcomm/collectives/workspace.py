@@ -76,8 +76,12 @@ GOODBYE_WAIT_S = 0.1
 
 _OPCODES = {
     "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "reduce": 5,
-    "gather": 6, "scatter": 7, "all_to_all": 8, "barrier": 9,
+    "gather": 6, "scatter": 7, "all_to_all": 8, "barrier": 9, "all_gather_v": 10,
+    "reduce_scatter_v": 11, "all_to_all_v": 12,
 }  # fmt: skip
+#: The algorithm of a call, in the collective's word (times 256): ranks whose arrays live
+#: in different memories (host ``shm``, device windows ``ipc``) must not meet in one call.
+_ALGO_CODES = {"ipc": 1}
 _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 _CODE_DTYPES = {i: dt for dt, i in _DTYPE_CODES.items()}
 _ROOT_SENDS = ("broadcast", "scatter")  # only the root's input travels
@@ -102,16 +106,19 @@ def _shape_word(shape: tuple[int, ...]) -> int:
 class Job:
     """One collective call on the workspace: what the algorithms carry from call to sync."""
 
-    __slots__ = ("call", "core", "deadline", "note", "seq", "timeout_s")
+    __slots__ = ("call", "core", "deadline", "device", "note", "seq", "timeout_s")
 
     def __init__(self, core: GroupCore, call: Call, seq: int, deadline: float,
-                 timeout_s: float) -> None:  # fmt: skip
+                 timeout_s: float, device: Any = None) -> None:  # fmt: skip
         self.core = core
         self.call = call
         self.seq = seq
         self.deadline = deadline
         self.timeout_s = timeout_s
         self.note = ""  # where it waits (a sync), for the progress map
+        #: A device algorithm's state taken at the call (the caller's stream): see
+        #: :attr:`WorkspaceCollectives.extensions`.
+        self.device = device
 
     @property
     def desc(self) -> str:
@@ -184,15 +191,21 @@ class WorkspaceCollectives:
         self.moved_bytes = 0
         #: all_reduce calls that read this rank's x in place from its window.
         self.in_place_calls = 0
+        #: Algorithms other than ``shm`` that run on this workspace's syncs (by name: a
+        #: call whose ``algo`` is a key runs ``extensions[algo].execute(job, call)`` under
+        #: the same lock, queue, fingerprints and failure handling), e.g. ``ipc``
+        #: (ringcomm.collectives.ipc); each is closed with the workspace.
+        self.extensions: dict[str, Any] = {}
 
     # -- entry ---------------------------------------------------------------------------
     def run(self, call: Call, seq: int, timeout_s: float, async_op: bool,
-            start_s: float | None = None) -> Any:  # fmt: skip
+            start_s: float | None = None, device: Any = None) -> Any:  # fmt: skip
         """Run ``call`` here, now (or queue it behind earlier asynchronous ones); its
-        deadline counts from ``start_s`` (``time.monotonic()``; default: now)."""
+        deadline counts from ``start_s`` (``time.monotonic()``; default: now). ``device``:
+        what a device algorithm took at the call (:attr:`Job.device`)."""
         if start_s is None:
             start_s = time.monotonic()
-        job = Job(self.core, call, seq, start_s + timeout_s, timeout_s)
+        job = Job(self.core, call, seq, start_s + timeout_s, timeout_s, device)
         if not async_op:
             with self._cv:
                 busy = bool(self._queue) or self._worker_busy
@@ -312,7 +325,35 @@ class WorkspaceCollectives:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        for ext in self.extensions.values():
+            ext.close()
         self.ws.close()
+
+    # -- what the extensions use (the device algorithms of ringcomm.collectives.ipc) ------
+    def publish(self, job: Job, call: Call) -> None:
+        """Put ``call``'s fingerprint in this rank's control line (before its first sync)."""
+        self._publish(job, call)
+
+    def sync(self, job: Job, where: str) -> None:
+        """Arrive at the next synchronisation and wait for every rank (``where`` names it
+        in a timeout's message); raises as any call here does."""
+        self._sync(job, where)
+
+    def check(self, job: Job) -> None:
+        """After the call's first sync: every rank is in the same call, or all raise."""
+        self._check(job)
+
+    def next_buffer(self) -> int:
+        """The buffer (0 or 1) of the next round (shared by every algorithm here)."""
+        return self._next_buffer()
+
+    def buffer(self, rank: int, b: int) -> np.ndarray:
+        """Rank ``rank``'s host buffer ``b`` (uint8), e.g. for small control data."""
+        return self.ws.buffers[rank][b]
+
+    def run_host(self, job: Job, call: Call) -> Any:
+        """Run ``call`` (host arrays) with the ``shm`` algorithm, inside a running job."""
+        return getattr(self, "_" + call.name)(job, call)
 
     # -- the calls -----------------------------------------------------------------------
     def execute(self, op: Job) -> Any:
@@ -324,7 +365,11 @@ class WorkspaceCollectives:
             log.debug("rank %d: start %s", progress.rank, op.desc)
         try:
             self._after_earlier(op)
-            result = getattr(self, "_" + call.name)(op, call)
+            ext = self.extensions.get(call.algo)
+            if ext is not None:
+                result = ext.execute(op, call)
+            else:
+                result = getattr(self, "_" + call.name)(op, call)
             x = call.x
             if x is not None and (call.root is None or call.name not in _ROOT_SENDS
                                   or call.root == self.ws.rank):  # fmt: skip
@@ -412,7 +457,8 @@ class WorkspaceCollectives:
         its sequence number, a digest of the rest, and the rest (for error messages)."""
         area = self.round & 1
         base = self._fp_base = FP + area * _AREA_WORDS
-        key = (call.name, call.dtype, call.shape, call.root, call.op, self.core.chunk_bytes)
+        key = (call.name, call.algo, call.dtype, call.shape, call.root, call.op,
+               self.core.chunk_bytes)  # fmt: skip
         cached = self._rows.get(key)
         if cached is None:
             if len(self._rows) >= 256:
@@ -430,7 +476,7 @@ class WorkspaceCollectives:
 
     def _row(self, call: Call) -> tuple[np.ndarray, int]:
         row = np.zeros(_AREA_WORDS, np.uint64)
-        row[_COLL] = _OPCODES[call.name]
+        row[_COLL] = _OPCODES[call.name] | _ALGO_CODES.get(call.algo, 0) << 8
         known = call.dtype is not None and call.shape is not None
         row[_DTYPE] = _DTYPE_CODES[call.dtype] if known else 0  # type: ignore[index]
         row[_SHAPE] = _shape_word(call.shape) if known else 0  # type: ignore[arg-type]
@@ -484,6 +530,7 @@ class WorkspaceCollectives:
         """``all_reduce(float32[10], op=sum, chunk_bytes=64) #3`` from a fingerprint."""
         names = {v: k for k, v in _OPCODES.items()}
         ops = {v: k for k, v in _OP_CODES.items()}
+        algos = {v: k for k, v in _ALGO_CODES.items()}
         words = fp.tolist()
         parts = []
         dtype = _CODE_DTYPES.get(words[_DTYPE])
@@ -497,8 +544,10 @@ class WorkspaceCollectives:
             parts.append(f"op={ops.get(words[_ROP], '?')}")
         if words[_ROOT]:
             parts.append(f"root={words[_ROOT] - 1}")
+        if words[_COLL] >> 8:  # (shm, the workspace's own, goes unsaid)
+            parts.append(f"algo={algos.get(words[_COLL] >> 8, '?')}")
         parts.append(f"chunk_bytes={words[_CHUNK]}")
-        return f"{names.get(words[_COLL], '?')}({', '.join(parts)}) #{words[_SEQ]}"
+        return f"{names.get(words[_COLL] & 0xFF, '?')}({', '.join(parts)}) #{words[_SEQ]}"
 
     def _round_cap(self, least: int) -> int:
         """Most bytes of one round (at least ``least``: one element per row)."""

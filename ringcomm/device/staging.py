@@ -50,7 +50,7 @@ import numpy as np
 from ..config import DEFAULT_STAGING_MAX_BYTES, staging_max_bytes
 from ..errors import CommTimeoutError
 from ..ops import ReduceOp, finalize, reduce_into, reduce_out
-from .standin import StandinArray
+from .standin import StandinArray, set_read_barrier
 from .xp import cupy_or_none, is_cupy_array
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "DeviceStager",
     "HostStager",
     "HostStandinBackend",
+    "LazyStream",
     "Slot",
     "StagingPool",
     "backend_for",
@@ -193,6 +194,11 @@ class _LazyStream:
 
     def synchronize(self) -> None:
         self.run_until(self.queued)
+
+
+#: The stand-in's stream, for other stand-in devices (ringcomm.device.ipc: its own stream,
+#: apart from staging's, as a GPU runs a caller's stream and a staging stream side by side).
+LazyStream = _LazyStream
 
 
 class _LazyEvent:
@@ -393,6 +399,8 @@ def backend_for(x: Any) -> DeviceBackend:
             if backend is None:
                 if key == "standin":
                     backend = HostStandinBackend()
+                    # the process's stand-in stream: get() reads after the work queued on it
+                    set_read_barrier(backend.stream().synchronize)
                 else:
                     cp = cupy_or_none()
                     assert cp is not None  # x is a cupy array

@@ -16,18 +16,31 @@ sends a staging buffer before waiting for its copy, or reads device memory befor
 stream finished, sees stale bytes and fails its test, as it would race on a GPU.
 
 Users and tests make one with :func:`standin_array` (a copy) and read it back with
-``a.get()``, as with CuPy's ``cupy.asarray``/``ndarray.get``.
+``a.get()``, as with CuPy's ``cupy.asarray``/``ndarray.get``; like CuPy's (a copy on the
+current stream, then a wait for it), ``get()`` first lets the stand-in's stream run what is
+queued on it (:func:`set_read_barrier`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .standin_math import ArrayMath, ModuleMath, host_operand
 
-__all__ = ["STANDIN", "StandinArray", "StandinModule", "standin_array"]
+__all__ = ["STANDIN", "StandinArray", "StandinModule", "set_read_barrier", "standin_array"]
+
+#: What ``get()`` runs before it reads (the stand-in stream's synchronize; empty: nothing).
+_READ_BARRIER: list[Callable[[], None]] = []
+
+
+def set_read_barrier(fn: Callable[[], None]) -> None:
+    """``fn()`` runs at every ``StandinArray.get()`` before the read (the stand-in's stream,
+    ``ringcomm.device.staging``, sets its synchronize here: work queued on the device
+    finishes before the host reads it, as CuPy's ``get()`` waits for its stream)."""
+    _READ_BARRIER[:] = [fn]
 
 
 class StandinArray(ArrayMath):
@@ -88,7 +101,9 @@ class StandinArray(ArrayMath):
         return StandinArray(self._host.copy())
 
     def get(self) -> np.ndarray:
-        """A NumPy copy (like ``cupy.ndarray.get``)."""
+        """A NumPy copy (like ``cupy.ndarray.get``: queued device work finishes first)."""
+        for fn in _READ_BARRIER:
+            fn()
         return self._host.copy()
 
     def set(self, arr: Any) -> None:

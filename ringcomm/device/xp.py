@@ -8,6 +8,7 @@ installed. ``ringcomm.device.staging`` reaches CuPy only through :func:`cupy_or_
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from types import ModuleType
 from typing import Any
@@ -16,7 +17,7 @@ import numpy as np
 
 from .standin import STANDIN, StandinArray
 
-__all__ = ["cupy_or_none", "get_xp", "is_cupy_array", "is_device_array"]
+__all__ = ["cupy_or_none", "get_xp", "is_cupy_array", "is_device_array", "select_device"]
 
 
 def cupy_or_none() -> ModuleType | None:
@@ -30,6 +31,30 @@ def cupy_or_none() -> ModuleType | None:
         return None
     module: ModuleType = cupy  # cupy has no stubs: name its type, do not return Any
     return module
+
+
+def select_device(local_rank: int) -> int | None:
+    """Make GPU ``local_rank % device_count`` this thread's current CuPy device, unless
+    the user chose one already (the current device is not 0); return the current device,
+    or None without CuPy or a GPU. Called when a rank joins a group (ringcomm.group), so
+    the ranks of a host spread over its GPUs, several per GPU when there are more ranks."""
+    if importlib.util.find_spec("cupy") is None:
+        return None
+    cp = cupy_or_none()
+    if cp is None:
+        return None
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+        if count < 1:
+            return None
+        current = int(cp.cuda.runtime.getDevice())
+        if current != 0 or count == 1:
+            return current
+        want = local_rank % count
+        cp.cuda.Device(want).use()
+        return want
+    except Exception:  # noqa: BLE001 (no driver, no device: CPU arrays still work)
+        return None
 
 
 def is_cupy_array(x: Any) -> bool:

@@ -56,6 +56,8 @@ def _staging_probe(strat: Any) -> Any:
 
 def train_rank(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank (``pg`` None: single process); return its measurements."""
+    if pg is not None and cfg.device == "host-staged":
+        pg.device_windows = False  # host staging, not the device windows (ipc): its point
     meter = make_meter(cfg.device, array_module(cfg.device))
     meter.start()
     if cfg.elastic:
