@@ -35,7 +35,8 @@ Settings that belong to no group are small pure functions of the same mapping, e
 raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
 with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
 (``RINGCOMM_STAGING_MAX_BYTES``), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
-:func:`env_token` (``RINGCOMM_TOKEN``) and :func:`env_master_addr`
+:func:`env_token` (``RINGCOMM_TOKEN``), :func:`security_mode` (``RINGCOMM_SECURITY``)
+and :func:`env_master_addr`
 (``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
 variable: they take these values as arguments.
 """
@@ -63,8 +64,10 @@ __all__ = [
     "DEFAULT_STAGING_MAX_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_TUNE_FILE",
+    "MAX_TUNED_CHUNK_BYTES",
     "MPIRUN_JOB_ID_VARS",
     "PS_LOG_LEVELS",
+    "SECURITY_MODES",
     "TRANSPORT_MODES",
     "TUNE_FILE_OFF",
     "InitConfig",
@@ -82,6 +85,7 @@ __all__ = [
     "parse_slurm_nodelist",
     "ps_log_level",
     "resolve_init_config",
+    "security_mode",
     "size_arg",
     "slurm_master_port",
     "staging_max_bytes",
@@ -91,6 +95,11 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 #: Default piece size of pipelined transfers (measured: benchmarks/results/README.md).
 DEFAULT_CHUNK_BYTES = 4 << 20
+#: The largest piece size the cost model may choose (collectives/choice.py's candidates).
+MAX_TUNED_CHUNK_BYTES = 8 << 20
+#: RINGCOMM_SECURITY values: the data plane's mechanism with the job token
+#: (ringcomm.transport.zmq_transport), or "none": no token anywhere.
+SECURITY_MODES = ("none", "handshake", "curve")
 #: RINGCOMM_BIND values (see InitConfig.bind).
 BIND_MODES = ("auto", "none", "core")
 #: RINGCOMM_TRANSPORT / ``transport=`` values: ipc:// to peers on this host and tcp://
@@ -213,8 +222,9 @@ class InitConfig:
     log: str | None = None
     store_external: bool = False
     source: str = "singleton"
-    #: Data-plane authentication when a token is set: "handshake" or "curve"
-    #: (``RINGCOMM_SECURITY``; see ringcomm.transport.zmq_transport).
+    #: How the job authenticates (``RINGCOMM_SECURITY``, :data:`SECURITY_MODES`): with a
+    #: token (given, handed out by the launcher, or minted by the store's host), the data
+    #: plane by "handshake" or "curve" (ringcomm.transport.zmq_transport); "none": no token.
     security: str = "handshake"
     #: Per-peer cap on buffered unexpected messages (``RINGCOMM_MAX_UNEXPECTED_MESSAGES``,
     #: ``RINGCOMM_MAX_UNEXPECTED_BYTES``); None: the engine's defaults.
@@ -267,6 +277,12 @@ class InitConfig:
     def effective_chunk_bytes(self) -> int:
         """The piece size the group uses: :attr:`chunk_bytes`, else the default (4 MiB)."""
         return DEFAULT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
+
+    @property
+    def max_piece_bytes(self) -> int:
+        """The largest piece a call of the group may send: what its peers' receive sockets
+        accept (a larger frame is refused before anything is authenticated)."""
+        return max(self.effective_chunk_bytes, MAX_TUNED_CHUNK_BYTES)
 
     @property
     def log_debug(self) -> bool:
@@ -536,6 +552,16 @@ def ps_log_level(env: Mapping[str, str] | None = None) -> str:
     return level
 
 
+def security_mode(env: Mapping[str, str] | None = None) -> str:
+    """``RINGCOMM_SECURITY`` (:data:`SECURITY_MODES`, any case; default ``handshake``)."""
+    text = (_environ(env).get("RINGCOMM_SECURITY") or "handshake").strip().lower()
+    if text not in SECURITY_MODES:
+        raise ValueError(
+            f"RINGCOMM_SECURITY must be one of {', '.join(SECURITY_MODES)}, got {text!r}"
+        )
+    return text
+
+
 def env_token(env: Mapping[str, str] | None = None) -> str | None:
     """``RINGCOMM_TOKEN`` as written (a secret: not stripped); None when unset or empty."""
     return _environ(env).get("RINGCOMM_TOKEN") or None
@@ -695,12 +721,18 @@ def resolve_init_config(
             name = "transport= (as RINGCOMM_TRANSPORT)"
         raise RendezvousError(f"{name} must be one of {TRANSPORT_MODES}, got {mode!r}")
 
-    if token is None:
+    try:
+        security = security_mode(env)
+    except ValueError as exc:
+        raise RendezvousError(str(exc)) from None
+    if security == "none":
+        if token:
+            raise RendezvousError(
+                "token= was given but RINGCOMM_SECURITY=none (no token): choose one"
+            )
+        token = None
+    elif token is None:
         token = env_token(env)
-
-    security = (env.get("RINGCOMM_SECURITY") or "handshake").strip().lower()
-    if security not in ("handshake", "curve"):
-        raise RendezvousError(f"RINGCOMM_SECURITY must be handshake or curve, got {security!r}")
     caps: list[int | None] = []
     for name in ("RINGCOMM_MAX_UNEXPECTED_MESSAGES", "RINGCOMM_MAX_UNEXPECTED_BYTES"):
         text = (env.get(name) or "").strip()

@@ -71,6 +71,7 @@ from .progress import (
     Progress,
 )
 from .rendezvous import Store, StoreServer
+from .rendezvous import security as _security
 from .schedule.topology import Topology
 from .transport.endpoints import (
     EndpointInfo,
@@ -705,7 +706,7 @@ class ProcessGroup:
                 root.set(f"admit/{slot}/{restart}", json.dumps([epoch, slots]).encode())
         addr, port = cfg.master_addr, state.store_port
         store = Store(addr, port, token=cfg.token, timeout_s=max(0.1, deadline - time.monotonic()),
-                      label=f"rank {core.global_rank}")  # fmt: skip
+                      label=f"rank {core.global_rank}", auth=cfg.token is not None)  # fmt: skip
         try:
             return self._next_epoch(store, addr, port, state.server, state.server is not None,
                                     epoch, slots, deadline)  # fmt: skip
@@ -948,7 +949,7 @@ def _serve_failover(addr: str, ports: list[int], token: str | None, rank: int) -
     errors = []
     for port in ports:
         try:
-            return StoreServer(_bind_host(addr), port, token=token).start()
+            return StoreServer(_bind_host(addr), port, token=token, auth=token is not None).start()
         except RendezvousError as exc:
             errors.append(f"{port}: {exc}")
     raise RendezvousError(f"rank {rank}: shrink: cannot serve the new store on {addr}, "
@@ -1019,7 +1020,7 @@ def init_process_group(
         port = cfg.master_port
         if cfg.rank == 0 and not cfg.store_external and (cfg.world_size > 1 or port != 0):
             try:
-                server = StoreServer(_bind_host(cfg.master_addr), port, token=cfg.token).start()
+                server = _security.serve_store(cfg, _bind_host(cfg.master_addr), port)
             except RingcommError as exc:
                 if cfg.master_port_origin is None:
                     raise
@@ -1037,10 +1038,10 @@ def init_process_group(
                     f"{label}: cannot serve the rendezvous store on {cfg.master_addr}:{port}: {exc}"
                 ) from exc
             port = server.port
+            cfg = _security.effective_config(cfg, server, None)  # its token, for our client
         if cfg.world_size > 1 or cfg.store_external:
-            store = Store(
-                cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s, label=label
-            )
+            store = _security.connect_store(cfg, cfg.master_addr, port, label)
+        cfg = _security.effective_config(cfg, server, store)  # the token the group runs on
         if cfg.restart > 0 and store is not None and cfg.store_external:
             return _rejoin(cfg, store, port)
         return _form(cfg, store, server, port)
@@ -1073,6 +1074,7 @@ def _form(
             security=cfg.security,
             lane=cfg.local_lane,
             shm=cfg.shm,
+            max_message_bytes=_security.frame_limit(cfg),
         )
         me = EndpointInfo(
             rank=cfg.rank,
@@ -1084,6 +1086,7 @@ def _form(
             lane=net.lane_endpoint,
             shm=net.shm_enabled,
             workspace=cfg.workspace and WORKSPACE_AVAILABLE,
+            salt=net.auth_salt,
         )
         infos = {cfg.rank: me}
         if store is not None:
@@ -1091,7 +1094,12 @@ def _form(
         model = _share_cost_model(cfg, store, watch)
         if store is not None:
             keys = [f"rank/{r}" for r in range(cfg.world_size)]
-            _wait_all(store, keys, cfg.timeout_s, watch)
+            try:
+                _wait_all(store, keys, cfg.timeout_s, watch)
+            except CommTimeoutError as exc:  # say so if the store turned ranks away
+                if server is None or not server.refusals():
+                    raise
+                raise CommTimeoutError(f"{exc}{server.refusals()}") from exc
             for r in range(cfg.world_size):
                 infos[r] = EndpointInfo.from_dict(json.loads(store.get(keys[r])))
         for r, info in infos.items():
@@ -1104,9 +1112,10 @@ def _form(
                     endpoint = choose_endpoint(me, info, mode)
                 except ValueError as exc:
                     raise RendezvousError(str(exc)) from exc
-                net.set_peer_endpoint(r, endpoint)
+                net.set_peer_endpoint(r, endpoint, info.salt)
                 if info.lane is not None and endpoint.startswith("ipc://"):
                     net.set_peer_lane(r, info.lane)
+        _security.warn_across_hosts(cfg, infos.values())
         net.connect_all()  # every peer, now: liveness is watched on these connections
         try:
             net.setup_shm([r for r, info in infos.items() if info.shm], cfg.timeout_s)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import shlex
 import signal
 import socket
@@ -42,6 +41,7 @@ from ringcomm.launch.supervise import (
     LauncherSignals,
     RankProcess,
     copy_output,
+    job_token,
     note,
     pdeathsig_preexec,
     reap,
@@ -227,9 +227,10 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
     from ringcomm.errors import RendezvousError  # lazy: only needed to run a job
     from ringcomm.rendezvous import StoreServer
 
-    token = secrets.token_hex(32)
+    token = job_token()
     try:
-        store = StoreServer(config.master_addr, config.master_port, token=token).start()
+        store = StoreServer(config.master_addr, config.master_port, token=token,
+                            auth=token is not None).start()  # fmt: skip
     except RendezvousError as exc:
         note(f"error: {exc}")
         return 1
@@ -246,7 +247,9 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
         store.close()
 
 
-def _start_rank(config: RunConfig, rank: int, port: int, token: str, restart: int = 0) -> RankProcess:
+def _start_rank(
+    config: RunConfig, rank: int, port: int, token: str | None, restart: int = 0
+) -> RankProcess:
     env = dict(os.environ)
     env.update(rank_env(config, rank, port, token))
     if restart:
@@ -257,7 +260,7 @@ def _start_rank(config: RunConfig, rank: int, port: int, token: str, restart: in
 
 
 def _restarter(
-    config: RunConfig, store: Any, token: str, ranks: list[RankProcess]
+    config: RunConfig, store: Any, token: str | None, ranks: list[RankProcess]
 ) -> Callable[[RankProcess, int], RankProcess | None]:
     """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
     started again (``RINGCOMM_RESTART`` = how many times), at most K times per slot."""
@@ -279,7 +282,7 @@ def _restarter(
     return restart
 
 
-def _start_ranks(config: RunConfig, port: int, token: str) -> list[RankProcess]:
+def _start_ranks(config: RunConfig, port: int, token: str | None) -> list[RankProcess]:
     ranks: list[RankProcess] = []
     try:
         for rank in range(config.nproc):

@@ -24,7 +24,6 @@ import faulthandler
 import math
 import os
 import pickle
-import secrets
 import signal
 import sys
 import tempfile
@@ -40,7 +39,12 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ringcomm.errors import RankFailedError
-from ringcomm.launch.supervise import DEFAULT_GRACE_S, describe_exit, store_announcer
+from ringcomm.launch.supervise import (
+    DEFAULT_GRACE_S,
+    describe_exit,
+    job_token,
+    store_announcer,
+)
 
 __all__ = ["spawn"]
 
@@ -102,8 +106,8 @@ def spawn(
 
     from ringcomm.rendezvous import StoreServer  # lazy: `import ringcomm.launch` stays light
 
-    token = secrets.token_hex(32)
-    store = StoreServer(_LOCALHOST, 0, token=token).start()
+    token = job_token()
+    store = StoreServer(_LOCALHOST, 0, token=token, auth=token is not None).start()
     try:
         entry = _GroupEntry(
             fn=fn,
@@ -129,7 +133,7 @@ class _GroupEntry:
     master_addr: str
     master_port: int
     timeout_s: float | None
-    token: str = field(repr=False)
+    token: str | None = field(repr=False)
 
     def __call__(self, rank: int, world_size: int) -> Any:
         from ringcomm.group import init_process_group  # lazy: only the children need it

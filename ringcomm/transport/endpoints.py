@@ -43,6 +43,9 @@ class EndpointInfo:
     shm: bool = False
     #: Takes part in shared workspaces (transport/workspace.py) with same-host peers.
     workspace: bool = False
+    #: The salt its peers bind their data-plane logins to (session.py), hex; None: no
+    #: PLAIN logins (curve, or no token).
+    salt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +58,7 @@ class EndpointInfo:
             "lane": self.lane,
             "shm": self.shm,
             "workspace": self.workspace,
+            "salt": self.salt,
         }
 
     @classmethod
@@ -69,6 +73,7 @@ class EndpointInfo:
             lane=d.get("lane"),
             shm=bool(d.get("shm", False)),
             workspace=bool(d.get("workspace", False)),
+            salt=d.get("salt"),
         )
 
 
