@@ -154,6 +154,12 @@ class ProcessGroup:
 
     @chunk_bytes.setter
     def chunk_bytes(self, value: int) -> None:
+        limit = self.core.state.config.max_piece_bytes
+        if isinstance(value, int) and value > limit:  # other bad values: at the next call
+            raise ValueError(
+                f"rank {self.core.rank}: chunk_bytes={value} is above this group's largest "
+                f"piece ({limit} bytes; RINGCOMM_CHUNK_BYTES raises it)"
+            )
         self.core.chunk_bytes = value
 
     def __repr__(self) -> str:

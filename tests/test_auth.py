@@ -21,8 +21,8 @@ from conftest import free_port
 import ringcomm as rc
 from ringcomm.rendezvous import StoreServer
 from ringcomm.transport.endpoints import local_address_towards
-from ringcomm.transport.wire import KIND_P2P, Header, pack_header
 from ringcomm.transport.session import plain_login
+from ringcomm.transport.wire import KIND_P2P, Header, pack_header
 from ringcomm.transport.zmq_transport import data_plane_credentials
 
 

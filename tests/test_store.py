@@ -426,12 +426,13 @@ def test_bad_token_never_gets_data() -> None:
             ):
                 assert raw.call(body, 5)["status"] == "auth"
         assert srv.rejected == 3
-        with _session_client(srv, token="wrong") as raw:
-            with pytest.raises(RpcAuthError, match="token mismatch"):
-                raw.call({"op": "try_get", "key": "k"}, 5)
+        with (
+            _session_client(srv, token="wrong") as raw,
+            pytest.raises(RpcAuthError, match="token mismatch"),
+        ):
+            raw.call({"op": "try_get", "key": "k"}, 5)
         assert srv.rejected == 4 and srv.refused == 1
         # A signed request replayed as it was seen on the wire (same id, same signature).
-        sent: list[list[bytes]] = []
         with _session_client(srv) as raw:
             assert raw.call({"op": "try_get", "key": "k"}, 5)["value"] == b"secret value"
             ctx = zmq.Context()
@@ -444,7 +445,6 @@ def test_bad_token_never_gets_data() -> None:
                 assert spy.poll(5000)
                 reply = msgpack.unpackb(spy.recv_multipart()[1])
                 assert reply.get("refused") == "replayed request" and "body" not in reply
-                sent.append(head_payload)
             finally:
                 spy.close()
                 ctx.term()
@@ -503,9 +503,11 @@ def test_claims_get_the_token_once() -> None:
             Store(HOST, srv.port, timeout_s=5)
         with Store(HOST, srv.port, timeout_s=5, claim="rank 2") as s:
             assert s.token == srv.token
-    with StoreServer(HOST, 0, token="given") as srv:  # a given token is never handed out
-        with pytest.raises(AuthenticationError, match="hands out no token"):
-            Store(HOST, srv.port, timeout_s=5, claim="rank 1")
+    with (
+        StoreServer(HOST, 0, token="given") as srv,  # a given token is never handed out
+        pytest.raises(AuthenticationError, match="hands out no token"),
+    ):
+        Store(HOST, srv.port, timeout_s=5, claim="rank 1")
 
 
 def test_no_token_bytes_on_the_wire() -> None:
@@ -573,7 +575,7 @@ class _Recorder:
         with self._lock:
             return b"".join(self._chunks)
 
-    def __enter__(self) -> _Recorder:
+    def __enter__(self) -> _Recorder:  # noqa: PYI034 (a test helper, never subclassed)
         return self
 
     def __exit__(self, *exc: object) -> None:

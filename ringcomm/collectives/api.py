@@ -162,10 +162,16 @@ def _check_root(root: Any, group: GroupCore, what: str, name: str) -> int:
     return check_peer(root, group.world_size, what, name)
 
 
-def _check_chunk_bytes(group: GroupCore, what: str) -> int:
-    chunk = group.chunk_bytes
+def _check_chunk_bytes(group: GroupCore, what: str, chunk: Any = None) -> int:
+    chunk = group.chunk_bytes if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
         raise ValueError(f"{what}: pg.chunk_bytes must be a positive int, got {chunk!r}")
+    limit = group.state.config.max_piece_bytes
+    if chunk > limit:
+        raise ValueError(
+            f"{what}: chunk_bytes={chunk} is above this group's largest piece ({limit} bytes, "
+            "what its receive sockets accept; RINGCOMM_CHUNK_BYTES raises it)"
+        )
     return int(chunk)
 
 
@@ -231,8 +237,8 @@ def _run_call(
     if what is None:
         what = _what(group, call.name)
     chunk = call.chunk_bytes or group.chunk_bytes
-    if type(chunk) is not int or chunk <= 0:
-        chunk = _check_chunk_bytes(group, what)
+    if type(chunk) is not int or chunk <= 0 or chunk > group.state.config.max_piece_bytes:
+        chunk = _check_chunk_bytes(group, what, chunk)
     try:
         timeout = group.timeout(timeout_s)
     except ValueError as exc:
