@@ -89,7 +89,7 @@ _WAIT_GRACE_S = 1.0
 _INT_RE = re.compile(rb"[+-]?\d+")
 #: Largest value ``set``/``compare_set`` take: a request must fit the server's message
 #: limit (rpc.py), which bounds what an unauthenticated sender can make it hold.
-MAX_VALUE_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 64 * 1024
+MAX_VALUE_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 4096
 
 
 class _BadRequest(Exception):

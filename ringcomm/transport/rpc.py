@@ -94,7 +94,10 @@ log = logging.getLogger(__name__)
 #: Largest message (frame) the server accepts; a bigger one makes ZeroMQ drop that
 #: connection as soon as its size is read (so an unauthenticated sender can make the server
 #: hold at most this much per connection).
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 10
+#: Messages libzmq reads ahead per client connection before it waits for the server thread
+#: (a bound on what a flood of refused requests can make the server hold).
+_RCVHWM = 8
 #: Largest request without a session a server with sessions decodes (a first contact).
 HELLO_MAX_BYTES = 2048
 _HEAD_BYTES = NONCE_BYTES + 8 + MAC_BYTES
@@ -249,6 +252,7 @@ class RpcServer:
             # A server that is shutting down answers nothing more: drop unsent replies.
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            self._sock.setsockopt(zmq.RCVHWM, _RCVHWM)
             bind_host = _bind_host(host)
             if _is_ipv6(bind_host):
                 self._sock.setsockopt(zmq.IPV6, 1)
