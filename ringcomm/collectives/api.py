@@ -281,8 +281,16 @@ def _run_call(
     # The algorithm's fast lane, if it has one (not with RINGCOMM_LOG=debug: every op then
     # goes through the engine, which logs its start and end).
     if not group.progress.log_ops and op.run_now(deadline):
-        return op.result
-    return group.run(op, timeout, False, deadline)
+        result = op.result
+    else:
+        result = group.run(op, timeout, False, deadline)
+    # One outcome: a peer may have failed this call while we consumed what it had sent.
+    aborted = group.progress.aborted(group.group_id, comm.seq, op.desc)
+    if aborted is not None:
+        if group.failed is None:
+            group.failed = aborted
+        raise aborted
+    return result
 
 
 def _workspace_calls(group: GroupCore, timeout_s: float) -> WorkspaceCollectives | None:

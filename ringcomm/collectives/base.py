@@ -308,6 +308,7 @@ class CollectiveOp(Op):
         self.rank = comm.rank
         self.n = comm.world_size
         self.seq = comm.seq
+        self.collective = (comm.group_id, comm.seq, comm.ranks)  # its failure is told
         chunk = self.fingerprint_chunk_bytes()
         plans = comm.plans
         if plans is None:

@@ -21,8 +21,11 @@ barrier         sync.
 
 Before any user byte is written, each rank compares the fingerprint every rank put in its
 control line (sequence number, collective, dtype, shape, root, op) with its own: a
-difference raises :class:`~ringcomm.errors.CollectiveMismatchError` on every rank. A
-wait that runs long looks, between sleeps, at the peers' processes (pidfds), at the
+difference raises :class:`~ringcomm.errors.CollectiveMismatchError` on every rank. A call
+that fails on a rank marks its control line and tells the peers (the progress engine's
+abort); every synchronisation looks at the marks before the call goes on, so a late rank
+fails that call too, with the first failure's type and reason, instead of completing it
+from what the others left in their buffers. A wait that runs long looks, between sleeps, at the peers' processes (pidfds), at the
 progress engine's goodbyes and failure reports, and at the deadline: a dead or departed
 peer raises :class:`~ringcomm.errors.PeerFailedError` naming it, a deadline
 :class:`~ringcomm.errors.CommTimeoutError` naming the ranks waited for and where ("waiting
@@ -333,6 +336,12 @@ class WorkspaceCollectives:
             engine = isinstance(exc, PeerFailedError) and progress.failure is not None
             if not engine and self.core.failed is None:
                 self.core.failed = exc
+            if not isinstance(exc, GroupClosedError):
+                # Peers must not complete it: tell them (the reason), then mark it.
+                core = self.core
+                progress.collective_failed(core.group_id, op.seq, exc, core.ranks)
+                if not self.ws.closed:
+                    self.ws.mark_failed(op.seq)
             if progress.log_ops:
                 log.debug("rank %d: failed %s: %s", progress.rank, op.desc, exc)
             raise
@@ -345,17 +354,37 @@ class WorkspaceCollectives:
         k = ws.arrive()
         if ws.complete(k):
             ws.wait(k, op.deadline, _never)  # rings for sleepers
-            return
-        op.note = where
-        try:
-            ws.wait(k, op.deadline, lambda: self._idle(op, k, where))
-        except WorkspaceTimeout:
-            late = ws.late(k)
-            raise CommTimeoutError(
-                f"rank {self.core.rank}: {op.desc} timed out after {op.timeout_s:g} s: "
-                f"waiting for rank{'s' if len(late) > 1 else ''} "
-                f"{', '.join(map(str, late))} at {where}; " + self._last_calls(late)
-            ) from None
+        else:
+            op.note = where
+            try:
+                ws.wait(k, op.deadline, lambda: self._idle(op, k, where))
+            except WorkspaceTimeout:
+                late = ws.late(k)
+                raise CommTimeoutError(
+                    f"rank {self.core.rank}: {op.desc} timed out after {op.timeout_s:g} s: "
+                    f"waiting for rank{'s' if len(late) > 1 else ''} "
+                    f"{', '.join(map(str, late))} at {where}; " + self._last_calls(late)
+                ) from None
+        failed = ws.failed_peer(op.seq)
+        if failed is not None:  # a peer failed this call (or an earlier one): so do we
+            raise self._failed_at_peer(op, *failed)
+
+    def _failed_at_peer(self, op: Job, r: int, seq: int) -> RingcommError:
+        """The error of a call that group rank ``r`` failed (as collective ``seq``): the
+        reason its abort carries (which follows the mark at once), else a plain one."""
+        core = self.core
+        progress = core.progress
+        give_up = time.monotonic() + GOODBYE_WAIT_S
+        while core.group_id not in progress.group_aborts and time.monotonic() < give_up:
+            progress.poll_now()
+            if core.group_id not in progress.group_aborts:
+                time.sleep(0.002)
+        if core.group_id in progress.group_aborts:
+            return progress.abort_error(core.group_id, op.desc)
+        return PeerFailedError(
+            f"rank {core.rank}: {op.desc}: rank {r} failed collective #{seq} of this group, "
+            "so every rank fails it (its reason did not arrive)", peer=core.ranks[r],
+        )  # fmt: skip
 
     def _last_calls(self, ranks: list[int]) -> str:
         """What each of ``ranks`` last started here (its newer fingerprint)."""
@@ -382,6 +411,9 @@ class WorkspaceCollectives:
         progress.poll_now()
         if progress.failure is not None:
             raise progress.failed_error(f"{op.desc} [{where}]")
+        failed = ws.failed_peer(op.seq)
+        if failed is not None:  # it will never arrive here: fail now, not at the deadline
+            raise self._failed_at_peer(op, *failed)
         for r in ws.late(k):
             g = core.ranks[r]
             if progress.departed(g):
