@@ -68,3 +68,43 @@ def test_a_late_rank_fails_the_call_its_peers_failed(
     assert results[0]["untouched"] and results[1]["untouched"]
     if path == "workspace":
         assert results[2]["untouched"]  # failed before anything was reduced into x
+
+
+def job_splits_disagree(pg: rc.ProcessGroup, trials: int) -> list[tuple[str, bool]]:
+    """Each trial in a fresh sub-group: one rank's output_splits[j] is one more than what
+    rank j sends it; pieces of 64 bytes, so every message has several."""
+    n, me = pg.world_size, pg.rank
+    rng = np.random.default_rng(7)  # the same on every rank
+    seen = []
+    for _ in range(trials):
+        m = rng.integers(0, 4, size=(n, n))
+        who = int(rng.integers(0, n))
+        peer = (who + 1 + int(rng.integers(0, n - 1))) % n  # another rank
+        sub = pg.new_group(list(range(n)))
+        assert sub is not None
+        sub.chunk_bytes = 64
+        ins = [int(v) for v in m[me]]
+        outs = [int(m[j][me]) for j in range(n)]
+        if me == who:
+            outs[peer] += 1
+        x = np.arange(sum(ins) * 3, dtype=np.float64).reshape(-1, 3)
+        out = np.full((sum(outs), 3), -1.0)
+        try:
+            sub.all_to_all_v(x, ins, outs, out=out, timeout_s=30)
+            kind = "success"
+        except rc.RingcommError as exc:
+            kind = type(exc).__name__
+        seen.append((kind, bool((out == -1.0).all())))
+    return seen
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_all_to_all_v_splits_that_disagree_leave_every_out_untouched(
+    world_size: int, no_child_processes: None
+) -> None:
+    results = rc.spawn(job_splits_disagree, world_size, args=(6,), timeout_s=150)
+    for r, seen in enumerate(results):
+        for t, (kind, untouched) in enumerate(seen):
+            assert kind == "CollectiveMismatchError", (r, t, kind)
+            assert untouched, f"rank {r}, trial {t}: out written before the mismatch raised"
