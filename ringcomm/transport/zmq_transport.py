@@ -67,7 +67,7 @@ from .base import (
     Completion,
     Stream,
 )
-from .endpoints import ipc_path
+from .endpoints import ipc_path, release_private_dir
 from .session import LoginCheck, job_key, plain_login
 from .shm_lane import ShmSegments
 from .unix_lane import UnixLane
@@ -719,6 +719,7 @@ class ZmqTransport:
                 os.unlink(self._ipc_file)
             except OSError:
                 pass
+        release_private_dir()
 
 
 def _read_event(mon: zmq.Socket[Any]) -> int | None:
