@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import free_port
 from launcher_results import clean_env
@@ -173,3 +174,65 @@ def test_singleton_has_a_token() -> None:
     with rc.init_process_group(0, 1, env={}) as pg:
         assert pg.core.state.config.token
         assert pg.core.progress.transport.security == "handshake"
+
+
+# -- ringcomm ps-server --------------------------------------------------------------------
+def _ps_server(port: int, token: str | None) -> subprocess.Popen[str]:
+    env = {k: v for k, v in clean_env().items() if "TOKEN" not in k}
+    if token is not None:
+        env["RINGCOMM_TOKEN"] = token
+    cmd = [sys.executable, "-m", "ringcomm", "ps-server", "--coordinator", f"127.0.0.1:{port}",
+           "--index", "0", "--num-workers", "2", "--lr", "0.5", "--timeout", "60",
+           "--join-timeout", "15"]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def job_ps_worker(pg: rc.ProcessGroup, port: int, token: str) -> list[float]:
+    from ringcomm.ps.membership import connect_worker
+
+    kv = connect_worker(("127.0.0.1", port), pg.rank, 2, 1, token=token, timeout_s=60,
+                        join_timeout_s=15)  # fmt: skip
+    w = np.zeros(4)
+    kv.init(0, w).wait()
+    kv.push_pull(0, np.ones(4), w).wait()
+    kv.advance()
+    kv.close()
+    return [float(v) for v in w]
+
+
+@pytest.mark.timeout(200)
+def test_ps_server_job_refuses_an_outsider(no_child_processes: None) -> None:
+    """Workers and a ``ringcomm ps-server`` share the job's token; a process without it
+    can neither take a worker's place, nor use the coordinator, nor (a ps-server without
+    the token) join."""
+    from ringcomm.ps.membership import connect_worker
+
+    token = "the ps job's token"
+    with StoreServer("127.0.0.1", 0, token=token) as coordinator:
+        port = coordinator.port
+        with pytest.raises(rc.AuthenticationError, match="hands out no token"):
+            connect_worker(("127.0.0.1", port), 0, 2, 1, timeout_s=10)  # no token: refused
+        out = subprocess.run(
+            [sys.executable, str(SCRIPTS / "outsider.py"),
+             json.dumps({"endpoints": [], "store": ["127.0.0.1", port]})],
+            env=clean_env(), capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        store = json.loads(out.stdout.strip().splitlines()[-1])["store"]
+        assert store["set"]["status"] == store["get"]["status"] == "auth", store
+        assert store["signed"].get("refused") == "token mismatch", store
+        assert all(store[k]["status"] == "auth" for k in ("claim rank 1", "claim None")), store
+        stranger = _ps_server(port, None)  # a ps-server without the token
+        _, err = stranger.communicate(timeout=60)
+        assert stranger.returncode == 1 and "hands out no token" in err, err
+        server = _ps_server(port, token)
+        try:
+            results = rc.spawn(job_ps_worker, 2, args=(port, token), timeout_s=150)
+            assert results == [[-0.5] * 4] * 2  # 0 - 0.5 * mean(1, 1)
+            server.communicate(timeout=60)
+            assert server.returncode == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.communicate(timeout=10)
+        assert coordinator.rejected >= 6, coordinator.rejected
