@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -278,7 +279,7 @@ class InitConfig:
         """The piece size the group uses: :attr:`chunk_bytes`, else the default (4 MiB)."""
         return DEFAULT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
 
-    @property
+    @functools.cached_property
     def max_piece_bytes(self) -> int:
         """The largest piece a call of the group may send: what its peers' receive sockets
         accept (a larger frame is refused before anything is authenticated)."""

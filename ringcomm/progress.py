@@ -964,7 +964,7 @@ class Progress:
         what has arrived is dispatched first, when no other thread drives), else None."""
         if self._lock.acquire(blocking=False):
             try:
-                if not self._closed:
+                if not self._closed and self.transport.control_waiting():
                     self._drain()
             finally:
                 self._lock.release()

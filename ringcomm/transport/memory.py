@@ -386,6 +386,10 @@ class MemoryTransport:
             inbox.woken = False
             return inbox.ready > 0
 
+    def control_waiting(self) -> bool:
+        """Always True here: the in-memory transport has no cheaper look than a take."""
+        return True
+
     def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
         """The next message's first frame and whether a payload frame follows (take it
         with :meth:`recv_payload`); None when nothing is visible (never blocks)."""

@@ -211,6 +211,10 @@ class Workspace:
         self._mine = rank * LINE_WORDS
         self._bell = np.frombuffer(self._map, np.uint32, 1, n * _LINE_BYTES)
         self._bell_addr = self._bell.ctypes.data
+        # In the bell's page, a cache line of its own: nonzero once any rank marked a
+        # failure (mark_failed), so the check after a sync reads one word while all is well.
+        flag_at = n * _LINE_BYTES + 64
+        self._any_failed = memoryview(self._map)[flag_at : flag_at + 8].cast("Q")
         head = size - n * 2 * slot_bytes
         #: buffers[rank][b]: rank's buffer b (uint8 views of the segment).
         self.buffers = [
@@ -258,10 +262,13 @@ class Workspace:
         at = self._mine + FAILED
         if not self.words[at] and seq > 0:
             self.words[at] = seq
+            self._any_failed[0] = 1  # after the mark (TSO: seen in that order)
 
     def failed_peer(self, seq: int) -> tuple[int, int] | None:
         """``(rank, its failed seq)`` of a rank that failed collective ``seq`` or an
         earlier one, or None (a few loads: cheap enough after every synchronisation)."""
+        if not self._any_failed[0]:
+            return None
         words = self.words
         for r, i in enumerate(self._failed_at):
             v = words[i]

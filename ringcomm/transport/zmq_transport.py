@@ -556,6 +556,11 @@ class ZmqTransport:
                 ready = True
         return ready
 
+    def control_waiting(self) -> bool:
+        """A zmq message is waiting (control messages never take the lane): one
+        ``getsockopt``, cheaper than a :meth:`recv_first` that finds nothing."""
+        return self._stash is not None or bool(cast(int, self._rx.getsockopt(_EVENTS)) & _POLLIN)
+
     def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
         """First frame of the next message and whether more frames follow; None if idle.
 
