@@ -10,6 +10,9 @@ collective), before vs after, interleaved (A B A B) so drift on a shared host hi
 * The 8 B all_reduce: ``ringcomm bench all_reduce -b 8 -e 8`` (median time), on the
   shared workspace (the one-host default) and over sockets (``RINGCOMM_WORKSPACE=0``,
   where each call now looks for a peer's abort before it returns).
+* ``--paired``: the hot-path checks alone, in one job of this tree (so under the same
+  load): blocks of 8 B all_reduces alternate between the checks as they are and stubbed
+  out (``Progress.aborted``, ``Workspace.failed_peer``); medians of the blocks' medians.
 
     git archive faf82b9 | (mkdir -p /tmp/before && tar -x -C /tmp/before)
     python benchmarks/security_cost.py --before /tmp/before -n 8 --reps 3 \\
@@ -99,6 +102,54 @@ def small_all_reduce(tree: pathlib.Path, world: int, sockets: bool, iters: int) 
     return float(row["time_us"])
 
 
+def _paired_rank(pg: Any, blocks: int, calls: int) -> dict[str, float]:
+    import time
+
+    import numpy as np
+
+    from ringcomm.progress import Progress
+    from ringcomm.transport.workspace import Workspace
+
+    real_aborted, real_failed = Progress.aborted, Workspace.failed_peer
+
+    def stub_aborted(self: Any, group_id: int, seq: int, what: str) -> None:
+        return None
+
+    def stub_failed(self: Any, seq: int) -> None:
+        return None
+
+    x = np.ones(2, np.float32)
+    for _ in range(300):
+        pg.all_reduce(x)
+    per: dict[str, list[float]] = {"checks": [], "stubbed": []}
+    for b in range(blocks):
+        on = b % 2 == 0
+        Progress.aborted = real_aborted if on else stub_aborted  # type: ignore[assignment]
+        Workspace.failed_peer = real_failed if on else stub_failed  # type: ignore[assignment]
+        pg.barrier()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            pg.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        per["checks" if on else "stubbed"].append(statistics.median(times) * 1e6)
+    Progress.aborted, Workspace.failed_peer = real_aborted, real_failed  # type: ignore[method-assign]
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def paired(world: int, sockets: bool, blocks: int, calls: int) -> dict[str, float]:
+    """Median µs per call with the checks and stubbed, interleaved in one job."""
+    import ringcomm as rc
+
+    if sockets:
+        os.environ["RINGCOMM_WORKSPACE"] = "0"
+    try:
+        rows = rc.spawn(_paired_rank, world, args=(blocks, calls), timeout_s=600)
+    finally:
+        os.environ.pop("RINGCOMM_WORKSPACE", None)
+    return {k: max(r[k] for r in rows) for k in ("checks", "stubbed")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, help="a tree with the code to compare against")
@@ -107,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", required=True, help="output path without extension")
+    p.add_argument("--paired", action="store_true", help="also the in-job A/B of the checks")
     args = p.parse_args(argv)
     trees = {"before": pathlib.Path(args.before).resolve(), "after": HERE}
     samples: list[dict[str, Any]] = []
@@ -132,6 +184,21 @@ def main(argv: list[str] | None = None) -> int:
                                     if s["case"] == case and s["tree"] == w) for w in trees}  # fmt: skip
         lines.append(f"| {case} | {med['before'] * scale:.3g} {unit} | "
                      f"{med['after'] * scale:.3g} {unit} | {med['after'] / med['before']:.2f} |")  # fmt: skip
+    if args.paired:
+        lines += ["", "| 8 B all_reduce, in one job | checks | stubbed | difference |",
+                  "|---|---:|---:|---:|"]  # fmt: skip
+        for sockets in (False, True):
+            got = [paired(args.bench_world_size, sockets, 12, 1000) for _ in range(args.reps)]
+            on = statistics.median(g["checks"] for g in got)
+            off = statistics.median(g["stubbed"] for g in got)
+            samples.append({"case": f"paired {'sockets' if sockets else 'workspace'}",
+                            "checks": [g["checks"] for g in got],
+                            "stubbed": [g["stubbed"] for g in got]})  # fmt: skip
+            lines.append(f"| {'sockets' if sockets else 'workspace'} | {on:.1f} µs | "
+                         f"{off:.1f} µs | {on - off:+.1f} µs |")  # fmt: skip
+        with open(args.out + ".json", "w") as f:
+            json.dump({"world_size": args.world_size, "bench_world_size": args.bench_world_size,
+                       "samples": samples}, f, indent=1)  # fmt: skip
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
