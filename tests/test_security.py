@@ -236,3 +236,26 @@ def test_ps_server_job_refuses_an_outsider(no_child_processes: None) -> None:
                 server.kill()
                 server.communicate(timeout=10)
         assert coordinator.rejected >= 6, coordinator.rejected
+
+
+def test_a_job_across_hosts_without_encryption_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    from ringcomm.config import InitConfig
+    from ringcomm.rendezvous.security import warn_across_hosts
+    from ringcomm.transport.endpoints import EndpointInfo
+
+    def info(rank: int, host: str) -> EndpointInfo:
+        return EndpointInfo(rank=rank, host_id=host, ipc=None, tcp=None, pid=1, version="x")
+
+    def said(security: str, hosts: list[str], rank: int = 0) -> list[str]:
+        caplog.clear()
+        cfg = InitConfig(rank=rank, world_size=2, local_rank=0, master_addr="h", master_port=1,
+                         security=security)  # fmt: skip
+        with caplog.at_level("WARNING", logger="ringcomm"):
+            warn_across_hosts(cfg, [info(r, h) for r, h in enumerate(hosts)])
+        return [r.getMessage() for r in caplog.records]
+
+    assert "not encrypted" in said("handshake", ["a", "b"])[0]
+    assert "RINGCOMM_SECURITY=none" in said("none", ["a", "b"])[0]
+    assert said("curve", ["a", "b"]) == []
+    assert said("handshake", ["a", "a"]) == []  # one host
+    assert said("handshake", ["a", "b"], rank=1) == []  # rank 0 says it, once
