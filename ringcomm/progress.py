@@ -1111,7 +1111,13 @@ class Progress:
                 self._lock.release()
 
     def _peer_failed(self, peer: int, reporter: int | None = None, text: str = "") -> None:
-        if reporter is None:
+        if reporter is None and peer in self.transport.refused_by:
+            why = (
+                f"peer rank {peer} refused this rank's data-plane login: token mismatch (or "
+                "a reconnection, whose login was used already); every rank must use the "
+                "job's token"
+            )
+        elif reporter is None:
             why = (
                 f"peer rank {peer} failed: its connection dropped without a goodbye "
                 f"(killed, crashed, or silent for {self.transport.heartbeat_timeout_s:g} s)"

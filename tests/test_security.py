@@ -163,11 +163,10 @@ def test_security_modes_disagree_is_named() -> None:
         pytest.raises(rc.AuthenticationError, match="RINGCOMM_SECURITY=none"),
     ):
         Store("127.0.0.1", server.port, auth=False, timeout_s=5)
-    with (
-        StoreServer("127.0.0.1", 0, auth=False) as server,
-        pytest.raises(rc.AuthenticationError, match="token mismatch"),
-    ):
-        Store("127.0.0.1", server.port, token="t", timeout_s=5)
+    with StoreServer("127.0.0.1", 0, auth=False) as server:
+        with pytest.raises(rc.AuthenticationError, match="token mismatch"):
+            Store("127.0.0.1", server.port, token="t", timeout_s=5)
+        assert server.rejected == 1  # named on the store's side too
 
 
 def test_singleton_has_a_token() -> None:

@@ -284,6 +284,13 @@ class StoreServer:
         if not isinstance(cn, bytes) or len(cn) != NONCE_BYTES:
             raise _BadRequest("field 'cn' missing or not a nonce")
         if self._sessions is None or self.token is None:
+            if body.get("auth"):  # the client expects a token: it will refuse us, say so here
+                self._rejected += 1
+                log.warning(
+                    "ringcomm store %s:%d: a client that uses a token contacted this store, "
+                    "which runs without one (RINGCOMM_SECURITY=none): token mismatch", self.host,
+                    self.port,
+                )  # fmt: skip
             return {"status": "ok", "auth": "none"}
         sn = self._sessions.server_nonce(cn)
         reply: dict[str, Any] = {
@@ -550,7 +557,7 @@ class Store:
         """First contact: agree on a session (and receive the token if we have none)."""
         conn = self._conn
         cn = os.urandom(NONCE_BYTES)
-        fields: dict[str, Any] = {"cn": cn}
+        fields: dict[str, Any] = {"cn": cn, "auth": auth}
         dh: tuple[int, bytes] | None = None
         if auth and conn.token is None:
             dh = dh_keypair()

@@ -105,6 +105,8 @@ class Transport(Protocol):
     sent_bytes: int
     sent_messages: int
     auth_failures: int
+    #: Peers whose receive socket refused this rank's login (a token mismatch).
+    refused_by: set[int]
 
     # Counters of the same-host paths (0 where the transport has none).
     @property

@@ -319,6 +319,7 @@ class MemoryTransport:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.security: str | None = None
         self.auth_failures = 0
+        self.refused_by: set[int] = set()
         self.sent_bytes = 0
         self.sent_messages = 0
         self._inbox = hub._inbox(rank)
