@@ -76,6 +76,9 @@ SMALL_ALL_REDUCE_BYTES = 64 * 1024
 #: How long a rank that found a peer's process gone waits for that peer's goodbye (which
 #: says why it went) before it reports the death itself.
 GOODBYE_WAIT_S = 0.1
+#: How long a rank that saw a peer's failure mark waits for the reason to arrive (the
+#: peer's abort, or the news of the rank that went; each follows the mark at once).
+REASON_WAIT_S = 1.0
 
 _OPCODES = {
     "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "reduce": 5,
@@ -367,20 +370,27 @@ class WorkspaceCollectives:
                 ) from None
         failed = ws.failed_peer(op.seq)
         if failed is not None:  # a peer failed this call (or an earlier one): so do we
-            raise self._failed_at_peer(op, *failed)
+            raise self._failed_at_peer(op, *failed, k, where)
 
-    def _failed_at_peer(self, op: Job, r: int, seq: int) -> RingcommError:
+    def _failed_at_peer(self, op: Job, r: int, seq: int, k: int, where: str) -> RingcommError:
         """The error of a call that group rank ``r`` failed (as collective ``seq``): the
-        reason its abort carries (which follows the mark at once), else a plain one."""
+        reason it comes with, once known here: its abort (which follows the mark at once),
+        or, when a peer went (its departure or failure, which the engine reports on its
+        own), that; else a plain one."""
         core = self.core
         progress = core.progress
-        give_up = time.monotonic() + GOODBYE_WAIT_S
-        while core.group_id not in progress.group_aborts and time.monotonic() < give_up:
+        give_up = time.monotonic() + REASON_WAIT_S
+        while True:
             progress.poll_now()
-            if core.group_id not in progress.group_aborts:
-                time.sleep(0.002)
-        if core.group_id in progress.group_aborts:
-            return progress.abort_error(core.group_id, op.desc)
+            if core.group_id in progress.group_aborts:
+                return progress.abort_error(core.group_id, op.desc)
+            try:
+                self._idle(op, k, where, marks=False)  # a peer gone: its own story
+            except RingcommError as exc:
+                return exc
+            if time.monotonic() >= give_up:
+                break
+            time.sleep(0.002)
         return PeerFailedError(
             f"rank {core.rank}: {op.desc}: rank {r} failed collective #{seq} of this group, "
             "so every rank fails it (its reason did not arrive)", peer=core.ranks[r],
@@ -399,8 +409,9 @@ class WorkspaceCollectives:
                 parts.append(f"rank {r}'s last call here: {self._described(newest)}")
         return "; ".join(parts)
 
-    def _idle(self, op: Job, k: int, where: str) -> None:
-        """Between sleeps: is any peer we wait for gone?"""
+    def _idle(self, op: Job, k: int, where: str, marks: bool = True) -> None:
+        """Between sleeps: is any peer we wait for gone, or did one fail this call
+        (``marks``)?"""
         core, ws = self.core, self.ws
         progress = core.progress
         if core.closed or core.state.closed or ws.closed:
@@ -411,9 +422,9 @@ class WorkspaceCollectives:
         progress.poll_now()
         if progress.failure is not None:
             raise progress.failed_error(f"{op.desc} [{where}]")
-        failed = ws.failed_peer(op.seq)
+        failed = ws.failed_peer(op.seq) if marks else None
         if failed is not None:  # it will never arrive here: fail now, not at the deadline
-            raise self._failed_at_peer(op, *failed)
+            raise self._failed_at_peer(op, *failed, k, where)
         for r in ws.late(k):
             g = core.ranks[r]
             if progress.departed(g):
