@@ -130,7 +130,8 @@ CTRL_BYE = 1
 CTRL_PEER_FAILED = 2
 CTRL_QUERY = 3
 CTRL_STATE = 4
-#: A collective of a group failed at the sender: ``[group id, seq, error type, text]``.
+#: A collective of a group failed at the sender: ``[group id, seq, error type, text, the
+#: global rank a PeerFailedError names (-1: none)]``.
 CTRL_ABORT = 5
 #: The error a peer's abort is raised as, by the name it gives (others: PeerFailedError).
 _ABORT_ERRORS: dict[str, type[RingcommError]] = {
@@ -335,7 +336,7 @@ class Progress:
         self.dropped_frames = 0
         #: Collectives that failed at a peer, per group id: ``(seq, reporting global rank,
         #: error type, text)``, the earliest seq kept (module docstring).
-        self.group_aborts: dict[int, tuple[int, int, str, str]] = {}
+        self.group_aborts: dict[int, tuple[int, int, str, str, int]] = {}
         self.unexpected_count = 0
         self.listeners: list[Callable[[Header], None]] = []
         # Liveness and failure (module docstring).
@@ -890,8 +891,10 @@ class Progress:
             query = self._query
             if query is not None and query[0] == fp[0]:
                 query[1][src] = str(fp[1])[:_CTRL_TEXT_MAX]
-        elif tag == CTRL_ABORT and _is_list(fp, 4) and type(fp[0]) is int and type(fp[1]) is int:
-            self._on_abort(src, fp[0], fp[1], str(fp[2])[:64], str(fp[3])[:_CTRL_TEXT_MAX])
+        elif tag == CTRL_ABORT and _is_list(fp, 5) and all(type(fp[i]) is int for i in (0, 1, 4)):
+            culprit = fp[4] if 0 <= fp[4] != self.rank else src
+            self._on_abort(culprit, fp[0], fp[1], str(fp[2])[:64], str(fp[3])[:_CTRL_TEXT_MAX],
+                           src)  # fmt: skip
         else:
             self.dropped_frames += 1
 
@@ -919,17 +922,22 @@ class Progress:
         known = self.group_aborts.get(group_id)
         if known is not None and known[0] <= seq:
             return  # a peer's abort: every rank of the group heard it from that peer
-        fp = [group_id, seq, type(error).__name__, str(error)[:_CTRL_TEXT_MAX]]
+        peer = getattr(error, "peer", None)
+        culprit = peer if isinstance(error, PeerFailedError) and type(peer) is int else -1
+        fp = [group_id, seq, type(error).__name__, str(error)[:_CTRL_TEXT_MAX], culprit]
         for peer in ranks:
             if peer != self.rank:
                 self._send_ctrl(peer, CTRL_ABORT, fp)
 
-    def _on_abort(self, src: int, group_id: int, seq: int, kind: str, text: str) -> None:
-        """A peer's collective ``seq`` of ``group_id`` failed: fail ours from it on."""
+    def _on_abort(
+        self, culprit: int, group_id: int, seq: int, kind: str, text: str, src: int
+    ) -> None:
+        """Peer ``src``'s collective ``seq`` of ``group_id`` failed (because of global rank
+        ``culprit``: a PeerFailedError's peer, else ``src``): fail ours from it on."""
         known = self.group_aborts.get(group_id)
         if known is not None and known[0] <= seq:
             return
-        self.group_aborts[group_id] = (seq, src, kind, text)
+        self.group_aborts[group_id] = (seq, src, kind, text, culprit)
         for op in list(self._live):
             c = op.collective
             if c is not None and c[0] == group_id and c[1] >= seq:
@@ -939,14 +947,14 @@ class Progress:
 
     def abort_error(self, group_id: int, what: str) -> RingcommError:
         """The error a call (``what``) of ``group_id`` raises after a peer's abort: the
-        peer's error type and reason."""
-        seq, src, kind, text = self.group_aborts[group_id]
+        peer's error type and reason (a PeerFailedError names the rank that went)."""
+        seq, src, kind, text, culprit = self.group_aborts[group_id]
         message = (
             f"rank {self.rank}: {what}: rank {src} failed collective #{seq} of this group, "
             f"so every rank fails it: {kind}: {text}"
         )
         cls = _ABORT_ERRORS.get(kind)
-        return PeerFailedError(message, peer=src) if cls is None else cls(message)
+        return PeerFailedError(message, peer=culprit) if cls is None else cls(message)
 
     def _abort_for(self, op: Op) -> RingcommError | None:
         """The abort error of collective ``op`` if a peer failed it (or an earlier one)."""
