@@ -37,8 +37,8 @@ with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes
 (``RINGCOMM_STAGING_MAX_BYTES``), :func:`ipc_enabled`, :func:`ipc_window_bytes` and
 :func:`ipc_small_bytes` (``RINGCOMM_IPC``, ``RINGCOMM_IPC_WINDOW_BYTES``,
 ``RINGCOMM_IPC_SMALL_BYTES``: the device windows), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
-:func:`env_token` (``RINGCOMM_TOKEN``), :func:`env_trace_dir`
-(``RINGCOMM_TRACE_DIR``) and :func:`env_master_addr`
+:func:`env_token` (``RINGCOMM_TOKEN``), :func:`security_mode` (``RINGCOMM_SECURITY``),
+:func:`env_trace_dir` (``RINGCOMM_TRACE_DIR``) and :func:`env_master_addr`
 (``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
 variable: they take these values as arguments.
 """
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -69,8 +70,10 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_TUNE_FILE",
     "LOG_LEVELS",
+    "MAX_TUNED_CHUNK_BYTES",
     "MPIRUN_JOB_ID_VARS",
     "PS_LOG_LEVELS",
+    "SECURITY_MODES",
     "TRANSPORT_MODES",
     "TUNE_FILE_OFF",
     "InitConfig",
@@ -94,6 +97,7 @@ __all__ = [
     "parse_slurm_nodelist",
     "ps_log_level",
     "resolve_init_config",
+    "security_mode",
     "size_arg",
     "slurm_master_port",
     "staging_max_bytes",
@@ -106,6 +110,11 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 #: RINGCOMM_LOG values (any case): nothing; a summary of the group at init (rank 0);
 #: that and every op's start and end.
 LOG_LEVELS = ("off", "info", "debug")
+#: The largest piece size the cost model may choose (collectives/choice.py's candidates).
+MAX_TUNED_CHUNK_BYTES = 8 << 20
+#: RINGCOMM_SECURITY values: the data plane's mechanism with the job token
+#: (ringcomm.transport.zmq_transport), or "none": no token anywhere.
+SECURITY_MODES = ("none", "handshake", "curve")
 #: RINGCOMM_BIND values (see InitConfig.bind).
 BIND_MODES = ("auto", "none", "core")
 #: RINGCOMM_TRANSPORT / ``transport=`` values: ipc:// to peers on this host and tcp://
@@ -244,8 +253,9 @@ class InitConfig:
     log: str | None = None
     store_external: bool = False
     source: str = "singleton"
-    #: Data-plane authentication when a token is set: "handshake" or "curve"
-    #: (``RINGCOMM_SECURITY``; see ringcomm.transport.zmq_transport).
+    #: How the job authenticates (``RINGCOMM_SECURITY``, :data:`SECURITY_MODES`): with a
+    #: token (given, handed out by the launcher, or minted by the store's host), the data
+    #: plane by "handshake" or "curve" (ringcomm.transport.zmq_transport); "none": no token.
     security: str = "handshake"
     #: Per-peer cap on buffered unexpected messages (``RINGCOMM_MAX_UNEXPECTED_MESSAGES``,
     #: ``RINGCOMM_MAX_UNEXPECTED_BYTES``); None: the engine's defaults.
@@ -302,6 +312,12 @@ class InitConfig:
     def effective_chunk_bytes(self) -> int:
         """The piece size the group uses: :attr:`chunk_bytes`, else the default (4 MiB)."""
         return DEFAULT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int:
+        """The largest piece a call of the group may send: what its peers' receive sockets
+        accept (a larger frame is refused before anything is authenticated)."""
+        return max(self.effective_chunk_bytes, MAX_TUNED_CHUNK_BYTES)
 
     @property
     def log_debug(self) -> bool:
@@ -648,6 +664,16 @@ def mps_active(env: Mapping[str, str] | None = None) -> bool:
     return os.path.exists(os.path.join(pipe_dir, "control"))
 
 
+def security_mode(env: Mapping[str, str] | None = None) -> str:
+    """``RINGCOMM_SECURITY`` (:data:`SECURITY_MODES`, any case; default ``handshake``)."""
+    text = (_environ(env).get("RINGCOMM_SECURITY") or "handshake").strip().lower()
+    if text not in SECURITY_MODES:
+        raise ValueError(
+            f"RINGCOMM_SECURITY must be one of {', '.join(SECURITY_MODES)}, got {text!r}"
+        )
+    return text
+
+
 def env_token(env: Mapping[str, str] | None = None) -> str | None:
     """``RINGCOMM_TOKEN`` as written (a secret: not stripped); None when unset or empty."""
     return _environ(env).get("RINGCOMM_TOKEN") or None
@@ -813,12 +839,18 @@ def resolve_init_config(
             name = "transport= (as RINGCOMM_TRANSPORT)"
         raise RendezvousError(f"{name} must be one of {TRANSPORT_MODES}, got {mode!r}")
 
-    if token is None:
+    try:
+        security = security_mode(env)
+    except ValueError as exc:
+        raise RendezvousError(str(exc)) from None
+    if security == "none":
+        if token:
+            raise RendezvousError(
+                "token= was given but RINGCOMM_SECURITY=none (no token): choose one"
+            )
+        token = None
+    elif token is None:
         token = env_token(env)
-
-    security = (env.get("RINGCOMM_SECURITY") or "handshake").strip().lower()
-    if security not in ("handshake", "curve"):
-        raise RendezvousError(f"RINGCOMM_SECURITY must be handshake or curve, got {security!r}")
     caps: list[int | None] = []
     for name in ("RINGCOMM_MAX_UNEXPECTED_MESSAGES", "RINGCOMM_MAX_UNEXPECTED_BYTES"):
         text = (env.get(name) or "").strip()

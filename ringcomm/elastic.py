@@ -104,7 +104,7 @@ def connect_store(
             try:  # a short first contact: a host that is gone is noticed between tries
                 store = Store(addr, port, token=token, timeout_s=max(0.1, remaining),
                               connect_timeout_s=max(0.05, min(probe_s, remaining)),
-                              label=label)  # fmt: skip
+                              label=label, auth=token is not None)  # fmt: skip
             except AuthenticationError:
                 if len(ports) == 1:
                     raise

@@ -73,6 +73,7 @@ from .progress import (
     Progress,
 )
 from .rendezvous import Store, StoreServer, meeting
+from .rendezvous import security as _security
 from .rendezvous.hosting import ServerLease
 from .schedule.topology import Topology
 from .transport.endpoints import (
@@ -157,6 +158,12 @@ class ProcessGroup:
 
     @chunk_bytes.setter
     def chunk_bytes(self, value: int) -> None:
+        limit = self.core.state.config.max_piece_bytes
+        if isinstance(value, int) and value > limit:  # other bad values: at the next call
+            raise ValueError(
+                f"rank {self.core.rank}: chunk_bytes={value} is above this group's largest "
+                f"piece ({limit} bytes; RINGCOMM_CHUNK_BYTES raises it)"
+            )
         self.core.chunk_bytes = value
 
     def __repr__(self) -> str:
@@ -741,7 +748,7 @@ class ProcessGroup:
                 root.set(f"admit/{slot}/{restart}", json.dumps([epoch, slots]).encode())
         addr, port = cfg.master_addr, state.store_port
         store = Store(addr, port, token=cfg.token, timeout_s=max(0.1, deadline - time.monotonic()),
-                      label=f"rank {core.global_rank}")  # fmt: skip
+                      label=f"rank {core.global_rank}", auth=cfg.token is not None)  # fmt: skip
         try:
             return self._next_epoch(store, addr, port, state.server, state.server is not None,
                                     epoch, slots, deadline)  # fmt: skip
@@ -999,7 +1006,7 @@ def _serve_failover(addr: str, ports: list[int], token: str | None, rank: int) -
     errors = []
     for port in ports:
         try:
-            return StoreServer(_bind_host(addr), port, token=token).start()
+            return StoreServer(_bind_host(addr), port, token=token, auth=token is not None).start()
         except RendezvousError as exc:
             errors.append(f"{port}: {exc}")
     raise RendezvousError(f"rank {rank}: shrink: cannot serve the new store on {addr}, "
@@ -1080,15 +1087,15 @@ def init_process_group(
     store: Store | None = None
     try:
         cfg, server = _meet(cfg, ns, label)
+        if server is not None:  # rank 0: its store's token (given, or minted there)
+            cfg = _security.effective_config(cfg, server.token)
         rejoins = cfg.restart > 0 and cfg.store_external
         if cfg.world_size > 1 and not rejoins:
             join = meeting.join_request(cfg, ns, _VERSION, opens=server is not None)
             store = meeting.connect_and_join(cfg, join, label)
         elif cfg.world_size > 1 or cfg.store_external:
-            store = Store(
-                cfg.master_addr, cfg.master_port, token=cfg.token, timeout_s=cfg.timeout_s,
-                label=label,
-            )  # fmt: skip
+            store = _security.connect_store(cfg, cfg.master_addr, cfg.master_port, label, ns)
+        cfg = _security.effective_config(cfg, None if store is None else store.token)
         if rejoins and store is not None:
             return _rejoin(cfg, store, cfg.master_port, ns)
         view = None if store is None else store.prefixed(ns)
@@ -1176,6 +1183,7 @@ def _form(
             security=cfg.security,
             lane=cfg.local_lane,
             shm=cfg.shm,
+            max_message_bytes=_security.frame_limit(cfg),
         )
         me = EndpointInfo(
             rank=cfg.rank,
@@ -1187,15 +1195,21 @@ def _form(
             lane=net.lane_endpoint,
             shm=net.shm_enabled,
             workspace=cfg.workspace and WORKSPACE_AVAILABLE,
+            salt=net.auth_salt,
         )
         infos = {cfg.rank: me}
         if store is not None:
             store.set(f"rank/{cfg.rank}", json.dumps(me.to_dict()).encode())
             keys = [f"rank/{r}" for r in range(cfg.world_size)]
-            if watch is None:
-                meeting.wait_for_ranks(store, keys, cfg, label)
-            else:
-                _wait_all(store, keys, cfg.timeout_s, watch)
+            try:
+                if watch is None:
+                    meeting.wait_for_ranks(store, keys, cfg, label)
+                else:
+                    _wait_all(store, keys, cfg.timeout_s, watch)
+            except CommTimeoutError as exc:  # say so if the store turned ranks away
+                if server is None or not server.refusals():
+                    raise
+                raise CommTimeoutError(f"{exc}{server.refusals()}") from exc
         model = _share_cost_model(cfg, store, watch)
         if store is not None:
             for r in range(cfg.world_size):
@@ -1210,9 +1224,10 @@ def _form(
                     endpoint = choose_endpoint(me, info, mode)
                 except ValueError as exc:
                     raise RendezvousError(str(exc)) from exc
-                net.set_peer_endpoint(r, endpoint)
+                net.set_peer_endpoint(r, endpoint, info.salt)
                 if info.lane is not None and endpoint.startswith("ipc://"):
                     net.set_peer_lane(r, info.lane)
+        _security.warn_across_hosts(cfg, infos.values())
         net.connect_all()  # every peer, now: liveness is watched on these connections
         try:
             net.setup_shm([r for r, info in infos.items() if info.shm], cfg.timeout_s)

@@ -383,6 +383,10 @@ class GroupCore:
         progress = self.progress
         if progress.failure is not None:  # a peer failed: this and every later call raise
             raise progress.failed_error(what)
+        aborts = progress.group_aborts
+        if aborts and self.group_id in aborts and aborts[self.group_id][0] <= self.collective_seq + 1:
+            # A peer failed a collective this rank has reached: it fails here too.
+            raise progress.abort_error(self.group_id, what)
         if self.failed is not None:
             raise GroupClosedError(
                 f"rank {self.rank}: {what}: the process group failed earlier and stays "

@@ -36,6 +36,12 @@ Control messages (``KIND_CTRL``, group 0; never matched to receivers, handled at
 goodbye, peer-failed, and the progress query and its answer: a rank whose operation times
 out asks every peer where it is and puts the answers in its error ("progress map").
 
+One outcome per collective: a collective that fails on a rank (a timeout, a mismatch)
+makes it send an abort to the group's other ranks (:meth:`Progress.collective_failed`);
+they fail that collective and every later one of the group with the first failure's
+type and reason (:meth:`Progress.aborted`), including a late rank whose call could
+still complete from what was in flight: it looks for aborts before it returns.
+
 Bounded buffering: messages that arrive before their receive is posted wait in an
 unexpected queue, capped per sending peer (``max_unexpected_messages``/``_bytes``); a peer
 over the cap fails the engine with :class:`QueueLimitError` instead of exhausting memory.
@@ -52,6 +58,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from .errors import (
+    CollectiveMismatchError,
     CommTimeoutError,
     GroupClosedError,
     PeerFailedError,
@@ -123,6 +130,13 @@ CTRL_BYE = 1
 CTRL_PEER_FAILED = 2
 CTRL_QUERY = 3
 CTRL_STATE = 4
+#: A collective of a group failed at the sender: ``[group id, seq, error type, text, the
+#: global rank a PeerFailedError names (-1: none)]``.
+CTRL_ABORT = 5
+#: The error a peer's abort is raised as, by the name it gives (others: PeerFailedError).
+_ABORT_ERRORS: dict[str, type[RingcommError]] = {
+    cls.__name__: cls for cls in (CommTimeoutError, CollectiveMismatchError, QueueLimitError)
+}
 
 #: How a rank leaves (:meth:`Progress.close`, :meth:`Progress.farewell`); the other two
 #: kinds are the process's exit paths (lifecycle.py).
@@ -182,6 +196,9 @@ class Op:
     serial: SerialQueue | None = None
     #: Whether the op failing leaves its group failed for good (collectives; not p2p).
     fails_group = True
+    #: A collective's ``(group id, sequence number, the group's global ranks)``: its
+    #: failure is told to those ranks (one outcome per collective); None: not one.
+    collective: tuple[int, int, Sequence[int]] | None = None
     #: Completion callbacks (``Work.add_done_callback``); None until one is added.
     _callbacks: list[Callable[[Op], None]] | None = None
 
@@ -317,6 +334,9 @@ class Progress:
         self._async_pending = 0
         self._thread: threading.Thread | None = None
         self.dropped_frames = 0
+        #: Collectives that failed at a peer, per group id: ``(seq, reporting global rank,
+        #: error type, text)``, the earliest seq kept (module docstring).
+        self.group_aborts: dict[int, tuple[int, int, str, str, int]] = {}
         self.unexpected_count = 0
         self.listeners: list[Callable[[Header], None]] = []
         # Liveness and failure (module docstring).
@@ -588,6 +608,10 @@ class Progress:
                 key = (h.src, h.group, h.kind, h.tag)
                 if key in got or key not in keys:
                     self.dispatch(h, data)
+                    if h.kind == KIND_CTRL and self.group_aborts:
+                        aborted = self._abort_for(op)
+                        if aborted is not None:  # a peer failed this call
+                            return self._give_back(op, got, aborted)
                     continue
                 got[key] = message
                 if h.fp != fp or h.npieces != 1 or len(data) != nbytes:
@@ -867,8 +891,95 @@ class Progress:
             query = self._query
             if query is not None and query[0] == fp[0]:
                 query[1][src] = str(fp[1])[:_CTRL_TEXT_MAX]
+        elif tag == CTRL_ABORT and _is_list(fp, 5) and all(type(fp[i]) is int for i in (0, 1, 4)):
+            culprit = fp[4] if 0 <= fp[4] != self.rank else src
+            self._on_abort(culprit, fp[0], fp[1], str(fp[2])[:64], str(fp[3])[:_CTRL_TEXT_MAX],
+                           src)  # fmt: skip
         else:
             self.dropped_frames += 1
+
+    # -- one outcome per collective ----------------------------------------------------
+    def collective_failed(
+        self, group_id: int, seq: int, error: BaseException, ranks: Sequence[int]
+    ) -> None:
+        """Collective ``seq`` of group ``group_id`` failed here with ``error``: tell the
+        group's other ``ranks`` (global), unless a peer's abort or a failed engine (whose
+        news travels anyway) was the cause, or the group was closed here. For a caller
+        outside the engine (the shared workspace); the engine's own collectives tell
+        their peers when they finish (``Op.collective``)."""
+        with self._lock:
+            if not self._closed:
+                self._send_abort(group_id, seq, error, ranks)
+
+    def _send_abort(
+        self, group_id: int, seq: int, error: BaseException, ranks: Sequence[int]
+    ) -> None:
+        """:meth:`collective_failed`, driver lock held."""
+        if self.failure is not None or not isinstance(error, RingcommError):
+            return
+        if isinstance(error, GroupClosedError):
+            return
+        known = self.group_aborts.get(group_id)
+        if known is not None and known[0] <= seq:
+            return  # a peer's abort: every rank of the group heard it from that peer
+        peer = getattr(error, "peer", None)
+        culprit = peer if isinstance(error, PeerFailedError) and type(peer) is int else -1
+        fp = [group_id, seq, type(error).__name__, str(error)[:_CTRL_TEXT_MAX], culprit]
+        for peer in ranks:
+            if peer != self.rank:
+                self._send_ctrl(peer, CTRL_ABORT, fp)
+
+    def _on_abort(
+        self, culprit: int, group_id: int, seq: int, kind: str, text: str, src: int
+    ) -> None:
+        """Peer ``src``'s collective ``seq`` of ``group_id`` failed (because of global rank
+        ``culprit``: a PeerFailedError's peer, else ``src``): fail ours from it on."""
+        known = self.group_aborts.get(group_id)
+        if known is not None and known[0] <= seq:
+            return
+        self.group_aborts[group_id] = (seq, src, kind, text, culprit)
+        for op in list(self._live):
+            c = op.collective
+            if c is not None and c[0] == group_id and c[1] >= seq:
+                if op.serial is not None and op in op.serial.pending:
+                    op.serial.pending.remove(op)
+                op.finish(self.abort_error(group_id, f"{op.desc}"))
+
+    def abort_error(self, group_id: int, what: str) -> RingcommError:
+        """The error a call (``what``) of ``group_id`` raises after a peer's abort: the
+        peer's error type and reason (a PeerFailedError names the rank that went)."""
+        seq, src, kind, text, culprit = self.group_aborts[group_id]
+        message = (
+            f"rank {self.rank}: {what}: rank {src} failed collective #{seq} of this group, "
+            f"so every rank fails it: {kind}: {text}"
+        )
+        cls = _ABORT_ERRORS.get(kind)
+        return PeerFailedError(message, peer=culprit) if cls is None else cls(message)
+
+    def _abort_for(self, op: Op) -> RingcommError | None:
+        """The abort error of collective ``op`` if a peer failed it (or an earlier one)."""
+        c = op.collective
+        if c is None:
+            return None
+        known = self.group_aborts.get(c[0])
+        if known is None or known[0] > c[1]:
+            return None
+        return self.abort_error(c[0], op.desc)
+
+    def aborted(self, group_id: int, seq: int, what: str) -> RingcommError | None:
+        """After collective ``seq`` of ``group_id`` completed here: the error to raise if
+        a peer failed it (its abort may wait behind the pieces this call consumed, so
+        what has arrived is dispatched first, when no other thread drives), else None."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed and self.transport.control_waiting():
+                    self._drain()
+            finally:
+                self._lock.release()
+        known = self.group_aborts.get(group_id)
+        if known is None or known[0] > seq:
+            return None
+        return self.abort_error(group_id, what)
 
     def _on_goodbye(self, src: int, fp: Any) -> None:
         """Peer ``src`` leaves: a failure if it goes down with an error; else a departure,
@@ -1008,7 +1119,13 @@ class Progress:
                 self._lock.release()
 
     def _peer_failed(self, peer: int, reporter: int | None = None, text: str = "") -> None:
-        if reporter is None:
+        if reporter is None and peer in self.transport.refused_by:
+            why = (
+                f"peer rank {peer} refused this rank's data-plane login: token mismatch (or "
+                "a reconnection, whose login was used already); every rank must use the "
+                "job's token"
+            )
+        elif reporter is None:
             why = (
                 f"peer rank {peer} failed: its connection dropped without a goodbye "
                 f"(killed, crashed, or silent for {self.transport.heartbeat_timeout_s:g} s)"
@@ -1154,6 +1271,11 @@ class Progress:
         op.started = True
         if self.log_ops:
             log.debug("rank %d: start %s", self.rank, op.desc)
+        if self.group_aborts:
+            aborted = self._abort_for(op)
+            if aborted is not None:  # a peer failed this collective already
+                op.finish(aborted)
+                return
         try:
             op.start()
         except RingcommError as exc:
@@ -1165,6 +1287,9 @@ class Progress:
 
     def _on_finished(self, op: Op) -> None:
         self._live.discard(op)
+        if op.error is not None and op.collective is not None and not self._closed:
+            group_id, seq, ranks = op.collective
+            self._send_abort(group_id, seq, op.error, ranks)  # (driver lock held)
         if self.log_ops:
             if op.error is None:
                 log.debug("rank %d: end %s", self.rank, op.desc)

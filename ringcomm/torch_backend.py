@@ -14,12 +14,15 @@ ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.
   members); ``store`` is a ``PrefixStore`` unique to the group.
 * Rendezvous (one ringcomm group per torch group): rank 0 of the torch group starts a
   ringcomm rendezvous store (:class:`~ringcomm.rendezvous.StoreServer`, a port from the OS,
-  a fresh random token) and publishes ``{addr, port, token}`` under ``ringcomm/store/<n>`` in
-  the torch store (n numbers the instances of the group: ``destroy_process_group()`` and
-  ``init_process_group("ringcomm")`` again make the next); every rank reads it and calls
-  ``rc.init_process_group(..., host_store=False)``. So ringcomm needs no port of its own (torchrun's ``MASTER_PORT``
-  belongs to torch's TCPStore), works under every torch ``init_method``, and the torch store
-  (which the job trusts already) carries the token. The address is ``RINGCOMM_MASTER_ADDR``,
+  ``RINGCOMM_TOKEN`` or a freshly minted token) and publishes ``{addr, port}`` under
+  ``ringcomm/store/<n>`` in the torch store (n numbers the instances of the group:
+  ``destroy_process_group()`` and ``init_process_group("ringcomm")`` again make the next);
+  every rank reads it and calls ``rc.init_process_group(..., host_store=False)``. So
+  ringcomm needs no port of its own (torchrun's ``MASTER_PORT`` belongs to torch's
+  TCPStore) and works under every torch ``init_method``. The token is not in the torch
+  store (which anyone who reaches it can read): a minted one reaches each rank sealed under
+  a key exchange on its first contact with the ringcomm store, once per rank
+  (ringcomm.rendezvous.security). The address is ``RINGCOMM_MASTER_ADDR``,
   else ``MASTER_ADDR`` (set by torchrun and ``env://``), else 127.0.0.1: on several hosts
   with ``tcp://`` or ``file://`` initialisation, set one of them to rank 0's address.
   Why not one ringcomm group and ``pg.new_group``: torch runs the creator only on a new
@@ -90,7 +93,6 @@ import contextlib
 import datetime
 import json
 import os
-import secrets
 import socket
 import threading
 import time
@@ -115,12 +117,13 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
-from .config import env_master_addr, env_token
+from .config import env_master_addr, env_token, security_mode
 from .errors import CommTimeoutError, RingcommError
 from .group import ProcessGroup as RcGroup
 from .group import init_process_group
 from .p2p import ANY_SOURCE
 from .rendezvous import StoreServer
+from .rendezvous.security import job_store
 from .torch_device import (
     CallScope,
     DeviceBinding,
@@ -143,6 +146,8 @@ _CLOSED_KEY = "ringcomm/closed/{}"
 #: Counter (in the group's torch store) of joins: every rank of the n-th instance of the
 #: group counts once, so ``(count - 1) // world_size`` numbers the instance.
 _JOINS_KEY = "ringcomm/joins"
+#: The ringcomm group's namespace in its own store (one store per instance).
+_GROUP_NAME = "torch"
 #: Longest rank 0 keeps ringcomm's store up at shutdown for the others to check out.
 _CHECKOUT_MAX_S = 30.0
 #: Tags of monitored barriers in the point-to-point group (far above the all-to-all ones).
@@ -1520,12 +1525,14 @@ def _create(
     try:
         instance = (int(store.add(_JOINS_KEY, 1)) - 1) // world_size
         key = _STORE_KEY.format(instance)
+        security = security_mode(env)
+        token = None if security == "none" else env_token(env)
         if rank == 0:
             addr = env_master_addr(env)
-            token = env_token(env) or secrets.token_hex(16)
-            server = StoreServer(_bind_host(addr), 0, token=token, world_size=world_size,
-                                 world_from=f"the torch group of {world_size} ranks").start()  # fmt: skip
-            info: dict[str, Any] = {"addr": addr, "port": server.port, "token": token}
+            server = job_store(_bind_host(addr), 0, token, security, world_size, _GROUP_NAME,
+                               world_from=f"the torch group of {world_size} ranks")  # fmt: skip
+            token = server.token
+            info: dict[str, Any] = {"addr": addr, "port": server.port}  # never the token
             store.set(key, json.dumps(info))
         else:
             info = json.loads(bytes(store.get(key)).decode())
@@ -1534,11 +1541,11 @@ def _create(
             world_size,
             master_addr=info["addr"],
             master_port=int(info["port"]),
-            token=info["token"],
+            token=token,
             timeout_s=timeout_s,
             host_store=False,
             env=env,
-            group_name="torch",  # a store of its own
+            group_name=_GROUP_NAME,  # a store of its own
         )
     except BaseException as exc:
         if server is not None:

@@ -21,6 +21,7 @@ from conftest import free_port
 import ringcomm as rc
 from ringcomm.rendezvous import StoreServer
 from ringcomm.transport.endpoints import local_address_towards
+from ringcomm.transport.session import plain_login
 from ringcomm.transport.wire import KIND_P2P, Header, pack_header
 from ringcomm.transport.zmq_transport import data_plane_credentials
 
@@ -42,6 +43,9 @@ def test_credentials_are_derived_not_the_token() -> None:
     assert a == data_plane_credentials("token-a")  # every rank derives the same
     assert all(a[k] != b[k] for k in a)
     assert all(b"token-a" not in v for v in a.values())
+    # A PLAIN login is made per connection: never the same twice, never the token.
+    logins = {plain_login(a["plain_key"], b"s" * 16, 0) for _ in range(3)}
+    assert len(logins) == 3 and all(b"token-a" not in u + p for u, p in logins)
     assert zmq.curve_public(a["server_secret"]) == a["server_public"]
 
 
@@ -51,16 +55,26 @@ def _forged(payload: np.ndarray) -> list[bytes]:
     return [pack_header(h, payload.tobytes())]
 
 
-def _outsiders(ctx: zmq.Context, endpoint: str) -> list[zmq.Socket]:  # type: ignore[type-arg]
-    """Three sockets that try to get in: no credential, a wrong one, wrong CURVE keys."""
+def _outsiders(
+    ctx: zmq.Context, endpoint: str, replay: tuple[bytes, bytes] | None  # type: ignore[type-arg]
+) -> list[zmq.Socket]:  # type: ignore[type-arg]
+    """Sockets that try to get in: no credential, a wrong one, wrong CURVE keys, and (with
+    ``replay``) a login that a rank of the job already used, as a sniffer saw it."""
     socks = []
     wrong = data_plane_credentials("not-the-token")
-    for how in ("null", "plain", "curve"):
+    for how in ("null", "plain", "curve", "replay"):
+        if how == "replay" and replay is None:
+            continue
         s = ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.LINGER, 0)
         if how == "plain":
-            s.setsockopt(zmq.PLAIN_USERNAME, b"ringcomm")
-            s.setsockopt(zmq.PLAIN_PASSWORD, wrong["password"])
+            username, password = plain_login(wrong["plain_key"], b"0" * 16, 0)
+            s.setsockopt(zmq.PLAIN_USERNAME, username)
+            s.setsockopt(zmq.PLAIN_PASSWORD, password)
+        elif how == "replay":
+            assert replay is not None
+            s.setsockopt(zmq.PLAIN_USERNAME, replay[0])
+            s.setsockopt(zmq.PLAIN_PASSWORD, replay[1])
         elif how == "curve":
             s.setsockopt(zmq.CURVE_SERVERKEY, wrong["server_public"])
             s.setsockopt(zmq.CURVE_PUBLICKEY, wrong["client_public"])
@@ -68,6 +82,16 @@ def _outsiders(ctx: zmq.Context, endpoint: str) -> list[zmq.Socket]:  # type: ig
         s.connect(endpoint)
         socks.append(s)
     return socks
+
+
+def _used_login(pg: rc.ProcessGroup, peer: int) -> tuple[bytes, bytes] | None:
+    """The PLAIN login this rank's connection to ``peer`` presented (sent in the clear:
+    what a sniffer of the network saw), or None under curve."""
+    transport = pg.core.progress.transport
+    if transport.security != "handshake":
+        return None
+    sock = transport._tx[peer]  # the test plays the sniffer: the login this socket sent
+    return sock.getsockopt(zmq.PLAIN_USERNAME), sock.getsockopt(zmq.PLAIN_PASSWORD)
 
 
 def job_outsider_cannot_deliver(pg: rc.ProcessGroup) -> dict[str, object]:
@@ -82,7 +106,8 @@ def job_outsider_cannot_deliver(pg: rc.ProcessGroup) -> dict[str, object]:
         pg.send(np.frombuffer(endpoint.encode().ljust(256, b"\0"), np.uint8), dst=0, tag=1)
         pg.recv(np.zeros(1, np.uint8), src=0, tag=2)  # rank 0's outsiders have sent
         deadline = time.monotonic() + 15
-        while pg.stats()["auth_failures"] - before["auth_failures"] < 3:
+        expected = 3 if pg.core.progress.transport.security == "curve" else 4
+        while pg.stats()["auth_failures"] - before["auth_failures"] < expected:
             assert time.monotonic() < deadline, pg.stats()
             work.done()  # drive the engine meanwhile: a forged frame must not complete it
             time.sleep(0.02)
@@ -102,7 +127,7 @@ def job_outsider_cannot_deliver(pg: rc.ProcessGroup) -> dict[str, object]:
     endpoint = raw.tobytes().rstrip(b"\0").decode()
     ctx = zmq.Context()
     try:
-        socks = _outsiders(ctx, endpoint)
+        socks = _outsiders(ctx, endpoint, _used_login(pg, 1))
         for s in socks:
             s.send_multipart(_forged(np.array([666, 666], np.int64)), zmq.NOBLOCK)
         pg.send(np.zeros(1, np.uint8), dst=1, tag=2)
@@ -123,7 +148,7 @@ def test_outsider_without_the_token_cannot_deliver_a_frame(
     monkeypatch.setenv("RINGCOMM_SECURITY", security)
     res = rc.spawn(job_outsider_cannot_deliver, 2, timeout_s=100)[1]
     assert res["security"] == security
-    assert res["auth_failures"] >= 3
+    assert res["auth_failures"] >= (3 if security == "curve" else 4)  # a replay too
     assert res["buf"] == [12345, 54321]  # the real message, not the forged one
     assert res["unexpected"] == 0  # the forged message was not even queued
 

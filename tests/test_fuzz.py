@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 import ringcomm as rc
 from ringcomm.rendezvous import Store, StoreServer
+from ringcomm.transport.session import plain_login
 from ringcomm.transport.wire import KIND_CTRL, WireError, unpack_header
 from ringcomm.transport.zmq_transport import data_plane_credentials
 
@@ -50,7 +51,8 @@ def _rank_main(rank: int, port: int, token: str, ctl: Connection) -> None:
     )  # fmt: skip
     sub = pg.new_group([0, 1])
     assert sub is not None
-    ctl.send(("ready", pg.core.progress.transport.ipc_endpoint))
+    transport = pg.core.progress.transport
+    ctl.send(("ready", (transport.ipc_endpoint, transport.auth_salt)))
     before = pg.stats()
     good = bad = 0
     go = np.ones(1, np.int64)
@@ -127,7 +129,8 @@ def _no_forged_control(head: bytes) -> bytes:
 
 @st.composite
 def _store_message(draw: st.DrawFn) -> list[bytes]:
-    """A request to the store without the token: random bytes or a mutated request."""
+    """A request to the store without the token: random bytes, or a mutated request,
+    unsigned or with a signature of random bytes."""
     if draw(st.booleans()):
         return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
     body: dict[str, Any] = {"op": draw(st.sampled_from(("set", "get", "wait", "add", "x"))),
@@ -135,7 +138,8 @@ def _store_message(draw: st.DrawFn) -> list[bytes]:
     if draw(st.booleans()):
         body["token"] = draw(st.text(max_size=8))
     request: Any = {"id": draw(_value), "body": body} if draw(st.booleans()) else draw(_value)
-    return [msgpack.packb(request, use_bin_type=True)]
+    head = draw(st.one_of(st.just(b""), st.binary(min_size=56, max_size=56)))
+    return [head, msgpack.packb(request, use_bin_type=True)]
 
 
 @pytest.mark.slow
@@ -162,9 +166,11 @@ def test_fuzzed_frames_are_dropped_and_the_rank_keeps_computing(no_child_process
                 endpoints.append(endpoint)
             data = zctx.socket(zmq.PUSH)
             data.setsockopt(zmq.LINGER, 10_000)
-            data.setsockopt(zmq.PLAIN_USERNAME, b"ringcomm")
-            data.setsockopt(zmq.PLAIN_PASSWORD, creds["password"])
-            data.connect(endpoints[1])
+            # An insider's login to rank 1 (made as rank 0 makes its own: rank 1's salt).
+            username, password = plain_login(creds["plain_key"], bytes.fromhex(endpoints[1][1]), 0)
+            data.setsockopt(zmq.PLAIN_USERNAME, username)
+            data.setsockopt(zmq.PLAIN_PASSWORD, password)
+            data.connect(endpoints[1][0])
             store_sock = zctx.socket(zmq.DEALER)
             store_sock.setsockopt(zmq.LINGER, 0)
             store_sock.connect(f"tcp://127.0.0.1:{server.port}")

@@ -354,9 +354,11 @@ def case_junk_frames_are_dropped_and_counted(pg: rc.ProcessGroup) -> None:
     and counts each one, and p2p keeps working (nothing reaches a user buffer)."""
     junk = _junk_frames()
     if pg.rank == 1:
-        endpoint = pg.core.progress.transport.ipc_endpoint
+        transport = pg.core.progress.transport
+        endpoint = transport.ipc_endpoint
         assert endpoint is not None and endpoint.startswith("ipc://")
-        raw = np.frombuffer(endpoint.encode().ljust(256, b"\0"), np.uint8)
+        said = f"{endpoint} {transport.auth_salt or ''}"  # logins are bound to our salt
+        raw = np.frombuffer(said.encode().ljust(256, b"\0"), np.uint8)
         dropped_before = pg.stats()["dropped_frames"]
         buf = np.full(1, -1, np.int64)
         w = pg.irecv(buf, src=0, tag=2)  # posted: junk must not complete it
@@ -377,17 +379,21 @@ def case_junk_frames_are_dropped_and_counted(pg: rc.ProcessGroup) -> None:
     elif pg.rank == 0:
         raw = np.zeros(256, np.uint8)
         pg.recv(raw, src=1, tag=1)
-        endpoint = raw.tobytes().rstrip(b"\0").decode()
+        endpoint, _, salt = raw.tobytes().rstrip(b"\0").decode().partition(" ")
         ctx = zmq.Context()
         try:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 5000)
-            if pg.config.token:  # the data plane admits only the job's credential
+            if salt:  # the data plane admits only a login made with the job's token
+                from ringcomm.transport.session import plain_login
                 from ringcomm.transport.zmq_transport import data_plane_credentials
 
-                creds = data_plane_credentials(pg.config.token)
-                sock.setsockopt(zmq.PLAIN_USERNAME, b"ringcomm")
-                sock.setsockopt(zmq.PLAIN_PASSWORD, creds["password"])
+                token = pg.core.state.config.token
+                assert token is not None
+                creds = data_plane_credentials(token)
+                username, password = plain_login(creds["plain_key"], bytes.fromhex(salt), 0)
+                sock.setsockopt(zmq.PLAIN_USERNAME, username)
+                sock.setsockopt(zmq.PLAIN_PASSWORD, password)
             sock.connect(endpoint)
             for frames in junk:
                 sock.send_multipart(frames)

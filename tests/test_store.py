@@ -34,6 +34,7 @@ from ringcomm.errors import (
 )
 from ringcomm.rendezvous import Store, StoreServer
 from ringcomm.transport.rpc import (
+    RpcAuthError,
     RpcCall,
     RpcClient,
     RpcConnectionLost,
@@ -42,6 +43,7 @@ from ringcomm.transport.rpc import (
     RpcTimeoutError,
     tcp_endpoint,
 )
+from ringcomm.transport.session import job_key, session_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -399,27 +401,192 @@ def test_bad_token_is_refused(client_token: str | None) -> None:
         assert srv.rejected == 1
 
 
+def _session_client(srv: StoreServer, token: str | None = None) -> RpcClient:
+    """A raw RPC client with a session of the store's (or ``token``'s) key."""
+    raw = RpcClient(f"tcp://{HOST}:{srv.port}")
+    cn = os.urandom(16)
+    reply = raw.call({"op": "hello", "cn": cn}, 5)
+    token = token or srv.token
+    assert token is not None
+    raw.set_session(cn, session_key(job_key(token, b"store"), cn, reply["sn"]))
+    return raw
+
+
 def test_bad_token_never_gets_data() -> None:
-    """Every request is checked, not just the first; the answer carries no data."""
+    """Every request is checked, not just the first; the answer carries no data: unsigned
+    requests, requests signed with another token's key, and a replayed signed request."""
     with StoreServer(HOST, 0, token="s3cret") as srv:
         with Store(HOST, srv.port, token="s3cret", timeout_s=5) as good:
             good.set("k", b"secret value")
         with RpcClient(f"tcp://{HOST}:{srv.port}") as raw:
             for body in (
-                {"op": "get", "key": "k", "timeout_s": 1.0, "token": "nope"},
+                {"op": "get", "key": "k", "timeout_s": 1.0, "token": "s3cret"},
                 {"op": "try_get", "key": "k"},
                 {"op": "set", "key": "k", "value": b"evil", "token": 5},
             ):
-                assert raw.call(body, 5) == {"status": "auth"}
+                assert raw.call(body, 5)["status"] == "auth"
         assert srv.rejected == 3
+        with (
+            _session_client(srv, token="wrong") as raw,
+            pytest.raises(RpcAuthError, match="token mismatch"),
+        ):
+            raw.call({"op": "try_get", "key": "k"}, 5)
+        assert srv.rejected == 4 and srv.refused == 1
+        # A signed request replayed as it was seen on the wire (same id, same signature).
+        with _session_client(srv) as raw:
+            assert raw.call({"op": "try_get", "key": "k"}, 5)["value"] == b"secret value"
+            ctx = zmq.Context()
+            spy = ctx.socket(zmq.DEALER)
+            spy.setsockopt(zmq.LINGER, 0)
+            try:
+                spy.connect(f"tcp://{HOST}:{srv.port}")
+                head_payload = _last_request(raw)
+                spy.send_multipart(head_payload)
+                assert spy.poll(5000)
+                reply = msgpack.unpackb(spy.recv_multipart()[1])
+                assert reply.get("refused") == "replayed request" and "body" not in reply
+            finally:
+                spy.close()
+                ctx.term()
+        assert srv.refused == 2
         with Store(HOST, srv.port, token="s3cret", timeout_s=5) as good:
             assert good.get("k") == b"secret value"
 
 
-def test_server_without_token_accepts_anyone(server: StoreServer) -> None:
-    with Store(HOST, server.port, token="anything", timeout_s=5) as s:
+def _last_request(raw: RpcClient) -> list[bytes]:
+    """The frames of a signed request ``raw`` would send (what a sniffer copies): built the
+    way the client signs, for the id the client used last."""
+    from ringcomm.transport.session import mac
+
+    cn, key = raw._session  # type: ignore[misc]  # the test plays the sniffer
+    request_id = next(raw._ids) - 1  # type: ignore[attr-defined]
+    payload = msgpack.packb({"id": request_id, "body": {"op": "try_get", "key": "k"}})
+    signed = request_id.to_bytes(8, "little")
+    return [cn + signed + mac(key, b"request", signed, payload), payload]
+
+
+def test_server_without_auth_accepts_anyone() -> None:
+    with StoreServer(HOST, 0, auth=False) as srv:
+        with Store(HOST, srv.port, auth=False, timeout_s=5) as s:
+            s.set("k", b"v")
+            assert s.get("k") == b"v" and s.token is None
+        with pytest.raises(AuthenticationError, match="token mismatch"):
+            Store(HOST, srv.port, token="anything", timeout_s=5)
+
+
+def test_minted_token_is_handed_out_and_checked(server: StoreServer) -> None:
+    """A server made without a token mints one and hands it to a client without one (a
+    sealed key exchange); a client with another token is told of the mismatch, and so
+    is the server (counted, with the address)."""
+    assert server.token is not None and len(server.token) == 64
+    with Store(HOST, server.port, timeout_s=5, label="rank 1") as s:
+        assert s.token == server.token
         s.set("k", b"v")
-        assert s.get("k") == b"v"
+    with pytest.raises(AuthenticationError, match="token mismatch"):
+        Store(HOST, server.port, token="another job's", timeout_s=5)
+    assert server.refused == 1 and server.refused_from == HOST
+    assert "token mismatch" in server.refusals()
+    with pytest.raises(AuthenticationError, match="RINGCOMM_SECURITY=none"):
+        Store(HOST, server.port, auth=False, timeout_s=5)
+
+
+def test_claims_get_the_token_once() -> None:
+    """``issue={claims}``: each claim receives the minted token once, nobody else does."""
+    with StoreServer(HOST, 0, issue={"rank 1", "rank 2"}) as srv:
+        with Store(HOST, srv.port, timeout_s=5, claim="rank 1") as s:
+            assert s.token == srv.token
+        with pytest.raises(AuthenticationError, match="rank 1 already received"):
+            Store(HOST, srv.port, timeout_s=5, claim="rank 1")
+        with pytest.raises(AuthenticationError, match="not a member still to join"):
+            Store(HOST, srv.port, timeout_s=5, claim="rank 7")
+        with pytest.raises(AuthenticationError, match="not a member"):
+            Store(HOST, srv.port, timeout_s=5)
+        with Store(HOST, srv.port, timeout_s=5, claim="rank 2") as s:
+            assert s.token == srv.token
+    with (
+        StoreServer(HOST, 0, token="given") as srv,  # a given token is never handed out
+        pytest.raises(AuthenticationError, match="hands out no token"),
+    ):
+        Store(HOST, srv.port, timeout_s=5, claim="rank 1")
+
+
+def test_no_token_bytes_on_the_wire() -> None:
+    """What a client sends for a whole session (hello, sets, gets) never holds the token,
+    in any encoding, whether the client had it or received it (a sniffer's view)."""
+    with StoreServer(HOST, 0) as srv:
+        token = srv.token
+        assert token is not None
+        with _Recorder(srv.port) as rec:
+            with Store(HOST, rec.port, timeout_s=5) as s:  # receives it
+                s.set("a", b"1")
+                assert s.get("a") == b"1"
+            with Store(HOST, rec.port, token=token, timeout_s=5) as s:  # has it
+                s.set("b", b"2")
+                assert s.check(["a", "b"])
+        wire = rec.bytes()
+        assert len(wire) > 200  # the capture saw the traffic
+        for form in (token.encode(), bytes.fromhex(token), token.upper().encode()):
+            assert form not in wire
+
+
+class _Recorder:
+    """A TCP relay on a port of its own that keeps every byte passing either way."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.create_server((HOST, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._chunks: list[bytes] = []
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._socks: list[socket.socket] = []
+        self._accept = threading.Thread(target=self._serve, daemon=True)
+        self._accept.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection((HOST, self._target))
+            self._socks += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    break
+                with self._lock:
+                    self._chunks.append(data)
+                dst.sendall(data)
+            except OSError:
+                break
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def bytes(self) -> bytes:
+        with self._lock:
+            return b"".join(self._chunks)
+
+    def __enter__(self) -> _Recorder:  # noqa: PYI034 (a test helper, never subclassed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._listener.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for t in self._threads:
+            t.join(5)
+        self._accept.join(5)
 
 
 @pytest.mark.timeout(30)
@@ -534,7 +701,7 @@ def test_malformed_frames_are_dropped_and_counted(server: StoreServer, store: St
 
 
 def test_bad_request_with_valid_envelope_gets_an_error(server: StoreServer) -> None:
-    with RpcClient(f"tcp://{HOST}:{server.port}") as raw:
+    with _session_client(server) as raw:
         for body in (
             {"op": "nope"},
             {"op": "set", "key": 1, "value": b"x"},

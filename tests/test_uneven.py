@@ -203,9 +203,9 @@ def test_large(world_size: int) -> None:
 
 # -- mismatches between ranks (memory transport) -----------------------------------------
 def test_mismatched_sizes_raise_on_every_rank() -> None:
-    """Ranks that disagree on sizes/splits raise CollectiveMismatchError (all of them;
-    all_to_all_v: both ranks of the pair that disagree) without writing ``out``; the group
-    is unusable after a mismatch, so one group each."""
+    """Ranks that disagree on sizes/splits raise CollectiveMismatchError (all of them,
+    all_to_all_v's ranks outside the pair that disagrees too) without writing ``out``; the
+    group is unusable after a mismatch, so one group each."""
 
     def gather_v(pg: rc.ProcessGroup) -> Any:
         sizes = [1, 2, 3] if pg.rank != 2 else [1, 2, 4]
@@ -223,18 +223,18 @@ def test_mismatched_sizes_raise_on_every_rank() -> None:
         return bool(np.all(out == -1))
 
     def to_all_v(pg: rc.ProcessGroup) -> Any:
-        # rank 0 sends rank 1 two rows; rank 1 expects three from it
+        # rank 0 sends rank 1 two rows; rank 1 expects three from it. Every rank raises,
+        # rank 2 too (it is not in the pair), and no rank's out is written (issue 29).
         m = [[1, 2, 1], [1, 1, 1], [1, 1, 1]]
         ins = m[pg.rank]
         outs = [m[j][pg.rank] for j in range(3)]
         if pg.rank == 1:
             outs[0] = 3
         x = np.ones(sum(ins), np.float32)
-        if pg.rank == 2:  # not in the mismatched pair: gets what it expects
-            return bool(np.all(pg.all_to_all_v(x, ins, outs) == 1))
-        with pytest.raises(rc.CollectiveMismatchError, match="all_to_all_v"):
-            pg.all_to_all_v(x, ins, outs)
-        return True
+        out = np.full(sum(outs), -1.0, np.float32)
+        with pytest.raises(rc.CollectiveMismatchError, match="rank 0 sends 2 rows to rank 1"):
+            pg.all_to_all_v(x, ins, outs, out=out)
+        return bool(np.all(out == -1.0))
 
     for fn in (gather_v, scatter_v, to_all_v):
         with memory_world(3, chunk_bytes=8) as groups:

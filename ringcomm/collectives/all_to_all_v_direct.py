@@ -10,13 +10,13 @@ its frame.
 
 The splits differ from rank to rank, so the fingerprint carries only the row shape and
 dtype (the call comes with ``Call.shape == (*input_splits, *output_splits,
-*x.shape[1:])``; the op keeps the row shape for the fingerprint); what one rank sends another must expect:
-a message whose size is not what ``output_splits`` says (``input_splits[j]`` of rank
-``r`` against ``output_splits[r]`` of rank ``j``) raises ``CollectiveMismatchError`` on
-the receiving rank at its first piece, before that peer's rows are written; and every
-piece's header carries (``Header.shape``) how many rows its sender expects back from the
-receiver, so the sending rank of the pair raises too. (Ranks outside the pair complete:
-what they received is what they expected.)
+*x.shape[1:])``; the op keeps the row shape for the fingerprint). What one rank sends
+another must expect, and that is checked everywhere before any row is written: the first
+piece to each peer carries (``Header.shape``) the sender's whole ``input_splits`` and
+``output_splits``, so once the write gate (``base``) has heard from every peer, every rank
+holds every rank's splits and checks every pair (``input_splits[j]`` of rank ``i``
+against ``output_splits[i]`` of rank ``j``): a disagreement anywhere raises
+``CollectiveMismatchError`` on every rank, naming the pair, with every ``out`` untouched.
 """
 
 from __future__ import annotations
@@ -46,6 +46,31 @@ class AllToAllVDirect(CollectiveOp):
         self.splits = (tuple(shape[:n]), tuple(shape[n : 2 * n]))
         super().__init__(comm, call._replace(shape=tuple(shape[2 * n :])), async_op=async_op)
 
+    def first_heard(self, peer: int, header: Header) -> None:
+        n = self.n
+        shape = header.shape
+        if shape is None or len(shape) != 2 * n:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {self.desc}: rank {peer}'s first piece does not say its "
+                f"splits ({shape!r:.60})"
+            )
+        self.heard_splits[peer] = (tuple(shape[:n]), tuple(shape[n:]))
+
+    def gate_opens(self) -> None:
+        """Every rank's splits are here: every pair must agree before a row is written."""
+        splits = self.heard_splits
+        splits[self.rank] = self.splits
+        n = self.n
+        for i in range(n):
+            for j in range(n):
+                sent, expected = splits[i][0][j], splits[j][1][i]
+                if sent != expected:
+                    raise CollectiveMismatchError(
+                        f"rank {self.rank}: {self.desc}: rank {i} sends {sent} rows to rank "
+                        f"{j} (its input_splits[{j}]) but rank {j} expects {expected} "
+                        f"(its output_splits[{i}]); every rank's out is untouched"
+                    )
+
     def start(self) -> None:
         x, out = self.call.x, self.call.out
         assert x is not None and out is not None
@@ -65,6 +90,8 @@ class AllToAllVDirect(CollectiveOp):
             self.own_dst[...] = self.own_src
         chunk = self.comm.chunk_bytes
         self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.expect_nbytes]
+        self.heard_splits: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        whole = (*input_splits, *output_splits)  # the first piece to each peer says it
         data = byte_view(x)
         dtype = x.dtype.str
         for k in range(1, n):
@@ -72,26 +99,16 @@ class AllToAllVDirect(CollectiveOp):
             nbytes = in_base[peer + 1] - in_base[peer]
             self.will_send(peer, 1)
             spans = chunk_spans(nbytes, chunk, x.itemsize)
-            # Every piece's header says how many rows we expect back from that peer, so
-            # a mismatched pair fails on both sides (each checks what the other expects).
-            expects = (output_splits[peer],)
             base = in_base[peer]
             for j, (off, length) in enumerate(spans):
                 self.send_piece(peer, 0, j, len(spans), nbytes, off,
                                 data[base + off : base + off + length], dtype,
-                                shape=expects)  # fmt: skip
+                                shape=whole if j == 0 else None)  # fmt: skip
         for k in range(1, n):
             self.expect((r - k) % n, 1)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
-        sent = self.splits[0][peer]
-        if header.shape != (sent,):
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: rank {peer} expects {header.shape!r:.40} rows "
-                f"from this rank but input_splits[{peer}] sends it {sent} (its output_splits"
-                f"[{self.rank}] and this rank's input_splits[{peer}] differ)"
-            )
         if header.nbytes != self.expect_nbytes[peer]:
             raise CollectiveMismatchError(
                 f"rank {self.rank}: {self.desc}: rank {peer} sends {header.nbytes} bytes but "

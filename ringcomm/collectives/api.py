@@ -167,10 +167,16 @@ def _check_root(root: Any, group: GroupCore, what: str, name: str) -> int:
     return check_peer(root, group.world_size, what, name)
 
 
-def _check_chunk_bytes(group: GroupCore, what: str) -> int:
-    chunk = group.chunk_bytes
+def _check_chunk_bytes(group: GroupCore, what: str, chunk: Any = None) -> int:
+    chunk = group.chunk_bytes if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
         raise ValueError(f"{what}: pg.chunk_bytes must be a positive int, got {chunk!r}")
+    limit = group.state.config.max_piece_bytes
+    if chunk > limit:
+        raise ValueError(
+            f"{what}: chunk_bytes={chunk} is above this group's largest piece ({limit} bytes, "
+            "what its receive sockets accept; RINGCOMM_CHUNK_BYTES raises it)"
+        )
     return int(chunk)
 
 
@@ -236,8 +242,8 @@ def _run_call(
     if what is None:
         what = _what(group, call.name)
     chunk = call.chunk_bytes or group.chunk_bytes
-    if type(chunk) is not int or chunk <= 0:
-        chunk = _check_chunk_bytes(group, what)
+    if type(chunk) is not int or chunk <= 0 or chunk > group.state.config.max_piece_bytes:
+        chunk = _check_chunk_bytes(group, what, chunk)
     try:
         timeout = group.timeout(timeout_s)
     except ValueError as exc:
@@ -283,8 +289,16 @@ def _run_call(
     # The algorithm's fast lane, if it has one (not with RINGCOMM_LOG=debug: every op then
     # goes through the engine, which logs its start and end).
     if not group.progress.log_ops and op.run_now(deadline):
-        return op.result
-    return group.run(op, timeout, False, deadline)
+        result = op.result
+    else:
+        result = group.run(op, timeout, False, deadline)
+    # One outcome: a peer may have failed this call while we consumed what it had sent.
+    aborted = group.progress.aborted(group.group_id, comm.seq, op.desc)
+    if aborted is not None:
+        if group.failed is None:
+            group.failed = aborted
+        raise aborted
+    return result
 
 
 def _workspace_calls(group: GroupCore, timeout_s: float) -> WorkspaceCollectives | None:

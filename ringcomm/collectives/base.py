@@ -261,7 +261,7 @@ class Inbox:
             return False
         if op is not None:
             if op._fp_missing:  # not every peer heard from yet: hold the piece back
-                op.heard_from(self.peer)
+                op.heard_from(self.peer, header)
                 op = self.op  # releasing held pieces may have failed the op
                 if op is not None and header.step != FP_STEP:
                     if op._fp_missing:
@@ -308,6 +308,7 @@ class CollectiveOp(Op):
         self.rank = comm.rank
         self.n = comm.world_size
         self.seq = comm.seq
+        self.collective = (comm.group_id, comm.seq, comm.ranks)  # its failure is told
         chunk = self.fingerprint_chunk_bytes()
         plans = comm.plans
         if plans is None:
@@ -638,21 +639,40 @@ class CollectiveOp(Op):
         """A piece from group rank ``peer`` whose fingerprint matched."""
         raise NotImplementedError
 
-    def heard_from(self, peer: int) -> None:
-        """A matching message came from ``peer``; open the gate once all peers have."""
+    def heard_from(self, peer: int, header: Header | None = None) -> None:
+        """A matching message (``header``: its piece) came from ``peer``; open the gate
+        once all peers have."""
         heard = self._fp_heard
         assert heard is not None  # set with _fp_missing (post_inboxes)
         if peer in heard:
             return
         heard.add(peer)
+        if header is not None:
+            try:
+                self.first_heard(peer, header)
+            except Exception as exc:  # noqa: BLE001 (a disagreement: fail the op, nothing written)
+                self.fail_from(exc)
+                return
         self._fp_missing -= 1
         if self._fp_missing:
+            return
+        try:
+            self.gate_opens()
+        except Exception as exc:  # noqa: BLE001 (a disagreement found: fail the op, nothing written)
+            self.fail_from(exc)
             return
         held, self._held = self._held, _NOTHING_HELD
         for p, header, payload in held:  # in arrival order
             if self.done:
                 return
             self.deliver(p, header, payload)
+
+    def first_heard(self, peer: int, header: Header) -> None:
+        """Hook (gated ops): the first matching piece from ``peer``, before the gate opens."""
+
+    def gate_opens(self) -> None:
+        """Hook (gated ops): every peer heard from, nothing delivered yet; raising here
+        fails the call with every user buffer untouched."""
 
     def deliver(self, peer: int, header: Header, payload: memoryview) -> None:
         """``on_data``, failing the op (not the rank) on an error."""

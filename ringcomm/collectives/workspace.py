@@ -21,8 +21,11 @@ barrier         sync.
 
 Before any user byte is written, each rank compares the fingerprint every rank put in its
 control line (sequence number, collective, dtype, shape, root, op) with its own: a
-difference raises :class:`~ringcomm.errors.CollectiveMismatchError` on every rank. A
-wait that runs long looks, between sleeps, at the peers' processes (pidfds), at the
+difference raises :class:`~ringcomm.errors.CollectiveMismatchError` on every rank. A call
+that fails on a rank marks its control line and tells the peers (the progress engine's
+abort); every synchronisation looks at the marks before the call goes on, so a late rank
+fails that call too, with the first failure's type and reason, instead of completing it
+from what the others left in their buffers. A wait that runs long looks, between sleeps, at the peers' processes (pidfds), at the
 progress engine's goodbyes and failure reports, and at the deadline: a dead or departed
 peer raises :class:`~ringcomm.errors.PeerFailedError` naming it, a deadline
 :class:`~ringcomm.errors.CommTimeoutError` naming the ranks waited for and where ("waiting
@@ -73,6 +76,9 @@ SMALL_ALL_REDUCE_BYTES = 64 * 1024
 #: How long a rank that found a peer's process gone waits for that peer's goodbye (which
 #: says why it went) before it reports the death itself.
 GOODBYE_WAIT_S = 0.1
+#: How long a rank that saw a peer's failure mark waits for the reason to arrive (the
+#: peer's abort, or the news of the rank that went; each follows the mark at once).
+REASON_WAIT_S = 1.0
 
 _OPCODES = {
     "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "reduce": 5,
@@ -378,6 +384,12 @@ class WorkspaceCollectives:
             engine = isinstance(exc, PeerFailedError) and progress.failure is not None
             if not engine and self.core.failed is None:
                 self.core.failed = exc
+            if not isinstance(exc, GroupClosedError):
+                # Peers must not complete it: tell them (the reason), then mark it.
+                core = self.core
+                progress.collective_failed(core.group_id, op.seq, exc, core.ranks)
+                if not self.ws.closed:
+                    self.ws.mark_failed(op.seq)
             if progress.log_ops:
                 log.debug("rank %d: failed %s: %s", progress.rank, op.desc, exc)
             raise
@@ -390,17 +402,44 @@ class WorkspaceCollectives:
         k = ws.arrive()
         if ws.complete(k):
             ws.wait(k, op.deadline, _never)  # rings for sleepers
-            return
-        op.note = where
-        try:
-            ws.wait(k, op.deadline, lambda: self._idle(op, k, where))
-        except WorkspaceTimeout:
-            late = ws.late(k)
-            raise CommTimeoutError(
-                f"rank {self.core.rank}: {op.desc} timed out after {op.timeout_s:g} s: "
-                f"waiting for rank{'s' if len(late) > 1 else ''} "
-                f"{', '.join(map(str, late))} at {where}; " + self._last_calls(late)
-            ) from None
+        else:
+            op.note = where
+            try:
+                ws.wait(k, op.deadline, lambda: self._idle(op, k, where))
+            except WorkspaceTimeout:
+                late = ws.late(k)
+                raise CommTimeoutError(
+                    f"rank {self.core.rank}: {op.desc} timed out after {op.timeout_s:g} s: "
+                    f"waiting for rank{'s' if len(late) > 1 else ''} "
+                    f"{', '.join(map(str, late))} at {where}; " + self._last_calls(late)
+                ) from None
+        failed = ws.failed_peer(op.seq)
+        if failed is not None:  # a peer failed this call (or an earlier one): so do we
+            raise self._failed_at_peer(op, *failed, k, where)
+
+    def _failed_at_peer(self, op: Job, r: int, seq: int, k: int, where: str) -> RingcommError:
+        """The error of a call that group rank ``r`` failed (as collective ``seq``): the
+        reason it comes with, once known here: its abort (which follows the mark at once),
+        or, when a peer went (its departure or failure, which the engine reports on its
+        own), that; else a plain one."""
+        core = self.core
+        progress = core.progress
+        give_up = time.monotonic() + REASON_WAIT_S
+        while True:
+            progress.poll_now()
+            if core.group_id in progress.group_aborts:
+                return progress.abort_error(core.group_id, op.desc)
+            try:
+                self._idle(op, k, where, marks=False)  # a peer gone: its own story
+            except RingcommError as exc:
+                return exc
+            if time.monotonic() >= give_up:
+                break
+            time.sleep(0.002)
+        return PeerFailedError(
+            f"rank {core.rank}: {op.desc}: rank {r} failed collective #{seq} of this group, "
+            "so every rank fails it (its reason did not arrive)", peer=core.ranks[r],
+        )  # fmt: skip
 
     def _last_calls(self, ranks: list[int]) -> str:
         """What each of ``ranks`` last started here (its newer fingerprint)."""
@@ -415,8 +454,9 @@ class WorkspaceCollectives:
                 parts.append(f"rank {r}'s last call here: {self._described(newest)}")
         return "; ".join(parts)
 
-    def _idle(self, op: Job, k: int, where: str) -> None:
-        """Between sleeps: is any peer we wait for gone?"""
+    def _idle(self, op: Job, k: int, where: str, marks: bool = True) -> None:
+        """Between sleeps: is any peer we wait for gone, or did one fail this call
+        (``marks``)?"""
         core, ws = self.core, self.ws
         progress = core.progress
         if core.closed or core.state.closed or ws.closed:
@@ -427,6 +467,9 @@ class WorkspaceCollectives:
         progress.poll_now()
         if progress.failure is not None:
             raise progress.failed_error(f"{op.desc} [{where}]")
+        failed = ws.failed_peer(op.seq) if marks else None
+        if failed is not None:  # it will never arrive here: fail now, not at the deadline
+            raise self._failed_at_peer(op, *failed, k, where)
         for r in ws.late(k):
             g = core.ranks[r]
             if progress.departed(g):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import shlex
 import signal
 import socket
@@ -44,6 +43,7 @@ from ringcomm.launch.supervise import (
     LauncherSignals,
     RankProcess,
     copy_output,
+    job_token,
     note,
     pdeathsig_preexec,
     reap,
@@ -238,10 +238,11 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
     from ringcomm.errors import RendezvousError  # lazy: only needed to run a job
     from ringcomm.rendezvous import StoreServer
 
-    token = secrets.token_hex(32)
+    token = job_token()
     try:
         store = StoreServer(
-            config.master_addr, config.master_port, token=token, world_size=config.nproc,
+            config.master_addr, config.master_port, token=token, auth=token is not None,
+            world_size=config.nproc,
             world_from=f"ringcomm run -n {config.nproc} started {config.nproc} ranks",
         ).start()  # fmt: skip
     except RendezvousError as exc:
@@ -275,7 +276,7 @@ def _free_port(addr: str) -> int:
 
 
 def _start_rank(
-    config: RunConfig, rank: int, port: int, token: str, torch_port: int, restart: int = 0
+    config: RunConfig, rank: int, port: int, token: str | None, torch_port: int, restart: int = 0
 ) -> RankProcess:
     env = dict(os.environ)
     env.update(rank_env(config, rank, port, token, torch_port))
@@ -287,7 +288,7 @@ def _start_rank(
 
 
 def _restarter(
-    config: RunConfig, store: Any, token: str, ranks: list[RankProcess], torch_port: int
+    config: RunConfig, store: Any, token: str | None, ranks: list[RankProcess], torch_port: int
 ) -> Callable[[RankProcess, int], RankProcess | None]:
     """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
     started again (``RINGCOMM_RESTART`` = how many times), at most K times per slot."""
@@ -309,7 +310,9 @@ def _restarter(
     return restart
 
 
-def _start_ranks(config: RunConfig, port: int, token: str, torch_port: int) -> list[RankProcess]:
+def _start_ranks(
+    config: RunConfig, port: int, token: str | None, torch_port: int
+) -> list[RankProcess]:
     ranks: list[RankProcess] = []
     try:
         for rank in range(config.nproc):

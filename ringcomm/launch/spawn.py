@@ -24,7 +24,6 @@ import faulthandler
 import math
 import os
 import pickle
-import secrets
 import signal
 import sys
 import tempfile
@@ -40,7 +39,12 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ringcomm.errors import RankFailedError
-from ringcomm.launch.supervise import DEFAULT_GRACE_S, describe_exit, store_announcer
+from ringcomm.launch.supervise import (
+    DEFAULT_GRACE_S,
+    describe_exit,
+    job_token,
+    store_announcer,
+)
 
 __all__ = ["spawn"]
 
@@ -104,8 +108,8 @@ def spawn(
 
     from ringcomm.rendezvous import StoreServer  # lazy: `import ringcomm.launch` stays light
 
-    token = secrets.token_hex(32)
-    store = StoreServer(_LOCALHOST, 0, token=token, world_size=world_size,
+    token = job_token()
+    store = StoreServer(_LOCALHOST, 0, token=token, auth=token is not None, world_size=world_size,
                         world_from=f"rc.spawn started {world_size} ranks").start()  # fmt: skip
     try:
         entry = _GroupEntry(
@@ -132,7 +136,7 @@ class _GroupEntry:
     master_addr: str
     master_port: int
     timeout_s: float | None
-    token: str = field(repr=False)
+    token: str | None = field(repr=False)
 
     def __call__(self, rank: int, world_size: int) -> Any:
         from ringcomm.group import init_process_group  # lazy: only the children need it
@@ -149,8 +153,9 @@ class _GroupEntry:
             RINGCOMM_MASTER_ADDR=self.master_addr,
             RINGCOMM_MASTER_PORT=str(self.master_port),
             RINGCOMM_STORE_EXTERNAL="1",
-            RINGCOMM_TOKEN=self.token,
         )
+        if self.token is not None:  # (none under RINGCOMM_SECURITY=none)
+            os.environ["RINGCOMM_TOKEN"] = self.token
         pg = init_process_group(
             rank,
             world_size,

@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import secrets
 import shlex
 import signal
 import subprocess
@@ -73,6 +72,7 @@ from ringcomm.launch.supervise import (
     RankProcess,
     copy_output,
     describe_exit,
+    job_token,
     note,
     pdeathsig_preexec,
     reap,
@@ -594,7 +594,7 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
     if failed:
         note(f"preflight failed on {len(failed)} of {len(results)} host(s); no rank started")
         return 1
-    token = secrets.token_hex(32)
+    token = job_token()
     store = None
     if config.max_restarts:  # the store must outlive any rank: the launcher serves it
         store = _serve_store(master_addr, config.master_port, token)
@@ -621,7 +621,7 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
             store.close()
 
 
-def _serve_store(master_addr: str, port: int, token: str) -> Any:
+def _serve_store(master_addr: str, port: int, token: str | None) -> Any:
     """The job's store, served by the launcher on ``master_addr`` (its own address as the
     hosts reach it; every interface if that is not one of this machine's); None (said
     why) if it cannot start."""
@@ -638,14 +638,15 @@ def _serve_store(master_addr: str, port: int, token: str) -> Any:
     except OSError:
         bind = "0.0.0.0"
     try:
-        return StoreServer(bind, port, token=token).start()
+        return StoreServer(bind, port, token=token, auth=token is not None).start()
     except RendezvousError as exc:
         note(f"error: --max-restarts: the launcher cannot serve the store: {exc}")
         return None
 
 
 def _restarter(
-    config: SshRunConfig, master_addr: str, port: int, token: str, ranks: list[RankProcess]
+    config: SshRunConfig, master_addr: str, port: int, token: str | None,
+    ranks: list[RankProcess],
 ) -> Callable[[RankProcess, int], RankProcess | None]:
     """``--max-restarts``: a rank that failed is started again on its host, in its slot
     (``RINGCOMM_RESTART`` = how many times), at most K times per slot; the ranks learn
@@ -670,7 +671,7 @@ def _restarter(
 
 
 def _start_rank(
-    config: SshRunConfig, p: Placement, master_addr: str, port: int, token: str,
+    config: SshRunConfig, p: Placement, master_addr: str, port: int, token: str | None,
     restart: int = 0,
 ) -> _SshRank:  # fmt: skip
     popen = start_in_session(
@@ -680,7 +681,7 @@ def _start_rank(
     )
     assert popen.stdin is not None
     try:
-        popen.stdin.write((json.dumps({TOKEN_VAR: token}) + "\n").encode())
+        popen.stdin.write((json.dumps({TOKEN_VAR: token} if token else {}) + "\n").encode())
         popen.stdin.flush()
     except OSError:
         pass  # ssh already failed: its exit status reports it
@@ -689,7 +690,7 @@ def _start_rank(
 
 
 def _start_ranks(
-    config: SshRunConfig, master_addr: str, port: int, token: str
+    config: SshRunConfig, master_addr: str, port: int, token: str | None
 ) -> list[RankProcess]:
     ranks: list[RankProcess] = []
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -51,6 +52,7 @@ __all__ = [
     "copy_output",
     "describe_exit",
     "exit_status",
+    "job_token",
     "join_copiers",
     "note",
     "pdeathsig_preexec",
@@ -285,6 +287,14 @@ class LauncherSignals:
             signal.signal(sig, old)
 
 
+def job_token() -> str | None:
+    """A fresh token for a job the launcher starts (its ranks get it in their environment),
+    or None under ``RINGCOMM_SECURITY=none`` (no token anywhere)."""
+    from ringcomm.config import security_mode
+
+    return None if security_mode(os.environ) == "none" else secrets.token_hex(32)
+
+
 def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, str], None]:
     """``announce(key, value)``: set a key in the job's store, from the launcher (a client
     connection made at the first call; best effort: a lost store is no launcher error)."""
@@ -296,7 +306,8 @@ def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, s
 
         try:
             if not held:
-                held.append(Store(host, port, token=token, timeout_s=5.0, label="launcher"))
+                held.append(Store(host, port, token=token, timeout_s=5.0, label="launcher",
+                                  auth=token is not None))  # fmt: skip
             held[0].set(key, value.encode())
         except RingcommError as exc:
             note(f"could not tell the ranks ({key}): {exc}")

@@ -7,7 +7,9 @@ client, writes a final checkpoint and exits 0. Started again with the same ``--i
 around it (:mod:`ringcomm.ps.membership`). Exit status: 0 done, 1 failed, 2 usage error
 (:class:`~ringcomm.config.UsageError`, printed by :mod:`ringcomm.cli`). Settings from the
 environment (parsed in :mod:`ringcomm.config`): ``RINGCOMM_PS_LOG`` (log level, default
-WARNING), ``RINGCOMM_TOKEN``.
+WARNING), ``RINGCOMM_TOKEN`` (else the token the coordinator hands out, if it hands one
+out: a store given a token does not, and the server then exits 1 saying so),
+``RINGCOMM_SECURITY``.
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ class PSConfig:
     timeout_s: float = 300.0
     reduce: str = "avg"
     keep_undo: bool = False
+    #: The largest shard a worker's init may create (bytes): a request's sizes are checked
+    #: against it (or against the shard it names) before anything is allocated.
+    max_shard_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -68,6 +71,8 @@ class PSConfig:
             )
         if not self.timeout_s > 0:
             raise ValueError(f"ps: timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_shard_bytes < 0:
+            raise ValueError(f"ps: max_shard_bytes must be >= 0, got {self.max_shard_bytes}")
 
     @property
     def bound(self) -> int | None:

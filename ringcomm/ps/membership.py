@@ -32,9 +32,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..config import security_mode
 from ..errors import CommTimeoutError, RendezvousError, RingcommError
 from ..group import init_process_group
 from ..rendezvous import Store, StoreServer
+from ..rendezvous.security import job_store
 from .config import PSConfig
 from .server import PSServer
 from .slicer import Slicer
@@ -47,7 +49,7 @@ __all__ = ["Membership", "connect_worker", "run_server"]
 
 log = logging.getLogger(__name__)
 
-_PASSED_ENV = ("RINGCOMM_TRANSPORT", "RINGCOMM_CHUNK_BYTES", "RINGCOMM_LOG")
+_PASSED_ENV = ("RINGCOMM_TRANSPORT", "RINGCOMM_CHUNK_BYTES", "RINGCOMM_LOG", "RINGCOMM_SECURITY")
 
 
 class Membership:
@@ -80,10 +82,14 @@ class Membership:
         self.label = f"ps {role} {index} (rank {self.rank})"
         self.token, self.timeout_s = token, timeout_s
         self.join_timeout_s, self.poll_s, self.host = join_timeout_s, poll_s, host
+        self.security = security_mode(os.environ)
         addr, port = coordinator
         self.coord = Store(
-            addr, port, token=token, timeout_s=min(timeout_s, 30.0), prefix=prefix, label=self.label
-        )
+            addr, port, token=token, timeout_s=min(timeout_s, 30.0), prefix=prefix,
+            label=self.label, claim=self.label, auth=self.security != "none",
+        )  # fmt: skip
+        if self.token is None and self.security != "none":
+            self.token = self.coord.token  # the coordinator handed out the job's
         self.epoch = -1
         self.group: Any = None
         self.joins = 0
@@ -157,7 +163,8 @@ class Membership:
     def _form(self, epoch: int) -> Any:
         key = f"epoch/{epoch}/store"
         if self.rank == 0 and self.coord.try_get(key) is None:
-            server = StoreServer(self.host, 0, token=self.token).start()
+            world = self.num_workers + self.num_servers
+            server = job_store(self.host, 0, self.token, self.security, world, _epoch_ns(epoch))
             self._stores.append(server)
             self.coord.set(key, f"{self.host}:{server.port}")
         where = self.coord.get(key, timeout_s=self.join_timeout_s).decode()
@@ -172,7 +179,7 @@ class Membership:
             token=self.token,
             host_store=False,
             env=env,
-            group_name=f"ps-epoch-{epoch}",  # its own store: no process-wide count
+            group_name=_epoch_ns(epoch),  # its own store: no process-wide count
         )
 
     def _watch(self, group: Any, epoch: int, stop: threading.Event) -> None:
@@ -312,3 +319,8 @@ def run_server(
         finally:
             server.close()
     return server
+
+
+def _epoch_ns(epoch: int) -> str:
+    """The namespace of epoch ``epoch``'s group (in a store of its own)."""
+    return f"ps-epoch-{epoch}"

@@ -12,6 +12,11 @@ group's progress thread drives the socket. With blocking calls, the thread that 
 leaves when its own message is in, and the next waiter looks again only after its 5 ms
 wait slice: measured, a bsp push_pull of 1 KiB with 2 workers took ~6 ms that way.
 
+A malformed request (an unknown op or dtype, sizes out of range or unlike the shard's, a
+payload of another size than its header said) gets an error reply to its worker, its
+payload read and dropped, and the server goes on serving everyone: sizes are checked
+against the shard (or, for an init, ``max_shard_bytes``) before anything is allocated.
+
 Payloads: a push is received into a fresh array that the state then owns (the bsp
 average is summed into the first worker's), so receiving costs the one copy out of the
 socket. A pull under bsp sends the shard's parameter itself, zero-copy and outside the lock:
@@ -31,7 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
+from ..errors import (
+    CommTimeoutError,
+    GroupClosedError,
+    MessageMismatchError,
+    PeerFailedError,
+    RingcommError,
+)
 from . import protocol as P
 from .config import PSConfig
 from .state import DTYPES, STATUS_OK, ServerState, load_checkpoint, save_checkpoint
@@ -138,21 +149,32 @@ class PSServer:
 
     def _loop(self, g: Any, w: int, peer: int) -> None:
         hdr = np.empty(P.REQUEST_WORDS, np.int64)
+        timeout_s = self.config.timeout_s
         while True:
             try:
-                g.irecv(hdr, peer, P.TAG_REQUEST).wait(timeout_s=self.config.timeout_s)
+                g.irecv(hdr, peer, P.TAG_REQUEST).wait(timeout_s=timeout_s)
             except CommTimeoutError:
                 continue  # an idle worker is no error; a closed group ends the loop
+            except MessageMismatchError as exc:  # not a request header (read and dropped)
+                reply, _ = self._error(w, 0, -1, f"malformed request: {exc}", 0, -1)
+                g.isend(reply, peer, P.TAG_REPLY).wait(timeout_s=timeout_s)
+                continue
             op, key, step, start, nelem, code, extra, _seq = (int(v) for v in hdr)
             payload = None
+            problem = self._malformed(op, key, start, nelem, code, extra)
             if op in P.WITH_PAYLOAD:
-                if not 0 <= code < len(DTYPES):
-                    raise RingcommError(
-                        f"ps server {self.index}: worker {w} sent dtype code {code}"
-                    )
-                payload = np.empty(nelem, DTYPES[code])
-                g.irecv(payload, peer, P.TAG_REQUEST).wait(timeout_s=self.config.timeout_s)
-            reply, data = self._handle(w, op, key, step, start, nelem, code, extra, payload)
+                if problem is None:
+                    payload = np.empty(nelem, DTYPES[code])
+                    try:
+                        g.irecv(payload, peer, P.TAG_REQUEST).wait(timeout_s=timeout_s)
+                    except MessageMismatchError as exc:  # read and dropped: refuse it
+                        problem = f"payload: {exc}"
+                else:
+                    self._discard(g, peer)
+            if problem is not None:
+                reply, data = self._error(w, op, key, problem, nelem, code)
+            else:
+                reply, data = self._handle(w, op, key, step, start, nelem, code, extra, payload)
             sends = [g.isend(reply, peer, P.TAG_REPLY)]
             if data is not None:
                 sends.append(g.isend(data, peer, P.TAG_REPLY))
@@ -160,6 +182,43 @@ class PSServer:
                 work.wait(timeout_s=self.config.timeout_s)
             if op == P.OP_BYE:
                 return
+
+    def _malformed(
+        self, op: int, key: int, start: int, nelem: int, code: int, extra: int
+    ) -> str | None:
+        """What is wrong with a request header before anything is allocated for it
+        (None: nothing; the shard's own checks follow in :meth:`_handle`)."""
+        if op not in P.OP_NAMES:
+            return f"unknown op {op}"
+        if op not in P.WITH_PAYLOAD and op not in P.REPLY_WITH_DATA:
+            return None
+        if not 0 <= code < len(DTYPES):
+            return f"unknown dtype code {code} (known: 0..{len(DTYPES) - 1})"
+        if start < 0 or nelem < 0:
+            return f"negative range [{start}:{start + nelem}]"
+        if op == P.OP_INIT:
+            if not start + nelem <= extra:
+                return f"range [{start}:{start + nelem}] is outside the key's {extra} elements"
+            if nelem * DTYPES[code].itemsize > self.config.max_shard_bytes:
+                return (
+                    f"{nelem} {DTYPES[code]} elements exceed max_shard_bytes "
+                    f"({self.config.max_shard_bytes})"
+                )
+            return None
+        with self.cond:
+            sh = self.state.shard(key, start)
+        if sh is None:
+            return f"[{start}:{start + nelem}]: no such key (call init first)"
+        if sh.nelem != nelem or sh.dtype != DTYPES[code]:
+            return f"[{start}:{start + nelem}]: layout differs from {sh.describe()}"
+        return None
+
+    def _discard(self, g: Any, peer: int) -> None:
+        """Read a refused request's payload and drop it (the next message is a header)."""
+        try:
+            g.irecv(np.empty(0, np.uint8), peer, P.TAG_REQUEST).wait(timeout_s=self.config.timeout_s)
+        except MessageMismatchError:
+            pass  # any payload but an empty one: read and dropped, as wanted
 
     # -- one request -------------------------------------------------------------------
     def _handle(
@@ -267,7 +326,11 @@ class PSServer:
         reply = np.array([P.STATUS_ERROR, 0, 0, 0], np.int64)
         data = None
         if op in P.REPLY_WITH_DATA:  # the worker posted a receive for the data: fill it
-            data = np.zeros(nelem, DTYPES[code] if 0 <= code < len(DTYPES) else np.uint8)
+            ok = 0 <= code < len(DTYPES) and nelem >= 0
+            if ok and nelem * DTYPES[code].itemsize <= self.config.max_shard_bytes:
+                data = np.zeros(nelem, DTYPES[code])
+            else:  # no such buffer to fill: an empty message fails the worker's receive
+                data = np.zeros(0, np.uint8)
         self.last_error = msg
         return reply, data
 

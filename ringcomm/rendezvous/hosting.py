@@ -16,10 +16,10 @@ import threading
 from dataclasses import dataclass
 
 from ringcomm.errors import RendezvousError
+from ringcomm.rendezvous.security import claims, job_store
 from ringcomm.rendezvous.store import StoreServer
 
 __all__ = ["ServerLease", "serve"]
-
 
 
 @dataclass
@@ -43,6 +43,15 @@ class ServerLease:
         self.port: int = server.port
         self._closed = False
 
+    @property
+    def token(self) -> str | None:
+        """The store's token (given, or minted by the server)."""
+        return self.server.token
+
+    def refusals(self) -> str:
+        """The server's :meth:`~ringcomm.rendezvous.StoreServer.refusals`."""
+        return self.server.refusals()
+
     def close(self) -> None:
         with _lock:
             if self._closed:
@@ -60,21 +69,26 @@ class ServerLease:
         return f"ServerLease({self.server!r})"
 
 
-def serve(host: str, port: int, *, token: str | None) -> ServerLease:
-    """A lease on the store served at ``host:port`` by this process: the live one (same
-    token), else a new server (port 0: one the OS picks). Raises :class:`RendezvousError`
-    when the port is taken, or held by this process's store of another job (token)."""
+def serve(
+    host: str, port: int, *, token: str | None, security: str, world_size: int, ns: str
+) -> ServerLease:
+    """A lease on the store served at ``host:port`` by this process for group ``ns`` of
+    ``world_size`` ranks: the live one (same token), else a new server (port 0: one the
+    OS picks). Without a token the store mints one and hands it to the group's ranks once
+    each (:mod:`ringcomm.rendezvous.security`). Raises :class:`RendezvousError` when the
+    port is taken, or held by this process's store of another job (token)."""
     with _lock:
         hosted = _live.get((host, port)) if port else None
         if hosted is not None:
-            if hosted.token != token:
+            if hosted.token != token or hosted.server.auth != (security != "none"):
                 raise RendezvousError(
                     f"cannot serve the store on {host}:{port}: this process serves another "
-                    "group's store there, with another token"
+                    "group's store there, with another token or RINGCOMM_SECURITY"
                 )
+            hosted.server.allow_claims(claims(world_size, ns))
             hosted.leases += 1
             return ServerLease((host, port), hosted.server)
-        server = StoreServer(host, port, token=token, gated=True).start()
+        server = job_store(host, port, token, security, world_size, ns, gated=True)
         key = (host, server.port)
         _live[key] = _Hosted(server, token, 1)
         return ServerLease(key, server)

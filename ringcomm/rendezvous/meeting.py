@@ -31,7 +31,8 @@ from ringcomm.config import InitConfig
 from ringcomm.errors import AuthenticationError, CommTimeoutError, RendezvousError
 from ringcomm.rendezvous.hosting import ServerLease, serve
 from ringcomm.rendezvous.join import JoinRefusedError, JoinRequest
-from ringcomm.rendezvous.store import Store
+from ringcomm.rendezvous.security import connect_store
+from ringcomm.rendezvous.store import ClaimPendingError, Store
 from ringcomm.rendezvous.torchstore import TorchStoreClient
 from ringcomm.transport.rpc import RpcConnectionLost, RpcTimeoutError
 
@@ -95,6 +96,7 @@ def connect_and_join(cfg: InitConfig, join: JoinRequest, label: str) -> Store:
     lost_since: float | None = None
     delay_s = 0.005
     unreached = False  # the last try found no store answering at all
+    token = cfg.token  # or the one the store hands out, at the first contact
     while True:
         now = time.monotonic()
         # Until the notice, a first contact is given only until then (a store that is not
@@ -102,13 +104,15 @@ def connect_and_join(cfg: InitConfig, join: JoinRequest, label: str) -> Store:
         contact_s = max(0.1, min(deadline, notice_at) - now)
         store: Store | None = None
         try:
-            store = Store(cfg.master_addr, cfg.master_port, token=cfg.token,
-                          timeout_s=cfg.timeout_s, connect_timeout_s=contact_s,
-                          label=label)  # fmt: skip
+            store = connect_store(cfg, cfg.master_addr, cfg.master_port, label, join.ns,
+                                  token=token, connect_timeout_s=contact_s)  # fmt: skip
+            token = store.token  # handed out once: kept for the next try
             unreached = False
             if store.join(join):
                 joined, store = store, None
                 return joined
+        except ClaimPendingError:
+            unreached = False  # a store not serving the group (yet): as "not_yet" below
         except RendezvousError as exc:
             if isinstance(exc.__cause__, RpcTimeoutError) and time.monotonic() < deadline:
                 unreached = True  # not up yet: say so at the notice, then wait on
@@ -156,13 +160,15 @@ def serve_store(
     host will be refused instead, and this rank then too, as a member of a failed group).
     Anything else raises the bind error."""
     try:
-        return serve(bind_host, port, token=cfg.token)
+        return serve(bind_host, port, token=cfg.token, security=cfg.security,
+                     world_size=cfg.world_size, ns=join.ns)  # fmt: skip
     except RendezvousError as exc:
         if port == 0 or cfg.world_size < 2:
             raise
-        try:
+        try:  # (without the job's token the probe is refused: the bind error it is)
             probe = Store(cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s,
-                          connect_timeout_s=_PROBE_S, label=label)  # fmt: skip
+                          connect_timeout_s=_PROBE_S, label=label,
+                          auth=cfg.security != "none")  # fmt: skip
         except (RendezvousError, AuthenticationError):
             raise exc from None
         with probe:

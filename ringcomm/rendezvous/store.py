@@ -12,18 +12,29 @@ its own deadline, so a server that never answers still yields a bounded
 :class:`CommTimeoutError`. A server that was reached and then closed or died (its host went
 down) is noticed by the RPC client (:class:`~ringcomm.transport.rpc.RpcConnectionLost`): the
 calls waiting on it, and every call while it stays unreachable, raise
-:class:`RendezvousError` at once instead of waiting out their deadlines. Every request
-carries the job token; the server compares it with ``hmac.compare_digest`` and answers a
-wrong or missing one with an auth error only.
+:class:`RendezvousError` at once instead of waiting out their deadlines.
+
+Authentication (session.py; the token never travels): a client's first contact is a
+``hello`` with a fresh nonce; the server answers with its nonce and a proof that it knows
+the token, and every later request and reply is signed with the session's key (checked in
+rpc.py before anything is decoded). A server made without a token mints one
+(``server.token``) and hands it out on first contact, sealed under a Diffie-Hellman
+exchange, to clients that come without one, within its ``issue`` policy: ``"any"`` (the
+default for a minted token), a set of claims each handed out once (``{"rank 1", ...}``:
+what ``init_process_group`` uses, so nobody gets it once the group formed), or ``None``.
+``auth=False`` (``RINGCOMM_SECURITY=none``) serves anyone, unsigned. A client whose token
+differs is told "token mismatch" by the proof, and the server counts it (``rejected``,
+``refused``) and logs it with the address.
 
 Request bodies (msgpack maps, see :mod:`ringcomm.transport.rpc`)::
 
-    {"op": "ping"|"set"|"get"|"try_get"|"add"|"wait"|"delete"|"check"|"compare_set"|"join",
-     "token": str (when the job has one), "key": str | "keys": [str], "value": bytes,
-     "delta": int, "expected": bytes|None, "desired": bytes, "timeout_s": float}
+    {"op": "hello"|"ping"|"set"|"get"|"try_get"|"add"|"wait"|"delete"|"check"|"compare_set"
+           |"join",
+     "key": str | "keys": [str], "value": bytes, "delta": int, "expected": bytes|None,
+     "desired": bytes, "timeout_s": float, "cn": bytes, "dh": bytes, "claim": str}
 
 Replies: ``{"status": "ok", ...}``, ``{"status": "timeout", "missing": [str]}``,
-``{"status": "auth"}``, ``{"status": "value_error" | "error", "message": str}``,
+``{"status": "auth", "why": str}``, ``{"status": "value_error" | "error", "message": str}``,
 ``{"status": "refused", "message": str}`` (a failed group: :mod:`ringcomm.rendezvous.join`),
 ``{"status": "not_yet"}`` (a join this store cannot admit yet).
 """
@@ -32,15 +43,20 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import logging
 import math
+import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ringcomm.errors import AuthenticationError, CommTimeoutError, RendezvousError
 from ringcomm.rendezvous.join import Formations, JoinRefusedError, JoinRequest
 from ringcomm.transport.rpc import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RpcAuthError,
     RpcCall,
     RpcClient,
     RpcClosedError,
@@ -51,11 +67,30 @@ from ringcomm.transport.rpc import (
     RpcTimeoutError,
     tcp_endpoint,
 )
+from ringcomm.transport.session import (
+    NONCE_BYTES,
+    SessionKeys,
+    dh_keypair,
+    dh_shared,
+    job_key,
+    mac,
+    mint_token,
+    seal,
+    session_key,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DEFAULT_STORE_TIMEOUT_S", "Store", "StoreServer"]
+__all__ = [
+    "DEFAULT_STORE_TIMEOUT_S",
+    "MAX_VALUE_BYTES",
+    "ClaimPendingError",
+    "Store",
+    "StoreServer",
+]
+
+log = logging.getLogger(__name__)
 
 #: A client's default deadline per call, as the process group's default.
 DEFAULT_STORE_TIMEOUT_S = 300.0
@@ -63,6 +98,14 @@ DEFAULT_STORE_TIMEOUT_S = 300.0
 # reply (which names the missing keys) normally arrives first.
 _WAIT_GRACE_S = 1.0
 _INT_RE = re.compile(rb"[+-]?\d+")
+#: Largest value ``set``/``compare_set`` take: a request must fit the server's message
+#: limit (rpc.py), which bounds what an unauthenticated sender can make it hold.
+MAX_VALUE_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 4096
+
+
+class ClaimPendingError(AuthenticationError):
+    """The store hands its minted token to none of the claim's group (yet): the group may
+    not be open there yet (its host's previous store may still hold the port)."""
 
 
 class _BadRequest(Exception):
@@ -109,10 +152,16 @@ class _Waiter:
 class StoreServer:
     """Serves the store on ``host:port`` (port 0: a free one, see ``port``) in a thread.
 
-    A context manager (entering starts it); ``close()`` is idempotent. Counters:
-    ``rejected`` requests refused for their token, ``dropped`` malformed messages,
-    ``bad_requests`` well-formed messages with a valid token but bad fields.
-    All state lives on the server thread, so it needs no locks.
+    A context manager (entering starts it); ``close()`` is idempotent. ``token``: the job's
+    (None: a fresh one is minted, see ``token``); ``issue``: who may receive a minted token
+    on first contact (module docstring; default ``"any"`` for a minted token, ``None``
+    for a given one); ``auth=False``: no token at all (``RINGCOMM_SECURITY=none``).
+    Counters: ``rejected`` requests refused for their token (unsigned ones, a token not
+    handed out, and ``refused``: signed ones whose signature failed, a token mismatch or a
+    replay; see ``refused_from``), ``dropped`` malformed messages, ``bad_requests``
+    well-formed messages with a valid session but bad fields. All state lives on the server
+    thread, so it needs no locks; the one exception, :meth:`allow_claims` (a second group
+    meeting at a live store), replaces the claim set whole (copy on write).
     """
 
     def __init__(
@@ -124,11 +173,26 @@ class StoreServer:
         world_size: int | None = None,
         world_from: str = "the launcher",
         gated: bool = False,
+        issue: str | Collection[str] | None = "default",
+        auth: bool = True,
     ) -> None:
         self.host = host
-        self.rejected = 0
+        self._rejected = 0
         self.bad_requests = 0
-        self._token = token.encode() if token else None
+        if not auth and token:
+            raise ValueError("StoreServer: a token with auth=False")
+        self.auth = auth
+        minted = auth and not token
+        self.token: str | None = (mint_token() if minted else token) if auth else None
+        if issue == "default":
+            issue = "any" if minted else None
+        if issue is not None and not minted:
+            raise ValueError("StoreServer: only a minted token is handed out (token=None)")
+        self._issue: str | set[str] | None = issue if issue in (None, "any") else set(issue)
+        self._issued: set[str] = set()
+        self._claims_lock = threading.Lock()
+        self._dh: tuple[int, bytes] | None = None  # made at the first hand-out
+        self._sessions = SessionKeys(self.token) if self.token else None
         self._data: dict[str, bytes] = {}
         self._waiters: dict[int, _Waiter] = {}
         self._waiters_by_key: dict[str, set[int]] = {}
@@ -148,7 +212,9 @@ class StoreServer:
             "join": self._op_join,
         }
         try:
-            self._rpc = RpcServer(self._handle, host, port, name="ringcomm-store-server")
+            self._rpc = RpcServer(
+                self._handle, host, port, name="ringcomm-store-server", sessions=self._sessions
+            )
         except RpcError as exc:
             raise RendezvousError(f"cannot serve the store on {host}:{port}: {exc}") from exc
         self.port: int = self._rpc.port
@@ -157,6 +223,32 @@ class StoreServer:
     def dropped(self) -> int:
         """Malformed messages dropped by the server (wrong frames, not msgpack, bad types)."""
         return self._rpc.dropped
+
+    @property
+    def rejected(self) -> int:
+        """Requests refused for their token (the class docstring)."""
+        return self._rejected + self._rpc.refused
+
+    @property
+    def refused(self) -> int:
+        """Signed requests refused: a wrong signature (token mismatch) or a replay."""
+        return self._rpc.refused
+
+    @property
+    def refused_from(self) -> str | None:
+        """The address the last refused request came from."""
+        return self._rpc.refused_from
+
+    def refusals(self) -> str:
+        """``""``, or a sentence saying how many processes the store turned away, for
+        error messages (a rank that waits for a peer refused for its token)."""
+        if not self.rejected:
+            return ""
+        last = f", the last from {self.refused_from}" if self.refused_from else ""
+        return (
+            f"; the store refused {self.rejected} request(s) for their token "
+            f"(token mismatch{last}): every rank must use the job's token"
+        )
 
     @property
     def num_waiters(self) -> int:
@@ -185,16 +277,19 @@ class StoreServer:
     # -- server thread -------------------------------------------------------------------
 
     def _handle(self, call: RpcCall) -> dict[str, Any] | None:
-        """The RPC handler: check the token, then run the op (None: answered later)."""
+        """The RPC handler: a first contact, or an op of a signed session (None: answered
+        later)."""
         body = call.body
-        if self._token is not None:
-            presented = body.get("token")
-            if not isinstance(presented, str) or not hmac.compare_digest(
-                presented.encode(), self._token
-            ):
-                self.rejected += 1
-                return {"status": "auth"}
         op_name = body.get("op")
+        if op_name == "hello":
+            try:
+                return self._op_hello(body)
+            except _BadRequest as exc:
+                self.bad_requests += 1
+                return {"status": "error", "message": f"bad request: {exc}"}
+        if self.auth and call.session is None:
+            self._rejected += 1
+            return {"status": "auth", "why": "no session: say hello first"}
         op = self._ops.get(op_name) if isinstance(op_name, str) else None
         try:
             if op is None:
@@ -205,6 +300,82 @@ class StoreServer:
             return {"status": "error", "message": f"bad request: {exc}"}
         except _NotAnInteger as exc:
             return {"status": "value_error", "message": str(exc)}
+
+    def _op_hello(self, body: dict[str, Any]) -> dict[str, Any]:
+        """First contact: the server's nonce and proof; the minted token, sealed, to a
+        client without one whose claim the ``issue`` policy allows."""
+        cn = body.get("cn")
+        if not isinstance(cn, bytes) or len(cn) != NONCE_BYTES:
+            raise _BadRequest("field 'cn' missing or not a nonce")
+        if self._sessions is None or self.token is None:
+            if body.get("auth"):  # the client expects a token: it will refuse us, say so here
+                self._rejected += 1
+                log.warning(
+                    "ringcomm store %s:%d: a client that uses a token contacted this store, "
+                    "which runs without one (RINGCOMM_SECURITY=none): token mismatch", self.host,
+                    self.port,
+                )  # fmt: skip
+            return {"status": "ok", "auth": "none"}
+        sn = self._sessions.server_nonce(cn)
+        reply: dict[str, Any] = {
+            "status": "ok",
+            "auth": "token",
+            "sn": sn,
+            "proof": mac(self._sessions.key(cn), b"hello", cn, sn),
+        }
+        dh = body.get("dh")
+        if dh is None:
+            return reply
+        if not isinstance(dh, bytes):
+            raise _BadRequest("field 'dh' is not bytes")
+        claim = body.get("claim")
+        claim = claim if isinstance(claim, str) else None
+        why = self._issue_refused(claim)
+        if why is not None:
+            self._rejected += 1
+            log.warning("ringcomm store %s:%d: %s", self.host, self.port, why)
+            # A claim of no group here yet may be early (its host opens it next): say so.
+            pending = isinstance(self._issue, set) and claim not in self._issued
+            return {"status": "auth", "why": why, "pending": pending}
+        if self._dh is None:
+            self._dh = dh_keypair()
+        shared = dh_shared(self._dh[0], dh)
+        if shared is None:
+            raise _BadRequest("field 'dh' is not a valid public value")
+        if isinstance(self._issue, set):
+            assert claim is not None
+            self._issued.add(claim)
+        reply["dh"] = self._dh[1]
+        reply["box"] = seal(shared, cn, sn, self.token.encode())
+        return reply
+
+    def allow_claims(self, claims: Collection[str]) -> None:
+        """Also hand the minted token to ``claims`` (once each): the members of another
+        group meeting at this store. Any thread; a server handing out to anyone or no one
+        is left as it is."""
+        with self._claims_lock:
+            if isinstance(self._issue, set):
+                self._issue = self._issue | set(claims)
+
+    def _issue_refused(self, claim: str | None) -> str | None:
+        """Why the minted token is not handed to ``claim`` (None: it is)."""
+        policy = self._issue
+        if policy is None:
+            return (
+                "a process without the token asked for it: this store hands out no token "
+                "(the job's token is RINGCOMM_TOKEN or token=)"
+            )
+        if policy == "any":
+            return None
+        assert isinstance(policy, set)
+        if claim in self._issued:
+            return (
+                f"{claim} already received the job's token: two processes claim {claim}, "
+                "or a process not of this job took its place"
+            )
+        if claim not in policy:
+            return f"{claim or 'a process'} asked for the job's token but is not a member still to join"
+        return None
 
     def _store(self, key: str, value: bytes) -> None:
         """Set ``key`` and answer the waiters it completes."""
@@ -355,7 +526,7 @@ class _Connection:
     def __init__(self, host: str, port: int, token: str | None, label: str) -> None:
         self.host = host
         self.port = port
-        self.token = token
+        self.token = token  # the job's: given, or received at first contact
         self.label = label
         self.address = f"{host}:{port}"
         try:
@@ -371,12 +542,19 @@ class _Connection:
 
 def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
     if isinstance(value, bytes):
-        return value
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    if isinstance(value, str):
-        return value.encode()
-    raise TypeError(f"store values are bytes (or str), got {type(value).__name__}")
+        data = value
+    elif isinstance(value, (bytearray, memoryview)):
+        data = bytes(value)
+    elif isinstance(value, str):
+        data = value.encode()
+    else:
+        raise TypeError(f"store values are bytes (or str), got {type(value).__name__}")
+    if len(data) > MAX_VALUE_BYTES:
+        raise ValueError(
+            f"store values are at most {MAX_VALUE_BYTES} bytes, got {len(data)} (the server "
+            "bounds every message, so that no unauthenticated sender can fill its memory)"
+        )
+    return data
 
 
 def _check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
@@ -390,9 +568,13 @@ def _check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
 class Store:
     """A client of a :class:`StoreServer`; a context manager, thread-safe.
 
-    Connects at construction: raises :class:`RendezvousError` when the server does not
-    answer within ``connect_timeout_s`` (default ``timeout_s``) and
-    :class:`AuthenticationError` when it refuses ``token``.
+    Connects at construction (a first contact, see the module docstring): raises
+    :class:`RendezvousError` when the server does not answer within ``connect_timeout_s``
+    (default ``timeout_s``) and :class:`AuthenticationError` when it refuses ``token`` (or
+    the token differs: "token mismatch"). Without a token the server may hand out its own
+    (``token`` then holds it) to this client's ``claim`` (e.g. ``"rank 3"``; see
+    :class:`StoreServer`'s ``issue``); ``auth=False``: the job runs without a token
+    (``RINGCOMM_SECURITY=none``) and so must the server.
     ``timeout_s`` is also the default deadline of every later call, except that once the
     server was reached, losing it (it closed, or its host died) makes waiting and later calls
     raise :class:`RendezvousError` at once. ``prefix`` namespaces every key as
@@ -412,21 +594,85 @@ class Store:
         prefix: str = "",
         label: str | None = None,
         connect_timeout_s: float | None = None,
+        claim: str | None = None,
+        auth: bool = True,
     ) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
             raise ValueError(f"store port must be in 1..65535, got {port!r}")
         timeout_s = _check_timeout(timeout_s)
         connect_s = timeout_s if connect_timeout_s is None else _check_timeout(connect_timeout_s)
-        self._conn = _Connection(host, port, token or None, label or "store client")
+        self._conn = _Connection(host, port, (token or None) if auth else None,
+                                 label or "store client")  # fmt: skip
         self._prefix = prefix.strip("/")
         self._timeout_s = timeout_s
         self._owner = True
         self._closed = False
         try:
-            self._request("ping", {}, connect_s, first_contact=True)
+            self._hello(connect_s, claim, auth)
         except BaseException:
             self._conn.close()
             raise
+
+    @property
+    def token(self) -> str | None:
+        """The job's token as this client uses it (given, or handed out by the server);
+        None when the job runs without one."""
+        return self._conn.token
+
+    def _hello(self, timeout_s: float, claim: str | None, auth: bool) -> None:
+        """First contact: agree on a session (and receive the token if we have none)."""
+        conn = self._conn
+        cn = os.urandom(NONCE_BYTES)
+        fields: dict[str, Any] = {"cn": cn, "auth": auth}
+        dh: tuple[int, bytes] | None = None
+        if auth and conn.token is None:
+            dh = dh_keypair()
+            fields["dh"] = dh[1]
+            if claim is not None:
+                fields["claim"] = claim
+        reply = self._request("hello", fields, timeout_s, first_contact=True)
+        where = f"{conn.label}: the store at {conn.address}"
+        if reply.get("auth") == "none":
+            if auth:
+                raise AuthenticationError(
+                    f"{where} runs without a token (RINGCOMM_SECURITY=none where it was "
+                    "started) but this process uses one: token mismatch; set the same "
+                    "RINGCOMM_SECURITY everywhere"
+                )
+            return
+        sn, proof = reply.get("sn"), reply.get("proof")
+        if not (isinstance(sn, bytes) and isinstance(proof, bytes)):
+            raise RendezvousError(f"{where} answered a malformed hello: {reply!r}")
+        if not auth:
+            raise AuthenticationError(
+                f"{where} requires the job's token but this process runs with "
+                "RINGCOMM_SECURITY=none: set the same RINGCOMM_SECURITY everywhere"
+            )
+        if dh is not None:
+            box, theirs = reply.get("box"), reply.get("dh")
+            shared = dh_shared(dh[0], theirs) if isinstance(theirs, bytes) else None
+            if shared is None or not isinstance(box, bytes):
+                raise RendezvousError(f"{where} answered a malformed hello: {reply!r}")
+            try:
+                conn.token = seal(shared, cn, sn, box).decode()
+            except UnicodeDecodeError:
+                conn.token = "\0"  # not a token: the proof below fails
+        assert conn.token is not None
+        key = session_key(job_key(conn.token, b"store"), cn, sn)
+        conn.rpc.set_session(cn, key)
+        if not hmac.compare_digest(mac(key, b"hello", cn, sn), proof):
+            # Signed with our key, so the server sees (and logs) the mismatch too.
+            try:
+                conn.rpc.call({"op": "ping"}, min(timeout_s, 2.0))
+            except RpcError:
+                pass
+            raise AuthenticationError(
+                f"{where} refused this process: token mismatch (it holds a different "
+                "token); every rank must use the job's token (token= or RINGCOMM_TOKEN)"
+                if dh is None
+                else f"{where} handed out a token that does not match its proof "
+                "(tampered with on the way?)"
+            )
 
     @property
     def prefix(self) -> str:
@@ -595,8 +841,6 @@ class Store:
         if self._closed:
             raise RendezvousError(f"{conn.label}, {what}: this store client is closed")
         body = {"op": op, **fields}
-        if conn.token is not None:
-            body["token"] = conn.token
         rpc_timeout_s = timeout_s + _WAIT_GRACE_S if wait else timeout_s
         try:
             reply = conn.rpc.call(body, rpc_timeout_s)
@@ -618,14 +862,21 @@ class Store:
                 f"{conn.label}, {what}: lost the connection to the store at {conn.address} "
                 "(its host closed or died)"
             ) from exc
+        except RpcAuthError as exc:
+            raise AuthenticationError(
+                f"{conn.label}, {what}: the store at {conn.address} refused this process "
+                f"({exc}); every rank must use the job's token (token= or RINGCOMM_TOKEN)"
+            ) from exc
         except RpcRemoteError as exc:
             raise RendezvousError(f"{conn.label}, {what}: {exc}") from exc
         status = reply.get("status")
         if status in ("ok", "not_yet"):
             return reply
         if status == "auth":
-            given = "no token was given" if conn.token is None else "the token is wrong"
-            raise AuthenticationError(
+            why = reply.get("why")
+            given = why if isinstance(why, str) else "no token was given"
+            cls = ClaimPendingError if reply.get("pending") is True else AuthenticationError
+            raise cls(
                 f"{conn.label}, {what}: the store at {conn.address} refused this process "
                 f"({given}); every rank must use the job's token (token= or RINGCOMM_TOKEN)"
             )

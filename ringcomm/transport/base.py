@@ -105,6 +105,8 @@ class Transport(Protocol):
     sent_bytes: int
     sent_messages: int
     auth_failures: int
+    #: Peers whose receive socket refused this rank's login (a token mismatch).
+    refused_by: set[int]
 
     # Counters of the same-host paths (0 where the transport has none).
     @property
@@ -140,6 +142,11 @@ class Transport(Protocol):
 
     def poll(self, timeout_s: float, spin_s: float = 0.0) -> bool:
         """Wait up to ``timeout_s`` for an incoming message (or a wake-up)."""
+
+    def control_waiting(self) -> bool:
+        """A cheap look: False when no message that travels outside the same-host lane (a
+        control message among them) can be waiting; True when one may be."""
+        ...
 
     def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
         """The next message's header frame and whether a payload frame follows; None

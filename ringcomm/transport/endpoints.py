@@ -4,12 +4,21 @@ Each rank binds one receive socket on an ``ipc://`` path (peers on the same host
 ``tcp://`` address (peers elsewhere). A peer is reached over ipc:// when it reports the
 same host identity, else over tcp://; ``RINGCOMM_TRANSPORT=tcp|ipc|auto`` overrides
 (parsed in :mod:`ringcomm.config`, handed to :func:`choose_endpoint` as ``mode``).
+
+Socket files (the ipc:// sockets, the same-host lane's) live in a folder of this process
+inside one folder per user (:func:`private_dir`: ``<tmp>/ringcomm-<uid>/<pid>-<start
+time>``, both mode 0700, so no other user reaches them). A process that ends normally
+removes its folder; one killed (SIGKILL) cannot, so the next process of the same user
+removes every folder whose process is gone before it makes its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
+import stat
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -24,7 +33,12 @@ __all__ = [
     "host_identity",
     "ipc_path",
     "local_address_towards",
+    "private_dir",
+    "release_private_dir",
+    "remove_stale_dirs",
 ]
+
+_private: list[tuple[int, str]] = []  # (pid, this process's folder), once made
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,9 @@ class EndpointInfo:
     shm: bool = False
     #: Takes part in shared workspaces (transport/workspace.py) with same-host peers.
     workspace: bool = False
+    #: The salt its peers bind their data-plane logins to (session.py), hex; None: no
+    #: PLAIN logins (curve, or no token).
+    salt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +72,7 @@ class EndpointInfo:
             "lane": self.lane,
             "shm": self.shm,
             "workspace": self.workspace,
+            "salt": self.salt,
         }
 
     @classmethod
@@ -69,6 +87,7 @@ class EndpointInfo:
             lane=d.get("lane"),
             shm=bool(d.get("shm", False)),
             workspace=bool(d.get("workspace", False)),
+            salt=d.get("salt"),
         )
 
 
@@ -100,12 +119,83 @@ def local_address_towards(addr: str, port: int = 9) -> str:
 
 
 def ipc_path(rank: int) -> str:
-    """A fresh, short socket path (AF_UNIX paths are limited to ~107 bytes)."""
-    base = tempfile.gettempdir()
-    path = os.path.join(base, f"ringcomm-{os.getuid()}-{uuid.uuid4().hex[:12]}-r{rank}.sock")
-    if len(path) > 100:
-        path = f"/tmp/rc-{uuid.uuid4().hex[:12]}-r{rank}.sock"
+    """A fresh, short socket path in :func:`private_dir` (AF_UNIX paths are limited to
+    ~107 bytes)."""
+    return os.path.join(private_dir(), f"{uuid.uuid4().hex[:8]}-r{rank}.sock")
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _user_dir() -> str | None:
+    """``<tmp>/ringcomm-<uid>``, mode 0700 and ours (made if missing); None if it cannot be
+    trusted (another owner, a link, other modes) or made, or its paths would be too long."""
+    uid = os.getuid()
+    for base in (tempfile.gettempdir(), "/tmp"):
+        path = os.path.join(base, f"ringcomm-{uid}")
+        if len(path) > 60:
+            continue
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) == 0o700:
+            return path
+    return None
+
+
+def remove_stale_dirs(user_dir: str) -> int:
+    """Remove the folders in ``user_dir`` whose process is gone (killed before it could);
+    returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(user_dir)
+    except OSError:
+        return 0
+    for name in names:
+        pid, dash, start = name.partition("-")
+        if not dash or not pid.isdigit():
+            continue
+        if _start_time(int(pid)) == start:
+            continue  # its process is alive
+        shutil.rmtree(os.path.join(user_dir, name), ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def private_dir() -> str:
+    """This process's folder for socket files (module docstring): made at the first call,
+    after the stale folders of the user's ended processes are removed."""
+    pid = os.getpid()
+    if _private and _private[0][0] == pid and os.path.isdir(_private[0][1]):
+        return _private[0][1]
+    _private.clear()
+    user_dir = _user_dir()
+    if user_dir is None:  # no trusted per-user folder: one of our own, as before
+        path = tempfile.mkdtemp(prefix="ringcomm-", dir="/tmp")
+    else:
+        remove_stale_dirs(user_dir)
+        path = os.path.join(user_dir, f"{pid}-{_start_time(pid) or 0}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    _private.append((pid, path))
     return path
+
+
+def release_private_dir() -> None:
+    """Remove this process's folder if nothing is left in it (its transports closed)."""
+    if _private and _private[0][0] == os.getpid():
+        with contextlib.suppress(OSError):
+            os.rmdir(_private[0][1])
 
 
 def choose_endpoint(me: EndpointInfo, peer: EndpointInfo, mode: str = "auto") -> str:

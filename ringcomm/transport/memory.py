@@ -319,6 +319,7 @@ class MemoryTransport:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.security: str | None = None
         self.auth_failures = 0
+        self.refused_by: set[int] = set()
         self.sent_bytes = 0
         self.sent_messages = 0
         self._inbox = hub._inbox(rank)
@@ -385,6 +386,10 @@ class MemoryTransport:
                 inbox.cv.wait_for(lambda: inbox.ready or inbox.woken, timeout_s)
             inbox.woken = False
             return inbox.ready > 0
+
+    def control_waiting(self) -> bool:
+        """Always True here: the in-memory transport has no cheaper look than a take."""
+        return True
 
     def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
         """The next message's first frame and whether a payload frame follows (take it

@@ -2,9 +2,20 @@
 
 Used by the rendezvous store. Frames on the wire (the ROUTER adds/strips the identity)::
 
-    request  [identity, msgpack {"id": int, "body": map}]
-    reply    [identity, msgpack {"id": int, "body": map}]      handled
-             [identity, msgpack {"id": int, "error": str}]     the handler raised
+    request  [identity, head, msgpack {"id": int, "body": map}]
+    reply    [identity, head, msgpack {"id": int, "body": map}]      handled
+             [identity, head, msgpack {"id": int, "error": str}]     the handler raised
+             [identity, b"", msgpack {"id": int, "refused": str}]    authentication failed
+
+Sessions (session.py): a request's ``head`` is empty (no session: a first contact, at most
+``HELLO_MAX_BYTES``, or any request to a server without sessions) or ``cn | id | HMAC`` (the
+session's client nonce, the request id as 8 bytes, the HMAC of both and the payload under
+the session key). The server checks the HMAC and that ids increase within a session before
+it decodes anything, and answers a failure with ``refused`` (:class:`RpcAuthError`); the
+reply to a signed request carries the HMAC of its id and payload, which the client checks.
+So neither the token nor anything replayed gets a request through, and nothing larger than
+a first contact is decoded before it is authenticated; ``max_message_bytes`` bounds what
+libzmq buffers for any one message.
 
 Server (:class:`RpcServer`): one daemon thread owns the ROUTER socket and calls
 ``handler(call)`` for each well-formed request. The handler returns the reply body, or
@@ -39,6 +50,7 @@ with a timeout, a call that failed this way may still have been executed by the 
 from __future__ import annotations
 
 import heapq
+import hmac
 import ipaddress
 import itertools
 import logging
@@ -57,11 +69,15 @@ import zmq
 
 from ringcomm.errors import CommTimeoutError, RingcommError
 
+from .session import MAC_BYTES, NONCE_BYTES, SessionKeys, mac
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "HELLO_MAX_BYTES",
+    "RpcAuthError",
     "RpcCall",
     "RpcClient",
     "RpcClosedError",
@@ -75,8 +91,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Largest message the server accepts; a bigger one makes ZeroMQ drop that connection.
-DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+#: Largest message (frame) the server accepts; a bigger one makes ZeroMQ drop that
+#: connection as soon as its size is read (so an unauthenticated sender can make the server
+#: hold at most this much per connection).
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 10
+#: Messages libzmq reads ahead per client connection before it waits for the server thread
+#: (a bound on what a flood of refused requests can make the server hold).
+_RCVHWM = 8
+#: Largest request without a session a server with sessions decodes (a first contact).
+HELLO_MAX_BYTES = 2048
+_HEAD_BYTES = NONCE_BYTES + 8 + MAC_BYTES
 _RECV_BATCH = 256  # messages handled per wake-up before timers and the outbox get a turn
 _JOIN_TIMEOUT_S = 10.0
 _MAX_POLL_MS = 60_000  # the loop re-polls at least this often (huge deadlines overflow poll)
@@ -113,6 +137,10 @@ class RpcRemoteError(RpcError):
     """The server's handler raised; the message is its ``Type: text``."""
 
 
+class RpcAuthError(RpcError):
+    """The server refused the request's session (wrong key: another token; or replayed)."""
+
+
 @dataclass(frozen=True)
 class RpcCall:
     """One request as the server's handler sees it."""
@@ -120,6 +148,8 @@ class RpcCall:
     client_id: bytes  # the ROUTER identity of the sender
     request_id: int
     body: dict[str, Any]
+    #: The session's client nonce when the request was signed (checked), else None.
+    session: bytes | None = None
 
 
 Handler = Callable[[RpcCall], "dict[str, Any] | None"]
@@ -193,6 +223,7 @@ class RpcServer:
         context: zmq.Context[Any] | None = None,
         name: str = "ringcomm-rpc-server",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        sessions: SessionKeys | None = None,
     ) -> None:
         self.host = host
         self.name = name
@@ -200,11 +231,18 @@ class RpcServer:
         self.dropped = 0
         self.errors = 0
         self.unsent = 0
+        #: Signed requests refused (wrong HMAC: another token; or a replayed id), and the
+        #: address the last one came from.
+        self.refused = 0
+        self.refused_from: str | None = None
         self._handler = handler
+        self._sessions = sessions
+        self._session_keys: dict[bytes, bytes] = {}  # client nonce -> key (checked ones)
+        self._last_ids: dict[bytes, int] = {}  # client nonce -> highest request id seen
         self._own_ctx = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._lock = threading.Lock()
-        self._outbox: deque[tuple[bytes, bytes]] = deque()  # replies queued by other threads
+        self._outbox: deque[tuple[bytes, bytes, bytes]] = deque()  # replies of other threads
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self._closed = False
@@ -214,6 +252,7 @@ class RpcServer:
             # A server that is shutting down answers nothing more: drop unsent replies.
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            self._sock.setsockopt(zmq.RCVHWM, _RCVHWM)
             bind_host = _bind_host(host)
             if _is_ipv6(bind_host):
                 self._sock.setsockopt(zmq.IPV6, 1)
@@ -248,7 +287,8 @@ class RpcServer:
 
     def reply(self, call: RpcCall, body: dict[str, Any]) -> None:
         """Answer ``call`` (deferred or not) with ``body``. Callable from any thread."""
-        self._send_or_queue(call.client_id, self._pack_reply(call, body))
+        payload = self._pack_reply(call, body)
+        self._send_or_queue(call.client_id, self._reply_head(call, payload), payload)
 
     def call_later(self, delay_s: float, callback: Callable[[], None]) -> None:
         """Run ``callback()`` on the server thread ``delay_s`` seconds from now."""
@@ -286,21 +326,21 @@ class RpcServer:
 
     # -- server thread -------------------------------------------------------------------
 
-    def _send_or_queue(self, client_id: bytes, payload: bytes) -> None:
+    def _send_or_queue(self, client_id: bytes, head: bytes, payload: bytes) -> None:
         if self._on_server_thread():
-            self._send(client_id, payload)
+            self._send(client_id, head, payload)
             return
         with self._lock:
             if self._closed:
                 return
-            self._outbox.append((client_id, payload))
+            self._outbox.append((client_id, head, payload))
         _poke(self._wake_w)
 
-    def _send(self, client_id: bytes, payload: bytes) -> None:
+    def _send(self, client_id: bytes, head: bytes, payload: bytes) -> None:
         try:
             # NOBLOCK: a slow or vanished client never stalls the server; ROUTER drops
             # messages to unknown identities itself.
-            self._sock.send_multipart([client_id, payload], zmq.NOBLOCK)
+            self._sock.send_multipart([client_id, head, payload], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self.unsent += 1
             log.debug("%s: reply not sent: %s", self.name, exc)
@@ -330,8 +370,8 @@ class RpcServer:
             with self._lock:
                 if not self._outbox:
                     return
-                client_id, payload = self._outbox.popleft()
-            self._send(client_id, payload)
+                client_id, head, payload = self._outbox.popleft()
+            self._send(client_id, head, payload)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -364,15 +404,14 @@ class RpcServer:
     def _receive_batch(self) -> None:
         for _ in range(_RECV_BATCH):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._dispatch(frames)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
         call = self._decode(frames)
         if call is None:
-            self.dropped += 1
             return
         self.served += 1
         try:
@@ -381,10 +420,30 @@ class RpcServer:
             self.errors += 1
             log.exception("%s: handler failed on request %d", self.name, call.request_id)
             error = f"{type(exc).__name__}: {exc}"
-            self._send(call.client_id, msgpack.packb({"id": call.request_id, "error": error}))
+            payload = bytes(msgpack.packb({"id": call.request_id, "error": error}))
+            self._send(call.client_id, self._reply_head(call, payload), payload)
             return
         if body is not None:
-            self._send(call.client_id, self._pack_reply(call, body))
+            payload = self._pack_reply(call, body)
+            self._send(call.client_id, self._reply_head(call, payload), payload)
+
+    def _reply_head(self, call: RpcCall, payload: bytes) -> bytes:
+        """The HMAC a signed request's reply carries (empty for an unsigned one)."""
+        if call.session is None:
+            return b""
+        key = self._session_keys[call.session]
+        return mac(key, b"reply", call.request_id.to_bytes(8, "little"), payload)
+
+    def _refuse(self, frames: list[zmq.Frame], request_id: int, why: str) -> None:
+        """Answer a signed request whose check failed with ``refused`` (unsigned: the
+        client cannot tell it from a forgery, so it only ever fails a call)."""
+        self.refused += 1
+        try:
+            self.refused_from = str(frames[-1].get("Peer-Address"))
+        except (zmq.ZMQError, AttributeError):
+            self.refused_from = None
+        payload = bytes(msgpack.packb({"id": request_id, "refused": why}))
+        self._send(frames[0].bytes, b"", payload)
 
     def _pack_reply(self, call: RpcCall, body: dict[str, Any]) -> bytes:
         """The reply message; an unpackable body becomes an error reply, never a crash."""
@@ -396,24 +455,52 @@ class RpcServer:
             error = f"reply cannot be packed: {type(exc).__name__}: {exc}"
             return bytes(msgpack.packb({"id": call.request_id, "error": error}))
 
-    @staticmethod
-    def _decode(frames: list[bytes]) -> RpcCall | None:
-        """The request in ``frames``, or None when they are malformed."""
-        if len(frames) != 2:
+    def _decode(self, frames: list[zmq.Frame]) -> RpcCall | None:
+        """The request in ``frames`` once checked (module docstring), or None: malformed
+        (counted in ``dropped``) or refused (answered, counted in ``refused``)."""
+        if len(frames) != 3:
+            self.dropped += 1
             return None
-        client_id, payload = frames
+        client_id, head, payload = frames[0].bytes, frames[1].bytes, frames[2].buffer
+        session: bytes | None = None
+        if not head:
+            if self._sessions is not None and len(payload) > HELLO_MAX_BYTES:
+                self.dropped += 1  # too large for a first contact: not even decoded
+                return None
+        elif self._sessions is None or len(head) != _HEAD_BYTES:
+            self.dropped += 1
+            return None
+        else:
+            cn, signed_id = head[:NONCE_BYTES], head[NONCE_BYTES : NONCE_BYTES + 8]
+            request_id = int.from_bytes(signed_id, "little")
+            key = self._session_keys.get(cn) or self._sessions.key(cn)
+            if not hmac.compare_digest(mac(key, b"request", signed_id, payload), head[-MAC_BYTES:]):
+                self._refuse(frames, request_id, "token mismatch")
+                return None
+            if request_id <= self._last_ids.get(cn, 0):
+                self._refuse(frames, request_id, "replayed request")
+                return None
+            self._session_keys[cn] = key
+            self._last_ids[cn] = request_id
+            session = cn
         try:
             message = msgpack.unpackb(payload, raw=False)
         except _DECODE_ERRORS:
-            return None
+            message = None
         if not isinstance(message, dict) or set(message) != {"id", "body"}:
+            self.dropped += 1
             return None
         request_id, body = message["id"], message["body"]
         if type(request_id) is not int or not isinstance(body, dict):
+            self.dropped += 1
             return None
         if not all(isinstance(key, str) for key in body):
+            self.dropped += 1
             return None
-        return RpcCall(client_id, request_id, body)
+        if session is not None and request_id != int.from_bytes(head[NONCE_BYTES : NONCE_BYTES + 8], "little"):
+            self.dropped += 1
+            return None
+        return RpcCall(client_id, request_id, body, session)
 
 
 @dataclass
@@ -423,8 +510,10 @@ class _Slot:
     event: threading.Event = field(default_factory=threading.Event)
     body: dict[str, Any] | None = None
     error: str | None = None
+    refused: str | None = None
     closed: bool = False
     lost: bool = False
+    key: bytes | None = None  # the session key its request was signed with
 
 
 class RpcClient:
@@ -449,7 +538,8 @@ class RpcClient:
         self._own_ctx = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._lock = threading.Lock()
-        self._outbox: deque[tuple[int, bytes]] = deque()
+        self._outbox: deque[tuple[int, bytes, bytes]] = deque()
+        self._session: tuple[bytes, bytes] | None = None  # (client nonce, key): set_session
         self._pending: dict[int, _Slot] = {}
         self._ids = itertools.count(1)
         self._closed = False
@@ -466,6 +556,7 @@ class RpcClient:
             self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
             self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             self._sock.setsockopt(zmq.HEARTBEAT_TTL, _HEARTBEAT_TTL_MS)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * DEFAULT_MAX_MESSAGE_BYTES)
             if "[" in endpoint:
                 self._sock.setsockopt(zmq.IPV6, 1)
             # Before connect, so the first handshake is seen.
@@ -486,26 +577,40 @@ class RpcClient:
     def _lost_message(self) -> str:
         return f"{self.name}: lost the connection to {self.endpoint} (the server closed or died)"
 
-    def call(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def set_session(self, cn: bytes, key: bytes) -> None:
+        """Sign every later call with this session (client nonce, key; session.py)."""
+        with self._lock:
+            self._session = (cn, key)
+
+    def call(self, body: dict[str, Any], timeout_s: float, *, sign: bool = True) -> dict[str, Any]:
         """Send ``body``, return the reply body.
 
-        Raises :class:`RpcTimeoutError` when no reply arrives within ``timeout_s``,
-        :class:`RpcRemoteError` when the server's handler raised, :class:`RpcClosedError`
-        when the client is closed, :class:`RpcConnectionLost` at once when the connection
-        to the server dropped (while waiting, or before the call while it is still down).
+        Signed with the session when there is one and ``sign``. Raises
+        :class:`RpcTimeoutError` when no reply arrives within ``timeout_s``,
+        :class:`RpcRemoteError` when the server's handler raised, :class:`RpcAuthError`
+        when it refused the session, :class:`RpcClosedError` when the client is closed,
+        :class:`RpcConnectionLost` at once when the connection to the server dropped
+        (while waiting, or before the call while it is still down).
         """
         if not (timeout_s >= 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
-        request_id = next(self._ids)
-        payload = msgpack.packb({"id": request_id, "body": body})
         slot = _Slot()
         with self._lock:
             if self._closed:
                 raise RpcClosedError(f"{self.name}: call on a closed client ({self.endpoint})")
             if self._ever_up and not self._up:
                 raise RpcConnectionLost(self._lost_message())
+            # Ids are taken in queue order, so they increase on the wire (the server
+            # refuses a signed id that does not: a replay).
+            request_id = next(self._ids)
+            payload = bytes(msgpack.packb({"id": request_id, "body": body}))
+            head = b""
+            if sign and self._session is not None:
+                cn, slot.key = self._session
+                signed_id = request_id.to_bytes(8, "little")
+                head = cn + signed_id + mac(slot.key, b"request", signed_id, payload)
             self._pending[request_id] = slot
-            self._outbox.append((request_id, payload))
+            self._outbox.append((request_id, head, payload))
         _poke(self._wake_w)
         slot.event.wait(min(timeout_s, threading.TIMEOUT_MAX))
         with self._lock:
@@ -521,6 +626,8 @@ class RpcClient:
             raise RpcClosedError(f"{self.name}: client closed while waiting ({self.endpoint})")
         if slot.lost:
             raise RpcConnectionLost(self._lost_message())
+        if slot.refused is not None:
+            raise RpcAuthError(f"{self.endpoint}: the server refused this request ({slot.refused})")
         if slot.error is not None:
             raise RpcRemoteError(f"{self.endpoint}: server error: {slot.error}")
         assert slot.body is not None
@@ -648,9 +755,9 @@ class RpcClient:
             with self._lock:
                 if not self._outbox:
                     return False
-                _, payload = self._outbox[0]
+                _, head, payload = self._outbox[0]
                 try:
-                    self._sock.send(payload, zmq.NOBLOCK)
+                    self._sock.send_multipart([head, payload], zmq.NOBLOCK)
                 except zmq.Again:
                     return True
                 self._outbox.popleft()
@@ -658,23 +765,35 @@ class RpcClient:
     def _receive_all(self) -> None:
         while True:
             try:
-                payload = self._sock.recv(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                message = msgpack.unpackb(payload, raw=False)
-            except _DECODE_ERRORS:
-                message = None
+            message: Any = None
+            if len(frames) == 2:
+                try:
+                    message = msgpack.unpackb(frames[1], raw=False)
+                except _DECODE_ERRORS:
+                    message = None
             request_id = message.get("id") if isinstance(message, dict) else None
             if type(request_id) is not int:
                 self.stale += 1  # not a reply we can read: nobody to give it to
                 continue
             with self._lock:
-                slot = self._pending.pop(request_id, None)
+                slot = self._pending.get(request_id)
+                if slot is not None and slot.key is not None and not hmac.compare_digest(
+                    frames[0], mac(slot.key, b"reply", request_id.to_bytes(8, "little"), frames[1])
+                ):
+                    # Not from the server of our session: only its refusal (which anyone
+                    # could forge, and which only fails the call) is taken unsigned.
+                    slot = slot if isinstance(message.get("refused"), str) else None
+                if slot is not None:
+                    del self._pending[request_id]
             if slot is None:
-                self.stale += 1  # its caller timed out already
+                self.stale += 1  # its caller timed out already, or a forgery
                 continue
-            if isinstance(message.get("error"), str):
+            if isinstance(message.get("refused"), str):
+                slot.refused = message["refused"]
+            elif isinstance(message.get("error"), str):
                 slot.error = message["error"]
             elif isinstance(message.get("body"), dict):
                 slot.body = message["body"]

@@ -26,8 +26,9 @@ message goes over zmq instead, as do the later messages of that stream (the orde
 above), so a sender never blocks; a burst past the queue simply overflows to zmq. A peer
 whose socket is gone (it closed, or died) leaves the lane for good (``fallbacks``).
 
-Who can write here: the socket lives in a fresh directory only this user can enter
-(mode 0700), at a random path that peers learn only from the token-authenticated
+Who can write here: the socket lives in this process's folder, which only this user can
+enter (endpoints.private_dir: mode 0700; a killed process's folder is removed by the
+user's next process), at a random path that peers learn only from the token-authenticated
 rendezvous store; malformed datagrams are dropped and counted above, like zmq frames.
 Jobs that ask for encryption (``RINGCOMM_SECURITY=curve``) do not use the lane.
 """
@@ -43,6 +44,7 @@ import tempfile
 from typing import Any
 
 from .base import LANE_MAX_PAYLOAD_BYTES
+from .endpoints import private_dir
 
 __all__ = ["LANE_MAX_PAYLOAD_BYTES", "LANE_RECV_BYTES", "PARTS_TAG", "UnixLane"]
 
@@ -61,7 +63,7 @@ class UnixLane:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._dir = tempfile.mkdtemp(prefix=f"ringcomm-lane-{os.getuid()}-")  # mode 0700
+        self._dir = tempfile.mkdtemp(prefix="lane-", dir=private_dir())  # mode 0700
         path = os.path.join(self._dir, f"r{rank}")
         if len(path) > 100:  # AF_UNIX paths are limited to ~107 bytes
             shutil.rmtree(self._dir, ignore_errors=True)

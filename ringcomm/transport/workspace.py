@@ -5,13 +5,14 @@ rank can read every other rank's data. Layout of the segment (an anonymous ``mem
 created by the group's rank 0 and opened by the others through ``/proc/<pid>/fd/<fd>``;
 nothing in /dev/shm, nothing left behind when the ranks end, whichever dies first)::
 
-    [ control: one 256-byte line per rank ][ bell: one page ][ slots: rank 0 buffer 0,
+    [ control: one 448-byte line per rank ][ bell: one page ][ slots: rank 0 buffer 0,
       rank 0 buffer 1, rank 1 buffer 0, ... each SLOT_BYTES ]
 
 A rank's control line holds its *arrival count* (how many synchronisations it has
-reached), whether it sleeps, and the fingerprint of the call it is in (sequence number,
-collective, dtype, count, root, op, where a symmetric buffer sits): only its owner writes
-it. A synchronisation ``k`` is complete when every rank's arrival count is at least ``k``.
+reached), whether it sleeps, the first collective it failed (:meth:`Workspace.mark_failed`:
+a peer that completes that collective or a later one fails it too, :meth:`failed_peer`), and
+the fingerprint of the call it is in (sequence number, collective, dtype, count, root, op,
+where a symmetric buffer sits): only its owner writes it. A synchronisation ``k`` is complete when every rank's arrival count is at least ``k``.
 Each rank has two buffers, used by rounds alternately: writing buffer ``b`` in round ``r``
 is safe once synchronisation ``r-1`` is complete, because every rank has then finished
 reading what round ``r-2`` left in it.
@@ -48,6 +49,7 @@ import numpy as np
 
 __all__ = [
     "AVAILABLE",
+    "FAILED",
     "LINE_WORDS",
     "SLOT_BYTES",
     "Window",
@@ -68,14 +70,15 @@ SLOT_BYTES = 4 << 20
 #: Measured, all_reduce W=2: 1 MiB rounds 1.5-2x the busbw of 4 MiB ones from 4 MiB up
 #: (the round's data stays in cache between copy-in, reduction and copy-out).
 ROUND_BYTES = 1 << 20
-#: A rank's control line: 48 words of 8 bytes (whole cache lines, no false sharing).
-LINE_WORDS = 48
+#: A rank's control line: 56 words of 8 bytes (whole cache lines, no false sharing).
+LINE_WORDS = 56
 _LINE_BYTES = LINE_WORDS * 8
 _BELL_BYTES = 4096
 # Words of a control line.
 ARRIVE = 0  # synchronisations reached
 SLEEP = 1  # the synchronisation it sleeps waiting for (0: awake)
-FP = 2  # first fingerprint word (the collectives' module fills FP..LINE_WORDS-1)
+FAILED = 2  # the sequence number of the first collective it failed (0: none)
+FP = 3  # first fingerprint word (the collectives' module fills FP..LINE_WORDS-1)
 #: How long a waiter looks at the counts before it sleeps (yielding the core between
 #: looks when ranks outnumber cores). Measured (benchmarks/results/workspace.md): 50 us
 #: made large calls sleep between rounds and pay a futex wake each time; 1 ms did not
@@ -204,9 +207,14 @@ class Workspace:
         self.words = memoryview(self._map)[: n * _LINE_BYTES].cast("Q")
         self._arrive_at = [r * LINE_WORDS + ARRIVE for r in range(n)]
         self._sleep_at = [r * LINE_WORDS + SLEEP for r in range(n)]
+        self._failed_at = [r * LINE_WORDS + FAILED for r in range(n)]
         self._mine = rank * LINE_WORDS
         self._bell = np.frombuffer(self._map, np.uint32, 1, n * _LINE_BYTES)
         self._bell_addr = self._bell.ctypes.data
+        # In the bell's page, a cache line of its own: nonzero once any rank marked a
+        # failure (mark_failed), so the check after a sync reads one word while all is well.
+        flag_at = n * _LINE_BYTES + 64
+        self._any_failed = memoryview(self._map)[flag_at : flag_at + 8].cast("Q")
         head = size - n * 2 * slot_bytes
         #: buffers[rank][b]: rank's buffer b (uint8 views of the segment).
         self.buffers = [
@@ -245,6 +253,28 @@ class Workspace:
             if words[i] < k:
                 return False
         return True
+
+    # -- one outcome per collective -------------------------------------------------------
+    def mark_failed(self, seq: int) -> None:
+        """This rank failed the group's collective ``seq`` (the first mark stays: the group
+        is failed here from then on). Any algorithm on the workspace calls it when a call
+        fails, and :meth:`failed_peer` before it completes one."""
+        at = self._mine + FAILED
+        if not self.words[at] and seq > 0:
+            self.words[at] = seq
+            self._any_failed[0] = 1  # after the mark (TSO: seen in that order)
+
+    def failed_peer(self, seq: int) -> tuple[int, int] | None:
+        """``(rank, its failed seq)`` of a rank that failed collective ``seq`` or an
+        earlier one, or None (a few loads: cheap enough after every synchronisation)."""
+        if not self._any_failed[0]:
+            return None
+        words = self.words
+        for r, i in enumerate(self._failed_at):
+            v = words[i]
+            if v and v <= seq:
+                return r, int(v)
+        return None
 
     def late(self, k: int) -> list[int]:
         """The ranks that have not reached synchronisation ``k``."""

@@ -15,16 +15,18 @@ peer that dies (its kernel closes its sockets) or goes silent (no heartbeat answ
 up as a ``DISCONNECTED`` event on our socket towards it; :meth:`poll_events` hands those
 to the engine, which looks at them every few tens of milliseconds, not per message.
 
-Authentication (a job token): the receive socket is a ZMTP server and every send socket
-presents a credential derived from the token (HMAC-SHA256 of a fixed label, so the token
-itself never travels). A ZAP handler (pyzmq's authenticator thread, which wakes only for
-connection handshakes) admits a connection only with that credential; frames on a refused
-connection never reach the socket, and refusals are counted (``auth_failures``). Two
-mechanisms, chosen by ``security`` (see benchmarks/results/README.md, "data-plane
-authentication", for the measured cost): ``"handshake"`` (ZMTP PLAIN carrying the derived
-credential: one check per connection, nothing per message; the credential can be replayed
-by someone who can sniff the network, never the token) and ``"curve"`` (CurveZMQ with key
-pairs derived from the token: authenticated and encrypted, every byte through libsodium).
+Authentication (a job token; session.py): the receive socket is a ZMTP server whose
+connections a ZAP handler (zap.py: a thread that wakes only for connection handshakes)
+admits or refuses before any of their frames reaches the socket; refusals are counted
+(``auth_failures``) and logged once per address. Two mechanisms, chosen by ``security``:
+``"handshake"`` (ZMTP PLAIN carrying a login made for this connection: a fresh nonce and
+an HMAC over it and the receiver's salt, admitted once, so a login seen on the network
+cannot be replayed; one check per connection, nothing per message) and ``"curve"``
+(CurveZMQ with key pairs derived from the token: authenticated and encrypted, every byte
+through libsodium). No token (``"none"``, ``RINGCOMM_SECURITY=none``): anyone who reaches
+the socket is admitted. Before authentication nothing large is held: a frame may not
+exceed ``max_message_bytes`` (the largest piece plus a header: a bigger size closes the
+connection as soon as it is read), and a connection has ``handshake_s`` to authenticate.
 
 Peers on the same host get two more paths (both optional, both keeping this socket's
 message order): collective messages with payloads below 64 KiB as AF_UNIX datagrams
@@ -45,6 +47,7 @@ import hashlib
 import hmac
 import math
 import os
+import resource
 import struct
 import time
 from collections.abc import Collection
@@ -64,10 +67,12 @@ from .base import (
     Completion,
     Stream,
 )
-from .endpoints import ipc_path
+from .endpoints import ipc_path, release_private_dir
+from .session import LoginCheck, job_key, plain_login
 from .shm_lane import ShmSegments
 from .unix_lane import UnixLane
 from .wire import inline_frame
+from .zap import ZapHandler
 
 __all__ = [
     "EVENT_DISCONNECTED",
@@ -80,10 +85,13 @@ __all__ = [
     "tracker_wait",
 ]
 
-#: Data-plane authentication mechanisms when the job has a token (module docstring).
-SECURITY_MODES = ("handshake", "curve")
+#: Data-plane authentication mechanisms (module docstring); "none" only without a token.
+SECURITY_MODES = ("none", "handshake", "curve")
 _ZAP_DOMAIN = "ringcomm"
-_PLAIN_USER = "ringcomm"
+#: How long a connection has to authenticate (libzmq's default is 30 s).
+HANDSHAKE_S = 3.0
+#: The default bound on one incoming frame (the group passes its largest piece + slack).
+DEFAULT_MAX_MESSAGE_BYTES = (8 << 20) + (64 << 10)
 #: Most events read off one monitor socket per look (the rest wait for the next look).
 _MAX_EVENTS_PER_LOOK = 256
 # Connection events :meth:`ZmqTransport.poll_events` reports (transport/base.py's values).
@@ -94,7 +102,8 @@ _EVENTS_AUTH_FAILED = (
     int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL),
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL),
 )
-_TX_EVENTS = EVENT_DISCONNECTED | EVENT_HANDSHAKE_OK | int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_TX_AUTH_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_TX_EVENTS = EVENT_DISCONNECTED | EVENT_HANDSHAKE_OK | _TX_AUTH_FAILED
 _RX_EVENTS = 0
 for _e in _EVENTS_AUTH_FAILED:
     _RX_EVENTS |= _e
@@ -103,9 +112,10 @@ for _e in _EVENTS_AUTH_FAILED:
 def data_plane_credentials(token: str) -> dict[str, bytes]:
     """What a token turns into on the data plane (pure; the token itself never travels).
 
-    ``password``: the PLAIN credential; ``server_secret``/``server_public`` and
-    ``client_secret``/``client_public``: CurveZMQ key pairs (Z85), all derived with
-    HMAC-SHA256 under fixed labels, so every rank of a job derives the same ones.
+    ``plain_key``: the key of the per-connection PLAIN logins (session.py);
+    ``server_secret``/``server_public`` and ``client_secret``/``client_public``: CurveZMQ
+    key pairs (Z85), all derived with HMAC-SHA256 under fixed labels, so every rank of a
+    job derives the same ones.
     """
     key = token.encode()
 
@@ -115,7 +125,7 @@ def data_plane_credentials(token: str) -> dict[str, bytes]:
     server_secret = z85.encode(derive(b"curve server"))
     client_secret = z85.encode(derive(b"curve client"))
     return {
-        "password": derive(b"plain").hex().encode(),
+        "plain_key": job_key(token, b"plain"),
         "server_secret": server_secret,
         "server_public": zmq.curve_public(server_secret),
         "client_secret": client_secret,
@@ -123,16 +133,16 @@ def data_plane_credentials(token: str) -> dict[str, bytes]:
     }
 
 
-class _CurveKeyCheck:
-    """ZAP credentials provider: admit exactly the job's derived client key."""
-
-    def __init__(self, public_z85: bytes) -> None:
-        self._public = public_z85
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """``key``: the client's public key, Z85 (as pyzmq's authenticator passes it)."""
-        return hmac.compare_digest(key, self._public)
-
+def _raise_fd_limit() -> None:
+    """Raise this process's open-file limit to its hard limit: connections that never
+    authenticate are closed after :data:`HANDSHAKE_S`, and meanwhile must not take the
+    descriptors the application needs."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        pass
 
 
 Tracker = zmq.MessageTracker
@@ -169,23 +179,37 @@ class ZmqTransport:
         rcv_hwm: int = 0,
         lane: bool = False,
         shm: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         if security not in SECURITY_MODES:
             raise ValueError(f"security must be one of {SECURITY_MODES}, got {security!r}")
         self.rank = rank
         self.linger_s = linger_s
-        self.security = security if token else None
+        #: "handshake" or "curve" with a token; None without one (anyone is admitted).
+        self.security = security if token and security != "none" else None
         self.heartbeat_ivl_s = heartbeat_ivl_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         # One I/O thread: a rank's traffic is one socket in and a few out, and on small
         # hosts extra I/O threads only compete with the ranks for cores.
         self._ctx = zmq.Context(io_threads=1)
         self._closed = False
-        self._auth: Any = None
-        self._creds = data_plane_credentials(token) if token else None
+        self._auth: ZapHandler | None = None
+        self._creds = data_plane_credentials(token) if token and self.security else None
+        self._login: LoginCheck | None = None
+        #: Published with the endpoints: peers bind their logins to it (session.py).
+        self.auth_salt: str | None = None
+        self._peer_salts: dict[int, bytes] = {}
         self.auth_failures = 0
+        #: Peers that refused our login (their handshake failed: a token mismatch).
+        self.refused_by: set[int] = set()
         self._monitors: dict[int, zmq.Socket[Any]] = {}  # peer -> monitor of our socket to it
+        _raise_fd_limit()
         self._rx = self._ctx.socket(zmq.PULL)
+        # Nothing large before authentication: a frame above the largest piece closes its
+        # connection when its size is read, and a handshake gets a few seconds.
+        self._rx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._rx.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_s * 1000)))
         if self._creds is not None:
             self._start_authenticator()
         self._rx_monitor = self._rx.get_monitor_socket(_RX_EVENTS)
@@ -243,26 +267,40 @@ class ZmqTransport:
 
     def _start_authenticator(self) -> None:
         """Make ``_rx`` a ZMTP server whose connections a ZAP handler checks."""
-        from zmq.auth.thread import ThreadAuthenticator  # only jobs with a token need it
-
         creds = self._creds
         assert creds is not None
-        auth = ThreadAuthenticator(self._ctx, log=_QuietLog())
-        auth.start()
-        self._auth = auth
         rx = self._rx
         rx.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN.encode())
         if self.security == "curve":
-            auth.configure_curve_callback(_ZAP_DOMAIN, _CurveKeyCheck(creds["client_public"]))
             rx.setsockopt(zmq.CURVE_SERVER, 1)
             rx.setsockopt(zmq.CURVE_SECRETKEY, creds["server_secret"])
         else:
-            auth.configure_plain(_ZAP_DOMAIN, {_PLAIN_USER: creds["password"].decode()})
+            self._login = LoginCheck(creds["plain_key"])
+            self.auth_salt = self._login.salt.hex()
             rx.setsockopt(zmq.PLAIN_SERVER, 1)
+        what = f"rank {self.rank}: refused a data connection"
+        self._auth = ZapHandler(self._ctx, self._admit, what)
+
+    def _admit(self, mechanism: bytes, address: str, credentials: list[bytes]) -> bytes | None:
+        """The ZAP check (on the handler's thread): a user id, or None to refuse."""
+        creds = self._creds
+        assert creds is not None
+        if self.security == "curve":
+            if mechanism != b"CURVE" or len(credentials) != 1:
+                return None
+            ok = hmac.compare_digest(z85.encode(credentials[0]), creds["client_public"])
+            return b"job" if ok else None
+        if mechanism != b"PLAIN" or len(credentials) != 2 or self._login is None:
+            return None
+        src = self._login.check(credentials[0], credentials[1])
+        return None if src is None else b"r%d" % src
 
     # -- peers -------------------------------------------------------------------------
-    def set_peer_endpoint(self, peer: int, endpoint: str) -> None:
+    def set_peer_endpoint(self, peer: int, endpoint: str, salt: str | None = None) -> None:
+        """Where ``peer`` listens, and the salt it published (its logins are bound to it)."""
         self._peer_endpoints[peer] = endpoint
+        if salt is not None:
+            self._peer_salts[peer] = bytes.fromhex(salt)
 
     def set_peer_lane(self, peer: int, path: str) -> bool:
         """Send lane-safe one-frame messages to ``peer`` through its lane socket
@@ -364,10 +402,14 @@ class ZmqTransport:
                 break
             if event in _EVENTS_AUTH_FAILED:
                 self.auth_failures += 1
+        for peer, event in found:
+            if event == _TX_AUTH_FAILED:
+                self.refused_by.add(peer)
         return found
 
-    def _configure_tx(self, sock: zmq.Socket[Any]) -> None:
-        """Options of a send socket to a peer: queueing, heartbeats, credentials."""
+    def _configure_tx(self, sock: zmq.Socket[Any], peer: int) -> None:
+        """Options of a send socket to ``peer``: queueing, heartbeats, credentials (a
+        login made for this connection)."""
         # Unlimited send queue: sends never block or fail with EAGAIN. Large payloads
         # are zero-copy references to user buffers (no memory), small ones are bounded
         # by the protocol; a bounded queue would deadlock rings where all ranks send
@@ -387,8 +429,12 @@ class ZmqTransport:
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, creds["client_public"])
                 sock.setsockopt(zmq.CURVE_SECRETKEY, creds["client_secret"])
             else:
-                sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER.encode())
-                sock.setsockopt(zmq.PLAIN_PASSWORD, creds["password"])
+                salt = self._peer_salts.get(peer)
+                if salt is None:
+                    raise RingcommError(f"rank {self.rank}: peer {peer} published no login salt")
+                username, password = plain_login(creds["plain_key"], salt, self.rank)
+                sock.setsockopt(zmq.PLAIN_USERNAME, username)
+                sock.setsockopt(zmq.PLAIN_PASSWORD, password)
 
     def _socket_to(self, peer: int) -> zmq.Socket[Any]:
         sock = self._tx.get(peer)
@@ -398,7 +444,7 @@ class ZmqTransport:
             except KeyError:
                 raise RingcommError(f"rank {self.rank}: no endpoint known for peer {peer}") from None
             sock = self._ctx.socket(zmq.PUSH)
-            self._configure_tx(sock)
+            self._configure_tx(sock, peer)
             self._monitors[peer] = sock.get_monitor_socket(_TX_EVENTS)
             sock.connect(endpoint)
             self._tx[peer] = sock
@@ -510,6 +556,11 @@ class ZmqTransport:
                 ready = True
         return ready
 
+    def control_waiting(self) -> bool:
+        """A zmq message is waiting (control messages never take the lane): one
+        ``getsockopt``, cheaper than a :meth:`recv_first` that finds nothing."""
+        return self._stash is not None or bool(cast(int, self._rx.getsockopt(_EVENTS)) & _POLLIN)
+
     def recv_first(self, ready: bool = False) -> tuple[bytes, bool] | None:
         """First frame of the next message and whether more frames follow; None if idle.
 
@@ -615,7 +666,7 @@ class ZmqTransport:
                 if endpoint is None:
                     continue
                 sock = ctx.socket(zmq.PUSH)
-                self._configure_tx(sock)
+                self._configure_tx(sock, peer)
                 sock.setsockopt(zmq.LINGER, max(0, int(timeout_s * 1000)))
                 sock.connect(endpoint)
                 try:
@@ -673,6 +724,7 @@ class ZmqTransport:
                 os.unlink(self._ipc_file)
             except OSError:
                 pass
+        release_private_dir()
 
 
 def _read_event(mon: zmq.Socket[Any]) -> int | None:
@@ -694,17 +746,3 @@ def _close_monitor(sock: zmq.Socket[Any], mon: zmq.Socket[Any] | None) -> None:
     except zmq.ZMQError:
         pass
     mon.close(linger=0)
-
-
-class _QuietLog:
-    """A logger for pyzmq's authenticator: refusals are counted, not printed."""
-
-    def debug(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    info = warning = debug
-
-    def error(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    exception = error
