@@ -20,12 +20,26 @@ calls it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ringcomm.errors import RendezvousError
 
-__all__ = ["Formations", "JoinRefusedError", "JoinRequest"]
+__all__ = ["Formations", "JoinRefusedError", "JoinRequest", "claim", "parse_claim"]
+
+_CLAIM = re.compile(r"rank (\d+) of group (\S+)")
+
+
+def claim(rank: int, ns: str) -> str:
+    """What rank ``rank`` of the group in namespace ``ns`` asks a minted token as."""
+    return f"rank {rank} of group {ns}"
+
+
+def parse_claim(text: str | None) -> tuple[int, str] | None:
+    """``(rank, ns)`` of a :func:`claim`, or None."""
+    m = _CLAIM.fullmatch(text or "")
+    return None if m is None else (int(m.group(1)), m.group(2))
 
 
 class JoinRefusedError(RendezvousError):
@@ -138,6 +152,22 @@ class Formations:
             return (f"rank {r} ({req.who}) runs {req.version}, the group was formed by "
                     f"{f.version} ({f.version_from})")  # fmt: skip
         return None
+
+    def claimed_twice(self, ns: str, rank: int, who: str, held: str) -> str | None:
+        """A second process (``who``) claimed rank ``rank``'s token in ``ns`` after
+        ``held``: fail the namespace with that if it is still forming (a formed group is
+        left alone: a stranger's claim must not end it). The error, or None."""
+        f = self._formations.get(ns)
+        if f is None:
+            f = _Formation(self._world_size or 0, self._world_from)
+            self._formations[ns] = f
+        if f.error is None and f.world_size and len(f.members) >= f.world_size:
+            return None
+        if f.error is None:
+            f.error = (f"rank {rank} joined twice: {who} says it is rank {rank}, and so did "
+                       f"{held} (every rank needs its own number; or a process not of this "
+                       "job took its place)")  # fmt: skip
+        return f.error
 
     def failure(self, keys: list[str]) -> str | None:
         """The error of a failed namespace holding one of ``keys``, or None."""

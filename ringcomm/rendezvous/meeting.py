@@ -165,10 +165,11 @@ def serve_store(
     except RendezvousError as exc:
         if port == 0 or cfg.world_size < 2:
             raise
-        try:  # (without the job's token the probe is refused: the bind error it is)
-            probe = Store(cfg.master_addr, port, token=cfg.token, timeout_s=cfg.timeout_s,
-                          connect_timeout_s=_PROBE_S, label=label,
-                          auth=cfg.security != "none")  # fmt: skip
+        try:  # (without a token, the claim of a second rank 0 fails the group there)
+            probe = connect_store(cfg, cfg.master_addr, port, label, join.ns,
+                                  connect_timeout_s=_PROBE_S)  # fmt: skip
+        except JoinRefusedError:
+            raise
         except (RendezvousError, AuthenticationError):
             raise exc from None
         with probe:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from ..config import InitConfig
 from ..transport.endpoints import EndpointInfo
 from ..transport.session import mint_token
+from .join import claim
 from .store import Store, StoreServer
 
 __all__ = [
@@ -37,11 +38,6 @@ log = logging.getLogger("ringcomm")
 
 #: Bytes a frame may hold besides its piece (header, inline payload, CURVE's box).
 FRAME_SLACK_BYTES = 64 << 10
-
-
-def claim(rank: int, ns: str) -> str:
-    """What rank ``rank`` of the group in namespace ``ns`` asks a minted token as."""
-    return f"rank {rank} of group {ns}"
 
 
 def claims(world_size: int, ns: str) -> set[str]:

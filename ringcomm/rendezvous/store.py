@@ -47,13 +47,15 @@ import logging
 import math
 import os
 import re
+import socket
 import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ringcomm.errors import AuthenticationError, CommTimeoutError, RendezvousError
-from ringcomm.rendezvous.join import Formations, JoinRefusedError, JoinRequest
+from ringcomm.rendezvous.join import Formations, JoinRefusedError, JoinRequest, parse_claim
+from ringcomm.rendezvous.join import claim as claim_of
 from ringcomm.transport.rpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RpcAuthError,
@@ -189,7 +191,9 @@ class StoreServer:
         if issue is not None and not minted:
             raise ValueError("StoreServer: only a minted token is handed out (token=None)")
         self._issue: str | set[str] | None = issue if issue in (None, "any") else set(issue)
-        self._issued: set[str] = set()
+        self._issued: dict[str, str] = {}  # claim -> who received it
+        # A store a rank hosts for its groups (gated): that process, rank 0 of each.
+        self._host = f"pid {os.getpid()} on {socket.gethostname()}" if gated else None
         self._claims_lock = threading.Lock()
         self._dh: tuple[int, bytes] | None = None  # made at the first hand-out
         self._sessions = SessionKeys(self.token) if self.token else None
@@ -330,10 +334,16 @@ class StoreServer:
             raise _BadRequest("field 'dh' is not bytes")
         claim = body.get("claim")
         claim = claim if isinstance(claim, str) else None
-        why = self._issue_refused(claim)
+        who = body.get("who")
+        who = who[:200] if isinstance(who, str) else "a process"
+        why = self._issue_refused(claim, who)
         if why is not None:
             self._rejected += 1
             log.warning("ringcomm store %s:%d: %s", self.host, self.port, why)
+            member = parse_claim(claim)
+            failed = None if member is None else self._formations.failed().get(member[1])
+            if failed is not None:  # its group failed (this claim may have failed it)
+                return {"status": "refused", "message": failed}
             # A claim of no group here yet may be early (its host opens it next): say so.
             pending = isinstance(self._issue, set) and claim not in self._issued
             return {"status": "auth", "why": why, "pending": pending}
@@ -344,7 +354,7 @@ class StoreServer:
             raise _BadRequest("field 'dh' is not a valid public value")
         if isinstance(self._issue, set):
             assert claim is not None
-            self._issued.add(claim)
+            self._issued[claim] = who
         reply["dh"] = self._dh[1]
         reply["box"] = seal(shared, cn, sn, self.token.encode())
         return reply
@@ -357,8 +367,9 @@ class StoreServer:
             if isinstance(self._issue, set):
                 self._issue = self._issue | set(claims)
 
-    def _issue_refused(self, claim: str | None) -> str | None:
-        """Why the minted token is not handed to ``claim`` (None: it is)."""
+    def _issue_refused(self, claim: str | None, who: str) -> str | None:
+        """Why the minted token is not handed to ``claim`` (None: it is). A second claim
+        of a rank of a group still forming fails that group (join.py)."""
         policy = self._issue
         if policy is None:
             return (
@@ -368,12 +379,24 @@ class StoreServer:
         if policy == "any":
             return None
         assert isinstance(policy, set)
-        if claim in self._issued:
+        held = self._issued.get(claim) if claim is not None else None
+        if held is not None:
+            member = parse_claim(claim)
+            if member is not None and self._formations.claimed_twice(member[1], member[0],
+                                                                     who, held):  # fmt: skip
+                self._refuse_waiters()
             return (
-                f"{claim} already received the job's token: two processes claim {claim}, "
-                "or a process not of this job took its place"
+                f"{claim} already received the job's token ({held}); {who} claims it again: "
+                f"two processes claim {claim}, or a process not of this job took its place"
             )
         if claim not in policy:
+            member = parse_claim(claim)
+            # Rank 0 hosts this store and claims nothing: a second process says it is
+            # rank 0 (it found the port taken).
+            if (member is not None and member[0] == 0 and self._host is not None
+                    and claim_of(1, member[1]) in policy
+                    and self._formations.claimed_twice(member[1], 0, who, self._host)):  # fmt: skip
+                self._refuse_waiters()
             return f"{claim or 'a process'} asked for the job's token but is not a member still to join"
         return None
 
@@ -630,6 +653,7 @@ class Store:
             fields["dh"] = dh[1]
             if claim is not None:
                 fields["claim"] = claim
+                fields["who"] = f"pid {os.getpid()} on {socket.gethostname()}"
         reply = self._request("hello", fields, timeout_s, first_contact=True)
         where = f"{conn.label}: the store at {conn.address}"
         if reply.get("auth") == "none":

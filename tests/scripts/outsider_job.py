@@ -53,7 +53,7 @@ def main() -> None:
         )  # fmt: skip
         report["outsider"] = json.loads(out.stdout.strip().splitlines()[-1])
         if server is not None:
-            report["store_rejected"] = server.rejected
+            report["store_rejected"] = getattr(server, "server", server).rejected  # (a lease on it)
         pg.send(np.zeros(1, np.uint8), 1, tag=2)
         pg.recv(np.zeros(1, np.uint8), 1, tag=3)
         pg.send(np.array([12345, 54321], np.int64), 1, tag=9)
