@@ -107,6 +107,9 @@ class ProcessState:
         self.recorder = FlightRecorder(
             config.trace_entries, config.rank, config.trace_dir, config.trace_at_close
         )
+        #: Why the flight record was first written (a failed call, usually); the record
+        #: written when the process ends without close() keeps it in its reason.
+        self.first_dump_reason: str | None = None
 
     @property
     def job_store(self) -> Store | None:
@@ -127,6 +130,8 @@ class ProcessState:
         progress engine's operations are; the file written, or None."""
         if self.recorder.trace_dir is None:
             return None
+        if self.first_dump_reason is None:
+            self.first_dump_reason = reason
         context: dict[str, Any] = {"world_size": self.config.world_size}
         try:
             context["engine"] = self.progress.where()
@@ -138,7 +143,9 @@ class ProcessState:
     def leave(self, kind: str, why: str, budget_s: float) -> None:
         """The process ends without ``close()`` (lifecycle.py): leave within ``budget_s``."""
         if not self.closed and kind != DEPART_ERROR:  # (shutdown dumps an error's itself)
-            self.dump_trace("the process ended without close()")
+            earlier = self.first_dump_reason
+            self.dump_trace("the process ended without close()"
+                            + (f" (first written for: {earlier})" if earlier else ""))
         self.shutdown(kind, why, checkout_s=budget_s / 3, linger_s=budget_s / 3)
 
     def farewell(self, why: str) -> None:

@@ -158,7 +158,12 @@ def test_lane_mismatch_after_warmup_fails_fast(world_size: int) -> None:
             assert untouched, f"rank {rank}: buffer modified"
         assert y == [float(world_size)] * 2
         assert warm == {"done": 5}, f"rank {rank}: {warm}"
-        assert counts[rank] == {"done": 6, "handed over": 1}, f"rank {rank}: {counts[rank]}"
+        # Rank 0 (the star's root) and the odd rank out always meet the mismatch in their
+        # lane. A rank between them may not: when the root has seen the odd call and told
+        # everyone before that rank calls, the notice is waiting and its lane is not entered.
+        handed = counts[rank].pop("handed over", 0)
+        assert counts[rank] == {"done": 6}, f"rank {rank}: {counts[rank]}"
+        assert handed == 1 or (handed == 0 and 0 < rank < world_size - 1), f"rank {rank}"
 
 
 # -- the engine is needed elsewhere: not taken, or handed over ---------------------------

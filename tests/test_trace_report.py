@@ -77,12 +77,16 @@ def test_nothing_wrong_says_so() -> None:
 
 
 # -- real jobs --------------------------------------------------------------------------------
-def _straggle_by_hand(folder: Path, **extra: str) -> None:
+def _straggle_by_hand(folder: Path, *, silent: int | None = None, **extra: str) -> None:
+    """Rank 1 straggles; rank ``silent`` (if any) writes no flight record (as one hung or
+    SIGKILLed would not)."""
     port = _free_port()
     procs = []
     for r in range(3):
         env = {"RINGCOMM_RANK": str(r), "RINGCOMM_WORLD_SIZE": "3",
-               "RINGCOMM_MASTER_PORT": str(port), "RINGCOMM_TRACE_DIR": str(folder), **extra}  # fmt: skip
+               "RINGCOMM_MASTER_PORT": str(port), **extra}  # fmt: skip
+        if r != silent:
+            env["RINGCOMM_TRACE_DIR"] = str(folder)
         procs.append(subprocess.Popen([sys.executable, str(STRAGGLER), SLEEP_S, TIMEOUT_S],
                                       env=clean_env(env), stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
@@ -112,7 +116,7 @@ def test_real_straggler_that_arrives_late_and_writes_a_file(tmp_path: Path) -> N
 
 @pytest.mark.timeout(90)
 def test_real_straggler_without_a_file(tmp_path: Path) -> None:
-    _straggle_by_hand(tmp_path)
+    _straggle_by_hand(tmp_path, silent=1)
     assert sorted(os.listdir(tmp_path)) == ["rank0.json", "rank2.json"]
     first = _report_first_line(tmp_path)
     assert first.startswith("rank 1 is behind (no trace file from it): ranks 0, 2 waited "), first
