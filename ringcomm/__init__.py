@@ -10,8 +10,8 @@ See docs/contracts.md for the contracts; ``ringcomm.errors`` for the error tree.
 
 from __future__ import annotations
 
-from ._version import __version__
-from .errors import (
+from ringcomm._version import __version__
+from ringcomm.errors import (
     AuthenticationError,
     CollectiveMismatchError,
     CommTimeoutError,
@@ -23,11 +23,11 @@ from .errors import (
     RendezvousError,
     RingcommError,
 )
-from .group import ProcessGroup, init_process_group
-from .launch import spawn
-from .ops import ReduceOp
-from .p2p import ANY_SOURCE
-from .work import Work
+from ringcomm.group import ProcessGroup, init_process_group
+from ringcomm.launch import spawn
+from ringcomm.ops import ReduceOp
+from ringcomm.p2p import ANY_SOURCE
+from ringcomm.work import Work
 
 __all__ = [
     "ANY_SOURCE",

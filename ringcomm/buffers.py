@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from .device.xp import is_device_array
-from .transport.wire import SUPPORTED_DTYPES
+from ringcomm.device.xp import is_device_array
+from ringcomm.transport.wire import SUPPORTED_DTYPES
 
 __all__ = ["SUPPORTED_DTYPE_NAMES", "byte_view", "check_array", "check_peer", "check_tag"]
 

@@ -27,15 +27,15 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
-from .errors import (
+from ringcomm.errors import (
     AuthenticationError,
     CommTimeoutError,
     PeerFailedError,
     RendezvousError,
     RingcommError,
 )
-from .group_core import GroupCore, wait_for_exit
-from .rendezvous import Store
+from ringcomm.group_core import GroupCore, wait_for_exit
+from ringcomm.rendezvous import Store
 
 __all__ = [
     "FAILOVER_PORTS",

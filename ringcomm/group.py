@@ -27,17 +27,17 @@ from typing import Any
 
 import numpy as np
 
-from . import group_summary, lifecycle
-from ._version import __version__
-from .buffers import check_array, check_peer, check_tag
-from .collectives import HIER_ALGO
-from .collectives import api as _collectives
-from .config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
-from .costmodel import ALGORITHMS as MODEL_ALGORITHMS
-from .costmodel import CostModel, load_tune_file
-from .device.p2p import recv_op_class, send_op_class
-from .device.xp import select_device
-from .elastic import (
+from ringcomm import group_summary, lifecycle
+from ringcomm._version import __version__
+from ringcomm.buffers import check_array, check_peer, check_tag
+from ringcomm.collectives import HIER_ALGO
+from ringcomm.collectives import api as _collectives
+from ringcomm.config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
+from ringcomm.costmodel import ALGORITHMS as MODEL_ALGORITHMS
+from ringcomm.costmodel import CostModel, load_tune_file
+from ringcomm.device.p2p import recv_op_class, send_op_class
+from ringcomm.device.xp import select_device
+from ringcomm.elastic import (
     SHRINK_SLICE_S,
     agree_survivors,
     connect_store,
@@ -46,14 +46,14 @@ from .elastic import (
     failover_ports,
     watch_members,
 )
-from .errors import (
+from ringcomm.errors import (
     CommTimeoutError,
     GroupClosedError,
     PeerFailedError,
     RendezvousError,
     RingcommError,
 )
-from .group_core import (
+from ringcomm.group_core import (
     CHECKOUT_MAX_S,
     WORLD_GROUP_ID,
     GroupCore,
@@ -62,30 +62,30 @@ from .group_core import (
     setup_workspace,
     workspace_possible,
 )
-from .hierarchy import Hierarchy
-from .ops import ReduceOp, parse_op
-from .p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
-from .progress import (
+from ringcomm.hierarchy import Hierarchy
+from ringcomm.ops import ReduceOp, parse_op
+from ringcomm.p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
+from ringcomm.progress import (
     DEPART_CLOSE,
     DEPART_ERROR,
     MAX_UNEXPECTED_BYTES,
     MAX_UNEXPECTED_MESSAGES,
     Progress,
 )
-from .rendezvous import Store, StoreServer, meeting
-from .rendezvous import security as _security
-from .rendezvous.hosting import ServerLease
-from .schedule.topology import Topology
-from .transport.endpoints import (
+from ringcomm.rendezvous import Store, StoreServer, meeting
+from ringcomm.rendezvous import security as _security
+from ringcomm.rendezvous.hosting import ServerLease
+from ringcomm.schedule.topology import Topology
+from ringcomm.transport.endpoints import (
     EndpointInfo,
     choose_endpoint,
     host_identity,
     local_address_towards,
 )
-from .transport.wire import WIRE_VERSION
-from .transport.workspace import AVAILABLE as WORKSPACE_AVAILABLE
-from .transport.zmq_transport import ZmqTransport
-from .work import Work
+from ringcomm.transport.wire import WIRE_VERSION
+from ringcomm.transport.workspace import AVAILABLE as WORKSPACE_AVAILABLE
+from ringcomm.transport.zmq_transport import ZmqTransport
+from ringcomm.work import Work
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 

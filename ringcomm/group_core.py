@@ -25,18 +25,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import lifecycle
-from .config import InitConfig, ipc_enabled
-from .costmodel import CostModel
-from .errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
-from .flight import FlightRecorder
-from .progress import DEPART_ERROR, Op, Progress, SerialQueue
-from .rendezvous import Store, StoreServer
-from .rendezvous.hosting import ServerLease
-from .schedule.topology import Topology, topology
-from .transport import workspace as ws_mod
-from .transport.endpoints import EndpointInfo, host_identity
-from .work import Work
+from ringcomm import lifecycle
+from ringcomm.config import InitConfig, ipc_enabled
+from ringcomm.costmodel import CostModel
+from ringcomm.errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
+from ringcomm.flight import FlightRecorder
+from ringcomm.progress import DEPART_ERROR, Op, Progress, SerialQueue
+from ringcomm.rendezvous import Store, StoreServer
+from ringcomm.rendezvous.hosting import ServerLease
+from ringcomm.schedule.topology import Topology, topology
+from ringcomm.transport import workspace as ws_mod
+from ringcomm.transport.endpoints import EndpointInfo, host_identity
+from ringcomm.work import Work
 
 __all__ = [
     "CHECKOUT_MAX_S",

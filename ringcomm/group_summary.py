@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
-from .config import binds_to_core, format_size
-from .group_core import GroupCore
-from .transport.endpoints import choose_endpoint
+from ringcomm.config import binds_to_core, format_size
+from ringcomm.group_core import GroupCore
+from ringcomm.transport.endpoints import choose_endpoint
 
 __all__ = ["describe"]
 

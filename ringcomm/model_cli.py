@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import UsageError, check_output_path, format_size, size_arg
-from .costmodel import (
+from ringcomm.config import UsageError, check_output_path, format_size, size_arg
+from ringcomm.costmodel import (
     ALGORITHMS,
     HIER_SEGMENT_BYTES,
     CostModel,
@@ -191,8 +191,8 @@ def format_world(preds: Sequence[Prediction], winner: str) -> str:
 def _group_choice(model: CostModel, hosts: int, ranks_per_host: int, size: int, op: str) -> str:
     """What a group of this shape runs with ``model`` (the registry's chooser: its
     algorithms, piece sizes and, with a CPU term, hier's segment size), as a ``#`` line."""
-    from .collectives import ALGORITHMS as REGISTRY
-    from .collectives.choice import MODELLED, ModelChooser
+    from ringcomm.collectives import ALGORITHMS as REGISTRY
+    from ringcomm.collectives.choice import MODELLED, ModelChooser
 
     n = hosts * ranks_per_host
     if op not in MODELLED or n < 2:

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MessageMismatchError, RingcommError
-from .progress import Op, Progress
-from .schedule.chunks import chunk_spans
-from .transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
+from ringcomm.errors import MessageMismatchError, RingcommError
+from ringcomm.progress import Op, Progress
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 
 __all__ = ["ANY_SOURCE", "AnySource", "RecvOp", "SendOp"]
 

@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
-from .errors import (
+from ringcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
     GroupClosedError,
@@ -65,8 +65,8 @@ from .errors import (
     QueueLimitError,
     RingcommError,
 )
-from .lifecycle import DEPART_ERROR, DEPART_EXIT
-from .transport.base import (
+from ringcomm.lifecycle import DEPART_ERROR, DEPART_EXIT
+from ringcomm.transport.base import (
     EVENT_DISCONNECTED,
     EVENT_HANDSHAKE_OK,
     INLINE_MAX_BYTES,
@@ -75,7 +75,7 @@ from .transport.base import (
     Stream,
     Transport,
 )
-from .transport.wire import (
+from ringcomm.transport.wire import (
     KIND_CTRL,
     KIND_P2P,
     Header,

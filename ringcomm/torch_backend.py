@@ -117,14 +117,14 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
-from .config import env_master_addr, env_token, security_mode
-from .errors import CommTimeoutError, RingcommError
-from .group import ProcessGroup as RcGroup
-from .group import init_process_group
-from .p2p import ANY_SOURCE
-from .rendezvous import StoreServer
-from .rendezvous.security import job_store
-from .torch_device import (
+from ringcomm.config import env_master_addr, env_token, security_mode
+from ringcomm.errors import CommTimeoutError, RingcommError
+from ringcomm.group import ProcessGroup as RcGroup
+from ringcomm.group import init_process_group
+from ringcomm.p2p import ANY_SOURCE
+from ringcomm.rendezvous import StoreServer
+from ringcomm.rendezvous.security import job_store
+from ringcomm.torch_device import (
     CallScope,
     DeviceBinding,
     array_of,
@@ -132,7 +132,7 @@ from .torch_device import (
     start_call,
     tensor_of,
 )
-from .work import Work as RcWork
+from ringcomm.work import Work as RcWork
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "RingcommWork"]
 

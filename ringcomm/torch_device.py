@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 
-from .device.standin import StandinArray
-from .device.xp import cupy_or_none
+from ringcomm.device.standin import StandinArray
+from ringcomm.device.xp import cupy_or_none
 
 __all__ = [
     "CallScope",

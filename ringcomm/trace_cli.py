@@ -15,8 +15,8 @@ import json
 import sys
 from typing import Any
 
-from .config import UsageError, check_output_path
-from .flight import chrome_trace, desync_report, load_dir
+from ringcomm.config import UsageError, check_output_path
+from ringcomm.flight import chrome_trace, desync_report, load_dir
 
 __all__ = ["add_parser", "main"]
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .config import (
+from ringcomm.config import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TUNE_FILE,
     UsageError,
@@ -36,11 +36,11 @@ from .config import (
     parse_size,
     size_arg,
 )
-from .costmodel import CostModel, Fit, Sample, design_row, fit_local
+from ringcomm.costmodel import CostModel, Fit, Sample, design_row, fit_local
 
 if TYPE_CHECKING:
-    from .bench.sweep import Record
-    from .group import ProcessGroup
+    from ringcomm.bench.sweep import Record
+    from ringcomm.group import ProcessGroup
 
 __all__ = ["DEFAULT_SIZES", "PROBE_OPS", "add_parser", "main", "probe_rank"]
 
@@ -62,7 +62,7 @@ PROBE_ENV = {"RINGCOMM_ALGO": "ring", "RINGCOMM_WORKSPACE": "0", "RINGCOMM_TUNE_
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from .model_cli import add_link_options
+    from ringcomm.model_cli import add_link_options
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "tune",
@@ -102,8 +102,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def probe_rank(pg: ProcessGroup, specs: Sequence[Any], config: Any) -> list[Record]:
     """What each rank of the probe runs: the bench sweep of every spec, in order."""
-    from .bench.collectives import RingcommImpl
-    from .bench.sweep import run_sweep
+    from ringcomm.bench.collectives import RingcommImpl
+    from ringcomm.bench.sweep import run_sweep
 
     return run_sweep([RingcommImpl(pg)], config, pg.rank, specs=specs, progress=False)
 
@@ -149,11 +149,11 @@ def _rate(s_per_byte: float) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .bench.report import summarize
-    from .bench.spec import BenchConfig, SizeSpec, element_count
-    from .errors import RankFailedError
-    from .launch import spawn
-    from .model_cli import model_from_args
+    from ringcomm.bench.report import summarize
+    from ringcomm.bench.spec import BenchConfig, SizeSpec, element_count
+    from ringcomm.errors import RankFailedError
+    from ringcomm.launch import spawn
+    from ringcomm.model_cli import model_from_args
 
     check_output_path(args.out, "--out")
     if args.hostfile is not None or args.hosts is not None:
@@ -240,10 +240,17 @@ def main(args: argparse.Namespace) -> int:
 
 def _main_hosts(args: argparse.Namespace) -> int:
     """``ringcomm tune --hostfile F | -H ...``: the probe across hosts and its fit."""
-    from .bench.cli import hosts_from_args
-    from .costmodel import HIER_SEGMENT_BYTES, predict_sample
-    from .model_cli import model_from_args
-    from .tune_hosts import DEFAULT_SIZE, cpu_pools, fit, probe_specs, run_probe, samples_from
+    from ringcomm.bench.cli import hosts_from_args
+    from ringcomm.costmodel import HIER_SEGMENT_BYTES, predict_sample
+    from ringcomm.model_cli import model_from_args
+    from ringcomm.tune_hosts import (
+        DEFAULT_SIZE,
+        cpu_pools,
+        fit,
+        probe_specs,
+        run_probe,
+        samples_from,
+    )
 
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .config import environ_changed
-from .costmodel import HIER_SEGMENT_BYTES, CostModel, HostFit, HostSample, fit_hosts
+from ringcomm.config import environ_changed
+from ringcomm.costmodel import HIER_SEGMENT_BYTES, CostModel, HostFit, HostSample, fit_hosts
 
 __all__ = [
     "DEFAULT_SIZE",
@@ -87,8 +87,8 @@ def _cores() -> int:
 def probe(pg: Any, specs: Sequence[Sequence[Any]], iters: int, warmup: int) -> dict[str, Any]:
     """What every rank runs: each probe of ``specs`` checked once, then ``warmup`` untimed
     and ``iters`` timed calls back to back; this rank's times and wrong elements."""
-    from .hierarchy import Hierarchy
-    from .ops import ReduceOp
+    from ringcomm.hierarchy import Hierarchy
+    from ringcomm.ops import ReduceOp
 
     topo = pg.topology
     if topo.num_hosts < 2 or not topo.uniform or topo.max_local_size < 2:
@@ -187,7 +187,7 @@ def run_probe(
 ) -> tuple[list[dict[str, Any]], list[HostInfo]]:
     """One probe job on ``hosts`` (:class:`ringcomm.bench.multihost.HostsSpec`) through
     the ssh launcher: every rank's report and host."""
-    from .bench.multihost import MARK, run_collecting
+    from ringcomm.bench.multihost import MARK, run_collecting
 
     config = {"specs": probe_specs(size), "iters": iters, "warmup": warmup}
     argv = [sys.executable, "-m", "ringcomm", "run"]
@@ -229,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = json.loads(args[0])
     import ringcomm as rc
-
-    from .bench.multihost import report
+    from ringcomm.bench.multihost import report
 
     with rc.init_process_group() as pg:
         report(pg, probe(pg, config["specs"], int(config["iters"]), int(config["warmup"])))

@@ -19,6 +19,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ringcomm.bench.multihost import HostsSpec
+from ringcomm.bench.report import Result, format_footer, format_table, json_row
+from ringcomm.bench.spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
 from ringcomm.config import (
     BIND_MODES,
     UsageError,
@@ -28,10 +31,6 @@ from ringcomm.config import (
     format_size,
     size_arg,
 )
-
-from .multihost import HostsSpec
-from .report import Result, format_footer, format_table, json_row
-from .spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
 
 __all__ = [
     "UsageError",
@@ -339,7 +338,7 @@ def hosts_from_args(args: argparse.Namespace) -> HostsSpec | None:
 
 def _check_available(config: BenchConfig, plot: str | None) -> None:
     """Refuse, before anything starts, what this installation cannot run."""
-    from .collectives import device_missing, missing_collective
+    from ringcomm.bench.collectives import device_missing, missing_collective
 
     why = missing_collective(config.op)
     if why is not None:
@@ -363,13 +362,13 @@ def _check_available(config: BenchConfig, plot: str | None) -> None:
 
         if importlib.util.find_spec("torch") is None:
             raise UsageError("--compare nccl needs PyTorch with CUDA: pip install torch")
-        from .gloo import nccl_missing
+        from ringcomm.bench.gloo import nccl_missing
 
         why = nccl_missing(config.world_size)
         if why is not None:
             raise UsageError(why)
     if config.compare == "mpi":
-        from .mpi import mpi_missing
+        from ringcomm.bench.mpi import mpi_missing
 
         why = mpi_missing()
         if why is not None:
@@ -377,7 +376,7 @@ def _check_available(config: BenchConfig, plot: str | None) -> None:
         if config.op in REDUCING_OPS and config.redop == "avg":
             raise UsageError("--compare mpi: MPI has no avg reduction")
     if plot is not None:
-        from .plot import matplotlib_missing
+        from ringcomm.bench.plot import matplotlib_missing
 
         why = matplotlib_missing()
         if why is not None:
@@ -450,7 +449,7 @@ def write_outputs(
         with open(json_path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     if plot_path:
-        from .plot import plot_rows
+        from ringcomm.bench.plot import plot_rows
 
         impls = " vs ".join(config.impls)
         plot_rows(
@@ -486,9 +485,8 @@ def placement_line(hostnames: Sequence[str]) -> str:
 def main(args: argparse.Namespace) -> int:
     """``ringcomm bench``: see the module docstring for the exit status."""
     config = config_from_args(args)
+    from ringcomm.bench.runner import run
     from ringcomm.errors import RankFailedError
-
-    from .runner import run
 
     hosts = hosts_from_args(args)
     crowded = crowding_warning(config.world_size, len(os.sched_getaffinity(0)))
@@ -500,7 +498,7 @@ def main(args: argparse.Namespace) -> int:
         if hosts is None:
             results = run(config)
         else:
-            from . import multihost
+            from ringcomm.bench import multihost
 
             results, hostnames = multihost.run(config, hosts)
             sys.stdout.write(placement_line(hostnames))

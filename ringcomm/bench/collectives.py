@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .spec import STAGED_DEVICES, BenchConfig, SizeSpec
-from .sweep import Impl, Record, Step, run_sweep
+from ringcomm.bench.spec import STAGED_DEVICES, BenchConfig, SizeSpec
+from ringcomm.bench.sweep import Impl, Record, Step, run_sweep
 
 if TYPE_CHECKING:
     from ringcomm.group import ProcessGroup
@@ -96,7 +96,7 @@ class RingcommImpl:
     name = "ringcomm"
 
     def __init__(self, pg: ProcessGroup, device: str = "host") -> None:
-        from .spec import device_impl
+        from ringcomm.bench.spec import device_impl
 
         self.pg = pg
         self.device = device
@@ -229,7 +229,7 @@ def rank_main(pg: ProcessGroup, config: BenchConfig) -> list[Record]:
     impls: list[Impl] = [RingcommImpl(pg, device) for device in config.devices]
     closers: list[Any] = []
     if config.compare in ("gloo", "nccl"):
-        from . import gloo  # the only bench module importing torch
+        from ringcomm.bench import gloo  # the only bench module importing torch
 
         peer = gloo.GlooImpl.join(pg, config, backend=config.compare)
         impls.append(peer)

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .spec import GLOO_DTYPES, BenchConfig, SizeSpec
-from .sweep import Record, Step, run_sweep
+from ringcomm.bench.spec import GLOO_DTYPES, BenchConfig, SizeSpec
+from ringcomm.bench.sweep import Record, Step, run_sweep
 
 if TYPE_CHECKING:
     from ringcomm.group import ProcessGroup

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import SizeSpec
+from ringcomm.bench.spec import SizeSpec
 
 __all__ = ["count_wrong", "expected_output", "rank_input"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .spec import BenchConfig, SizeSpec
-from .sweep import Record, Step, run_sweep
+from ringcomm.bench.spec import BenchConfig, SizeSpec
+from ringcomm.bench.sweep import Record, Step, run_sweep
 
 __all__ = ["MpiImpl", "bench", "mpi_missing", "mpirun_command", "run_mpi"]
 
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gathered = comm.gather(records, root=0)
     if comm.Get_rank() == 0:
         if args[1] == "-":
-            from .multihost import MARK
+            from ringcomm.bench.multihost import MARK
 
             sys.stdout.write(MARK + json.dumps(gathered) + "\n")
             sys.stdout.flush()

@@ -36,12 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .report import Result
-from .spec import BenchConfig
-from .sweep import Record
+from ringcomm.bench.report import Result
+from ringcomm.bench.spec import BenchConfig
+from ringcomm.bench.sweep import Record
 
 if TYPE_CHECKING:
-    from ..group import ProcessGroup
+    from ringcomm.group import ProcessGroup
 
 __all__ = [
     "MARK",
@@ -209,7 +209,7 @@ def mpi_hosts_args(hosts: HostsSpec, if_include: str | None = None) -> list[str]
 
 def mpi_job(config: BenchConfig, hosts: HostsSpec) -> list[list[Record]]:
     """One MPI sweep on ``hosts`` under mpirun; rank 0 prints every rank's records."""
-    from .mpi import mpirun_command
+    from ringcomm.bench.mpi import mpirun_command
 
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-mpi-") as tmp:
         config_path = os.path.join(tmp, "config.json")
@@ -229,7 +229,7 @@ def mpi_job(config: BenchConfig, hosts: HostsSpec) -> list[list[Record]]:
 def run(config: BenchConfig, hosts: HostsSpec) -> tuple[list[Result], list[str]]:
     """The benchmark on ``hosts``: results (as :func:`ringcomm.bench.runner.run`) and the
     hostname every ringcomm rank reported (rank order)."""
-    from .runner import aggregate, merge_rounds
+    from ringcomm.bench.runner import aggregate, merge_rounds
 
     if config.compare != "mpi":
         per_rank, names = ringcomm_job(config, hosts)
@@ -309,8 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = config_from_json(args[0])
     import ringcomm as rc
-
-    from .collectives import rank_main
+    from ringcomm.bench.collectives import rank_main
 
     if config.compare == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         from ringcomm.config import env_master_addr

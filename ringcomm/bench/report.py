@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import SizeSpec
+from ringcomm.bench.spec import SizeSpec
 
 __all__ = [
     "JSON_KEYS",

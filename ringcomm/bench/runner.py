@@ -13,18 +13,17 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from .report import Result, summarize
-from .spec import BenchConfig
-from .sweep import Record
+from ringcomm.bench.report import Result, summarize
+from ringcomm.bench.spec import BenchConfig
+from ringcomm.bench.sweep import Record
 
 __all__ = ["aggregate", "merge_rounds", "run"]
 
 
 def run(config: BenchConfig) -> list[Result]:
     """Run the benchmark ``config`` describes; one result per (size, implementation)."""
+    from ringcomm.bench.collectives import rank_main
     from ringcomm.launch import spawn
-
-    from .collectives import rank_main
 
     if config.bind is not None:  # the ranks read it in init_process_group
         os.environ["RINGCOMM_BIND"] = config.bind
@@ -33,7 +32,7 @@ def run(config: BenchConfig) -> list[Result]:
         per_rank = spawn(rank_main, config.world_size, args=(config,), timeout_s=config.timeout_s)
         return aggregate(config, per_rank)
 
-    from .mpi import run_mpi
+    from ringcomm.bench.mpi import run_mpi
 
     rounds: list[list[list[Record]]] = []
     for rnd in range(config.rounds):

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .inputs import count_wrong, expected_output, rank_input
-from .spec import BenchConfig, SizeSpec
+from ringcomm.bench.inputs import count_wrong, expected_output, rank_input
+from ringcomm.bench.spec import BenchConfig, SizeSpec
 
 __all__ = ["Impl", "Record", "run_sweep"]
 

@@ -57,25 +57,25 @@ format only.
 
 from __future__ import annotations
 
-from .all_gather_ring import AllGatherRing
-from .all_gather_v_ring import AllGatherVRing
-from .all_to_all_direct import AllToAllDirect
-from .all_to_all_v_direct import AllToAllVDirect
-from .allreduce_direct import AllReduceDirect
-from .allreduce_rd import AllReduceRd
-from .allreduce_ring import AllReduceRing
-from .allreduce_star import AllReduceStar
-from .barrier import BarrierDissemination
-from .base import Call, CollectiveOp, Comm
-from .broadcast_chain import BroadcastChain
-from .broadcast_tree import BroadcastTree
-from .choice import ModelChooser
-from .gather_direct import GatherDirect
-from .ipc import IPC_ALGO
-from .reduce_scatter_ring import ReduceScatterRing
-from .reduce_scatter_v_ring import ReduceScatterVRing
-from .reduce_tree import ReduceTree
-from .scatter_direct import ScatterDirect
+from ringcomm.collectives.all_gather_ring import AllGatherRing
+from ringcomm.collectives.all_gather_v_ring import AllGatherVRing
+from ringcomm.collectives.all_to_all_direct import AllToAllDirect
+from ringcomm.collectives.all_to_all_v_direct import AllToAllVDirect
+from ringcomm.collectives.allreduce_direct import AllReduceDirect
+from ringcomm.collectives.allreduce_rd import AllReduceRd
+from ringcomm.collectives.allreduce_ring import AllReduceRing
+from ringcomm.collectives.allreduce_star import AllReduceStar
+from ringcomm.collectives.barrier import BarrierDissemination
+from ringcomm.collectives.base import Call, CollectiveOp, Comm
+from ringcomm.collectives.broadcast_chain import BroadcastChain
+from ringcomm.collectives.broadcast_tree import BroadcastTree
+from ringcomm.collectives.choice import ModelChooser
+from ringcomm.collectives.gather_direct import GatherDirect
+from ringcomm.collectives.ipc import IPC_ALGO
+from ringcomm.collectives.reduce_scatter_ring import ReduceScatterRing
+from ringcomm.collectives.reduce_scatter_v_ring import ReduceScatterVRing
+from ringcomm.collectives.reduce_tree import ReduceTree
+from ringcomm.collectives.scatter_direct import ScatterDirect
 
 __all__ = [
     "ALGORITHMS",

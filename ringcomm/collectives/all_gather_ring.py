@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device.staging import DeviceStager
-from ..errors import CollectiveMismatchError
-from ..schedule.chunks import chunk_spans
-from ..schedule.ring import all_gather_steps, ring_neighbors
-from ..transport.wire import Header
-from .staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.device.staging import DeviceStager
+from ringcomm.errors import CollectiveMismatchError
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.ring import all_gather_steps, ring_neighbors
+from ringcomm.transport.wire import Header
 
 __all__ = ["AllGatherRing"]
 

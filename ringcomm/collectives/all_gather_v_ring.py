@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..schedule.chunks import chunk_spans
-from ..schedule.partition import split_offsets
-from ..schedule.ring import all_gather_steps, ring_neighbors
-from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.partition import split_offsets
+from ringcomm.schedule.ring import all_gather_steps, ring_neighbors
+from ringcomm.transport.wire import Header
 
 __all__ = ["AllGatherVRing"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..schedule.chunks import chunk_spans
-from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.transport.wire import Header
 
 __all__ = ["AllToAllDirect"]
 

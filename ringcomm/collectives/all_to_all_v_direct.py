@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
-from ..schedule.chunks import chunk_spans
-from ..schedule.partition import split_offsets
-from ..transport.wire import Header
-from .base import Call, CollectiveOp, Comm, byte_view
+from ringcomm.collectives.base import Call, CollectiveOp, Comm, byte_view
+from ringcomm.errors import CollectiveMismatchError
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.partition import split_offsets
+from ringcomm.transport.wire import Header
 
 __all__ = ["AllToAllVDirect"]
 

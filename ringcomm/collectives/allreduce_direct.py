@@ -33,11 +33,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
-from ..progress import INLINE_MAX_BYTES
-from ..schedule.chunks import chunk_spans
-from ..transport.wire import KIND_COLL, Header
-from .base import CollectiveOp, byte_view
+from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
+from ringcomm.progress import INLINE_MAX_BYTES
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.transport.wire import KIND_COLL, Header
 
 __all__ = ["AllReduceDirect"]
 

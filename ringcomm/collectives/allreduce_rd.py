@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import finalize, reduce_into
-from ..progress import ZERO_COPY_MIN_BYTES
-from ..schedule.chunks import chunk_spans
-from ..schedule.rd import rd_allreduce_plan
-from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.ops import finalize, reduce_into
+from ringcomm.progress import ZERO_COPY_MIN_BYTES
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.rd import rd_allreduce_plan
+from ringcomm.transport.wire import Header
 
 __all__ = ["AllReduceRd"]
 

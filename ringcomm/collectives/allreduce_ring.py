@@ -41,11 +41,16 @@ end makes the op complete only once libzmq released every piece.
 
 from __future__ import annotations
 
-from ..errors import CollectiveMismatchError
-from ..schedule.chunks import chunk_spans
-from ..schedule.ring import all_gather_steps, reduce_scatter_steps, ring_neighbors, segment_bounds
-from ..transport.wire import Header
-from .staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.errors import CollectiveMismatchError
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.ring import (
+    all_gather_steps,
+    reduce_scatter_steps,
+    ring_neighbors,
+    segment_bounds,
+)
+from ringcomm.transport.wire import Header
 
 __all__ = ["AllReduceRing"]
 

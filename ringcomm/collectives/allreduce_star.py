@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..progress import INLINE_MAX_BYTES
-from ..transport.wire import KIND_COLL
-from .allreduce_direct import AllReduceDirect
+from ringcomm.collectives.allreduce_direct import AllReduceDirect
+from ringcomm.progress import INLINE_MAX_BYTES
+from ringcomm.transport.wire import KIND_COLL
 
 __all__ = ["AllReduceStar"]
 

@@ -27,23 +27,35 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import check_array, check_peer
-from ..config import ipc_small_bytes, ipc_window_bytes, mps_active
-from ..device.ipc import ipc_device_for
-from ..device.staging import backend_for
-from ..device.xp import get_xp, is_device_array
-from ..errors import CollectiveMismatchError, CommTimeoutError, PeerFailedError, RingcommError
-from ..flight import E_END, FOLD_MASK, RUNNING, now
-from ..group_core import GroupCore, setup_workspace
-from ..ops import ReduceOp, check_op_dtype, parse_op
-from ..progress import Op
-from ..work import Work
-from . import ALGORITHMS, HIER_ALGO, IPC_ALGO, WORKSPACE_ALGO, choose_algorithm, get_algorithm
-from .base import Call, Comm
-from .choice import ModelChooser
-from .ipc import IpcCollectives
-from .staged import PIPELINED, DeviceCall, staged_class
-from .workspace import WorkspaceCollectives
+from ringcomm.buffers import check_array, check_peer
+from ringcomm.collectives import (
+    ALGORITHMS,
+    HIER_ALGO,
+    IPC_ALGO,
+    WORKSPACE_ALGO,
+    choose_algorithm,
+    get_algorithm,
+)
+from ringcomm.collectives.base import Call, Comm
+from ringcomm.collectives.choice import ModelChooser
+from ringcomm.collectives.ipc import IpcCollectives
+from ringcomm.collectives.staged import PIPELINED, DeviceCall, staged_class
+from ringcomm.collectives.workspace import WorkspaceCollectives
+from ringcomm.config import ipc_small_bytes, ipc_window_bytes, mps_active
+from ringcomm.device.ipc import ipc_device_for
+from ringcomm.device.staging import backend_for
+from ringcomm.device.xp import get_xp, is_device_array
+from ringcomm.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    PeerFailedError,
+    RingcommError,
+)
+from ringcomm.flight import E_END, FOLD_MASK, RUNNING, now
+from ringcomm.group_core import GroupCore, setup_workspace
+from ringcomm.ops import ReduceOp, check_op_dtype, parse_op
+from ringcomm.progress import Op
+from ringcomm.work import Work
 
 __all__ = [
     "all_gather",

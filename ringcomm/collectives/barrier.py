@@ -10,8 +10,8 @@ distinct, so one inbox per peer, one message each.
 
 from __future__ import annotations
 
-from ..transport.wire import Header
-from .base import CollectiveOp
+from ringcomm.collectives.base import CollectiveOp
+from ringcomm.transport.wire import Header
 
 __all__ = ["BarrierDissemination"]
 

@@ -71,10 +71,10 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError, CommTimeoutError, RingcommError
-from ..ops import ReduceOp
-from ..progress import Op, Progress, SerialQueue, Stream
-from ..transport.wire import KIND_COLL, Header, HeaderTemplate, pack_header
+from ringcomm.errors import CollectiveMismatchError, CommTimeoutError, RingcommError
+from ringcomm.ops import ReduceOp
+from ringcomm.progress import Op, Progress, SerialQueue, Stream
+from ringcomm.transport.wire import KIND_COLL, Header, HeaderTemplate, pack_header
 
 __all__ = [
     "ABORT",

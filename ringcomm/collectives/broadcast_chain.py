@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..schedule.chunks import chunk_spans
-from ..schedule.tree import chain_neighbors
-from ..transport.wire import Header
-from .staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.tree import chain_neighbors
+from ringcomm.transport.wire import Header
 
 __all__ = ["BroadcastChain"]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..schedule.chunks import chunk_spans
-from ..schedule.tree import binomial_children, binomial_parent
-from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.tree import binomial_children, binomial_parent
+from ringcomm.transport.wire import Header
 
 __all__ = ["BroadcastTree"]
 

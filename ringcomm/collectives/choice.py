@@ -28,8 +28,8 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from ..costmodel import ALGORITHMS as MODEL_ALGORITHMS
-from ..costmodel import HIER_SEGMENT_BYTES, CostModel, predict
+from ringcomm.costmodel import ALGORITHMS as MODEL_ALGORITHMS
+from ringcomm.costmodel import HIER_SEGMENT_BYTES, CostModel, predict
 
 __all__ = [
     "CHUNK_CANDIDATES",

@@ -51,13 +51,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..device.ipc import IpcDevice, LocalWindow, ipc_device_for
-from ..errors import CollectiveMismatchError, CommTimeoutError, PeerFailedError, RingcommError
-from ..ops import ReduceOp
-from .base import Call
+from ringcomm.collectives.base import Call
+from ringcomm.device.ipc import IpcDevice, LocalWindow, ipc_device_for
+from ringcomm.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    PeerFailedError,
+    RingcommError,
+)
+from ringcomm.ops import ReduceOp
 
 if TYPE_CHECKING:
-    from .workspace import Job, WorkspaceCollectives
+    from ringcomm.collectives.workspace import Job, WorkspaceCollectives
 
 log = logging.getLogger("ringcomm")
 

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from ..device.staging import DeviceStager
-from ..errors import CollectiveMismatchError
-from ..schedule.chunks import chunk_spans
-from ..schedule.ring import reduce_scatter_steps, ring_neighbors
-from ..transport.wire import Header
-from .staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.device.staging import DeviceStager
+from ringcomm.errors import CollectiveMismatchError
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.ring import reduce_scatter_steps, ring_neighbors
+from ringcomm.transport.wire import Header
 
 __all__ = ["ReduceScatterRing"]
 

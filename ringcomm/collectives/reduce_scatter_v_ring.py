@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import finalize, reduce_out
-from ..schedule.chunks import chunk_spans
-from ..schedule.partition import split_offsets
-from ..schedule.ring import reduce_scatter_steps, ring_neighbors
-from ..transport.wire import Header
-from .base import CollectiveOp, byte_view
+from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.ops import finalize, reduce_out
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.schedule.partition import split_offsets
+from ringcomm.schedule.ring import reduce_scatter_steps, ring_neighbors
+from ringcomm.transport.wire import Header
 
 __all__ = ["ReduceScatterVRing"]
 

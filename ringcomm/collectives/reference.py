@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..ops import ReduceOp, parse_op, reference_reduce
+from ringcomm.ops import ReduceOp, parse_op, reference_reduce
 
 if TYPE_CHECKING:
-    from ..group import ProcessGroup
+    from ringcomm.group import ProcessGroup
 
 __all__ = [
     "REFERENCE_TAG",

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
-from ..schedule.chunks import chunk_spans
-from ..transport.wire import SUPPORTED_DTYPES, Header
-from .base import CollectiveOp, Inbox, byte_view
+from ringcomm.collectives.base import CollectiveOp, Inbox, byte_view
+from ringcomm.errors import CollectiveMismatchError
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.transport.wire import SUPPORTED_DTYPES, Header
 
 __all__ = ["ScatterDirect"]
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
-from ..device.staging import HOST_STAGER, DeviceBackend, DeviceStager, HostStager, Slot
-from .base import CollectiveOp
+from ringcomm.collectives.base import CollectiveOp
+from ringcomm.device.staging import HOST_STAGER, DeviceBackend, DeviceStager, HostStager, Slot
 
 __all__ = ["PIPELINED", "DeviceCall", "PipelinedOp", "emit", "make_stager", "staged_class"]
 

@@ -48,23 +48,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import (
+from ringcomm.collectives.base import Call, describe_fingerprint, fingerprint
+from ringcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
     GroupClosedError,
     PeerFailedError,
     RingcommError,
 )
-from ..ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
-from ..progress import Op
-from ..transport import workspace as ws_mod
-from ..transport.wire import SUPPORTED_DTYPES
-from ..transport.workspace import FP, LINE_WORDS, Window, Workspace, WorkspaceTimeout
-from ..work import Work
-from .base import Call, describe_fingerprint, fingerprint
+from ringcomm.ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
+from ringcomm.progress import Op
+from ringcomm.transport import workspace as ws_mod
+from ringcomm.transport.wire import SUPPORTED_DTYPES
+from ringcomm.transport.workspace import FP, LINE_WORDS, Window, Workspace, WorkspaceTimeout
+from ringcomm.work import Work
 
 if TYPE_CHECKING:
-    from ..group_core import GroupCore
+    from ringcomm.group_core import GroupCore
 
 log = logging.getLogger("ringcomm")
 

@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
-from ..transport.workspace import open_segment
-from .staging import LazyStream
-from .standin import StandinArray
-from .xp import cupy_or_none, is_cupy_array
+from ringcomm.device.staging import LazyStream
+from ringcomm.device.standin import StandinArray
+from ringcomm.device.xp import cupy_or_none, is_cupy_array
+from ringcomm.ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
+from ringcomm.transport.workspace import open_segment
 
 __all__ = [
     "EVENT_SLOTS",

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..p2p import RecvOp, SendOp
-from ..schedule.chunks import chunk_spans
-from ..transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
-from .staging import DeviceStager, Slot, backend_for
+from ringcomm.device.staging import DeviceStager, Slot, backend_for
+from ringcomm.p2p import RecvOp, SendOp
+from ringcomm.schedule.chunks import chunk_spans
+from ringcomm.transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 
 __all__ = ["STAGING_TIMEOUT_S", "StagedRecvOp", "StagedSendOp", "recv_op_class", "send_op_class"]
 

@@ -47,11 +47,11 @@ from typing import Any
 
 import numpy as np
 
-from ..config import DEFAULT_STAGING_MAX_BYTES, staging_max_bytes
-from ..errors import CommTimeoutError
-from ..ops import ReduceOp, finalize, reduce_into, reduce_out
-from .standin import StandinArray, set_read_barrier
-from .xp import cupy_or_none, is_cupy_array
+from ringcomm.config import DEFAULT_STAGING_MAX_BYTES, staging_max_bytes
+from ringcomm.device.standin import StandinArray, set_read_barrier
+from ringcomm.device.xp import cupy_or_none, is_cupy_array
+from ringcomm.errors import CommTimeoutError
+from ringcomm.ops import ReduceOp, finalize, reduce_into, reduce_out
 
 __all__ = [
     "DEFAULT_MAX_STAGING_BYTES",

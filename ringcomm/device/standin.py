@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .standin_math import ArrayMath, ModuleMath, host_operand
+from ringcomm.device.standin_math import ArrayMath, ModuleMath, host_operand
 
 __all__ = ["STANDIN", "StandinArray", "StandinModule", "set_read_barrier", "standin_array"]
 

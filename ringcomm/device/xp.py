@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .standin import STANDIN, StandinArray
+from ringcomm.device.standin import STANDIN, StandinArray
 
 __all__ = ["cupy_or_none", "get_xp", "is_cupy_array", "is_device_array", "select_device"]
 

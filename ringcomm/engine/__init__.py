@@ -15,8 +15,8 @@ mesh's per-axis sub-groups, passed explicitly). ``ringcomm train`` is :mod:`.cli
 also launches the ranks (``run_training``).
 """
 
-from .mesh import DeviceMesh
-from .strategy import STRATEGIES, Strategy, TrainConfig
-from .train import summarize, train_rank
+from ringcomm.engine.mesh import DeviceMesh
+from ringcomm.engine.strategy import STRATEGIES, Strategy, TrainConfig
+from ringcomm.engine.train import summarize, train_rank
 
 __all__ = ["STRATEGIES", "DeviceMesh", "Strategy", "TrainConfig", "summarize", "train_rank"]

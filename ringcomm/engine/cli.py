@@ -32,14 +32,9 @@ from ringcomm.config import (
     format_size,
     size_arg,
 )
-from ringcomm.errors import RingcommError
-from ringcomm.flight import summary_table
-from ringcomm.launch.spawn import spawn
-from ringcomm.schedule.pipeline import SCHEDULES
-
-from .elastic import ELASTIC_STRATEGIES, summarize_elastic
-from .optim import OPTIMIZERS
-from .strategy import (
+from ringcomm.engine.elastic import ELASTIC_STRATEGIES, summarize_elastic
+from ringcomm.engine.optim import OPTIMIZERS
+from ringcomm.engine.strategy import (
     DEVICES,
     STRATEGY_NAMES,
     TRANSFORMER_STRATEGIES,
@@ -47,8 +42,12 @@ from .strategy import (
     TrainConfig,
     array_module,
 )
-from .train import bubble_lines, summarize, train_rank
-from .transformer import check_tp_sizes
+from ringcomm.engine.train import bubble_lines, summarize, train_rank
+from ringcomm.engine.transformer import check_tp_sizes
+from ringcomm.errors import RingcommError
+from ringcomm.flight import summary_table
+from ringcomm.launch.spawn import spawn
+from ringcomm.schedule.pipeline import SCHEDULES
 
 #: Thread pools capped at one per rank (ranks share the cores).
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

@@ -16,11 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.engine.optim import make_optimizer
+from ringcomm.engine.params import export_params, init_layer, layer_views, param_shapes
+from ringcomm.engine.strategy import Strategy, TrainConfig, state_bytes
 from ringcomm.schedule.partition import bucket_groups, flat_layout, split_rows
-
-from .optim import make_optimizer
-from .params import export_params, init_layer, layer_views, param_shapes
-from .strategy import Strategy, TrainConfig, state_bytes
 
 __all__ = ["DataParallel", "layer_nbytes"]
 

@@ -45,9 +45,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ringcomm.engine.strategy import TrainConfig, strategy_class
 from ringcomm.errors import PeerFailedError
-
-from .strategy import TrainConfig, strategy_class
 
 __all__ = [
     "ELASTIC_STRATEGIES",

@@ -35,16 +35,15 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.engine.mesh import DeviceMesh
+from ringcomm.engine.nn import backward_layers, forward_layers
+from ringcomm.engine.optim import make_optimizer
+from ringcomm.engine.params import BufferPool, init_layer, layer_views, param_shapes, to_host
+from ringcomm.engine.strategy import Strategy, TrainConfig, state_bytes
+from ringcomm.engine.tp import TPContext, unshard
+from ringcomm.engine.transformer import TPLayer
 from ringcomm.schedule.partition import flat_layout, shard_pieces, split_rows
 from ringcomm.schedule.pipeline import BACKWARD, FORWARD, stage_orders
-
-from .mesh import DeviceMesh
-from .nn import backward_layers, forward_layers
-from .optim import make_optimizer
-from .params import BufferPool, init_layer, layer_views, param_shapes, to_host
-from .strategy import Strategy, TrainConfig, state_bytes
-from .tp import TPContext, unshard
-from .transformer import TPLayer
 
 __all__ = ["Parallel3D", "TensorParallel", "stage_span"]
 

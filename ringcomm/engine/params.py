@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.engine.nn import Layer, Params
 from ringcomm.schedule.partition import FlatLayout
-
-from .nn import Layer, Params
 
 __all__ = ["BufferPool", "export_params", "init_layer", "layer_views", "param_shapes", "to_host"]
 

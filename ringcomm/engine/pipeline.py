@@ -30,14 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.engine.memory import device_used_bytes
+from ringcomm.engine.nn import backward_layers, forward_layers
+from ringcomm.engine.optim import make_optimizer
+from ringcomm.engine.params import export_params, init_layer, layer_views, param_shapes
+from ringcomm.engine.strategy import Strategy, TrainConfig, state_bytes
 from ringcomm.schedule.partition import balance_stages, flat_layout, split_rows
 from ringcomm.schedule.pipeline import BACKWARD, FORWARD, stage_orders
-
-from .memory import device_used_bytes
-from .nn import backward_layers, forward_layers
-from .optim import make_optimizer
-from .params import export_params, init_layer, layer_views, param_shapes
-from .strategy import Strategy, TrainConfig, state_bytes
 
 __all__ = ["Pipeline"]
 

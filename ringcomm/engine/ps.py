@@ -65,13 +65,12 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.engine.optim import SGD, Adam, make_optimizer
+from ringcomm.engine.params import export_params, init_layer, layer_views, param_shapes
+from ringcomm.engine.strategy import Strategy, StrategyUnavailable, TrainConfig
 from ringcomm.errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
 from ringcomm.ps import HashSlicer, KVWorker, PSConfig, PSServer
 from ringcomm.schedule.partition import flat_layout, split_rows
-
-from .optim import SGD, Adam, make_optimizer
-from .params import export_params, init_layer, layer_views, param_shapes
-from .strategy import Strategy, StrategyUnavailable, TrainConfig
 
 __all__ = ["TAG_LOSS", "ParameterServer", "ps_config", "ps_summary", "updater_args"]
 

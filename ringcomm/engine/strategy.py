@@ -51,12 +51,11 @@ import numpy as np
 
 from ringcomm.device.standin import STANDIN
 from ringcomm.device.xp import cupy_or_none
+from ringcomm.engine.data import SyntheticClassification, SyntheticNextToken
+from ringcomm.engine.nn import Layer, SoftmaxCrossEntropy, backward_layers, forward_layers, mlp
+from ringcomm.engine.tp import TPContext
+from ringcomm.engine.transformer import VocabParallelCrossEntropy, transformer
 from ringcomm.schedule.partition import split_rows
-
-from .data import SyntheticClassification, SyntheticNextToken
-from .nn import Layer, SoftmaxCrossEntropy, backward_layers, forward_layers, mlp
-from .tp import TPContext
-from .transformer import VocabParallelCrossEntropy, transformer
 
 __all__ = [
     "DEVICES",

@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ringcomm.config import mps_active
+from ringcomm.engine.elastic import run_elastic
+from ringcomm.engine.memory import TracemallocMeter, make_meter, staging_stats
+from ringcomm.engine.strategy import TrainConfig, array_module, strategy_class
 from ringcomm.schedule.pipeline import gpipe_bubble, shared_bubble_floor
-
-from .elastic import run_elastic
-from .memory import TracemallocMeter, make_meter, staging_stats
-from .strategy import TrainConfig, array_module, strategy_class
 
 __all__ = ["bubble_lines", "describe_model", "stage_placement", "summarize", "train_rank"]
 
@@ -275,7 +274,7 @@ def summarize(cfg: TrainConfig, per_rank: Sequence[dict[str, Any]]) -> dict[str,
         if cfg.strategy == "3d":
             out.update(micro_batches=cfg.micro_batches, schedule=cfg.schedule, zero=cfg.zero)
     if cfg.strategy == "ps":
-        from .ps import ps_summary
+        from ringcomm.engine.ps import ps_summary
 
         out["ps"] = ps_summary(per_rank)
     if cfg.strategy == "pipeline":

@@ -52,9 +52,8 @@ from typing import Any
 import numpy as np
 
 from ringcomm.device.xp import get_xp
-
-from .nn import GELU, Layer, Params, ReLU, layer_norm_backward, layer_norm_forward
-from .tp import ParamSpec, TPContext, enter_tp, exit_tp, local_shape, shard
+from ringcomm.engine.nn import GELU, Layer, Params, ReLU, layer_norm_backward, layer_norm_forward
+from ringcomm.engine.tp import ParamSpec, TPContext, enter_tp, exit_tp, local_shape, shard
 
 __all__ = [
     "Block",

@@ -32,13 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.engine.dp import layer_nbytes
+from ringcomm.engine.nn import backward_layers, forward_layers
+from ringcomm.engine.optim import make_optimizer
+from ringcomm.engine.params import BufferPool, export_params, init_layer, layer_views, param_shapes
+from ringcomm.engine.strategy import Strategy, TrainConfig, state_bytes
 from ringcomm.schedule.partition import bucket_groups, flat_layout, shard_pieces
-
-from .dp import layer_nbytes
-from .nn import backward_layers, forward_layers
-from .optim import make_optimizer
-from .params import BufferPool, export_params, init_layer, layer_views, param_shapes
-from .strategy import Strategy, TrainConfig, state_bytes
 
 __all__ = ["Zero1", "Zero2", "Zero3"]
 

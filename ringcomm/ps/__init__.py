@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import GroupClosedError
-from .config import PSConfig
-from .server import PSServer
-from .slicer import HashSlicer, Piece, RangeSlicer, Slicer
-from .updaters import SGD, Adam, Updater, make_updater
-from .worker import Handle, KVWorker, PSRequestError
+from ringcomm.errors import GroupClosedError
+from ringcomm.ps.config import PSConfig
+from ringcomm.ps.server import PSServer
+from ringcomm.ps.slicer import HashSlicer, Piece, RangeSlicer, Slicer
+from ringcomm.ps.updaters import SGD, Adam, Updater, make_updater
+from ringcomm.ps.worker import Handle, KVWorker, PSRequestError
 
 __all__ = [
     "SGD",

@@ -37,8 +37,8 @@ def _address(text: str) -> tuple[str, int]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ps-server`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
-    from .config import CONSISTENCY_MODES, UPDATE_MODES, PSConfig
-    from .updaters import UPDATERS
+    from ringcomm.ps.config import CONSISTENCY_MODES, UPDATE_MODES, PSConfig
+    from ringcomm.ps.updaters import UPDATERS
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "ps-server",
@@ -124,7 +124,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Any:
     """Validate parsed arguments into a :class:`~ringcomm.ps.config.PSConfig`; raise
     :class:`UsageError` (for a bad ``--index`` too)."""
-    from .config import PSConfig
+    from ringcomm.ps.config import PSConfig
 
     check_output_path(args.checkpoint_dir, "--checkpoint-dir", directory=True)
     opt: dict[str, Any] = {"lr": args.lr}
@@ -158,8 +158,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     logging.basicConfig(level=level, format=f"[ps-server {args.index}] %(message)s")
-    from ..errors import RingcommError
-    from .membership import run_server
+    from ringcomm.errors import RingcommError
+    from ringcomm.ps.membership import run_server
 
     try:
         server = run_server(

@@ -32,15 +32,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..config import security_mode
-from ..errors import CommTimeoutError, RendezvousError, RingcommError
-from ..group import init_process_group
-from ..rendezvous import Store, StoreServer
-from ..rendezvous.security import job_store
-from .config import PSConfig
-from .server import PSServer
-from .slicer import Slicer
-from .worker import KVWorker
+from ringcomm.config import security_mode
+from ringcomm.errors import CommTimeoutError, RendezvousError, RingcommError
+from ringcomm.group import init_process_group
+from ringcomm.ps.config import PSConfig
+from ringcomm.ps.server import PSServer
+from ringcomm.ps.slicer import Slicer
+from ringcomm.ps.worker import KVWorker
+from ringcomm.rendezvous import Store, StoreServer
+from ringcomm.rendezvous.security import job_store
 
 if TYPE_CHECKING:
     from typing_extensions import Self

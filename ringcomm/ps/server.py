@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import (
+from ringcomm.errors import (
     CommTimeoutError,
     GroupClosedError,
     MessageMismatchError,
     PeerFailedError,
     RingcommError,
 )
-from . import protocol as P
-from .config import PSConfig
-from .state import DTYPES, STATUS_OK, ServerState, load_checkpoint, save_checkpoint
+from ringcomm.ps import protocol as P
+from ringcomm.ps.config import PSConfig
+from ringcomm.ps.state import DTYPES, STATUS_OK, ServerState, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from typing_extensions import Self

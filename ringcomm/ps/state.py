@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from .config import PSConfig
-from .updaters import Updater, make_updater
+from ringcomm.ps.config import PSConfig
+from ringcomm.ps.updaters import Updater, make_updater
 
 __all__ = ["DTYPES", "ServerState", "Shard", "load_checkpoint", "save_checkpoint"]
 

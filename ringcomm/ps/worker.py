@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..errors import GroupClosedError, PeerFailedError, RingcommError
-from . import protocol as P
-from .slicer import HashSlicer, Piece, Slicer, check_key
-from .state import DTYPES, STATUS_LOST
+from ringcomm.errors import GroupClosedError, PeerFailedError, RingcommError
+from ringcomm.ps import protocol as P
+from ringcomm.ps.slicer import HashSlicer, Piece, Slicer, check_key
+from ringcomm.ps.state import DTYPES, STATUS_LOST
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -17,11 +17,11 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
-from ..config import InitConfig
-from ..transport.endpoints import EndpointInfo
-from ..transport.session import mint_token
-from .join import claim
-from .store import Store, StoreServer
+from ringcomm.config import InitConfig
+from ringcomm.rendezvous.join import claim
+from ringcomm.rendezvous.store import Store, StoreServer
+from ringcomm.transport.endpoints import EndpointInfo
+from ringcomm.transport.session import mint_token
 
 __all__ = [
     "FRAME_SLACK_BYTES",

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .partition import split_rows
+from ringcomm.schedule.partition import split_rows
 
 __all__ = ["HierPlan", "Topology", "hier_plan", "piece_bounds", "topology"]
 

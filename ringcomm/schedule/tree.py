@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .ring import ring_position
+from ringcomm.schedule.ring import ring_position
 
 __all__ = ["binomial_children", "binomial_parent", "binomial_rounds", "chain_neighbors"]
 

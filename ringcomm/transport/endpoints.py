@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import TRANSPORT_MODES  # re-exported: the modes are parsed in ringcomm.config
+from ringcomm.config import TRANSPORT_MODES  # re-exported: the modes are parsed in ringcomm.config
 
 __all__ = [
     "TRANSPORT_MODES",

@@ -47,12 +47,12 @@ from collections import deque
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RingcommError
-from .base import EVENT_DISCONNECTED, INLINE_MAX_BYTES, Completion, Stream
-from .wire import inline_frame
+from ringcomm.errors import RingcommError
+from ringcomm.transport.base import EVENT_DISCONNECTED, INLINE_MAX_BYTES, Completion, Stream
+from ringcomm.transport.wire import inline_frame
 
 if TYPE_CHECKING:
-    from .base import Transport
+    from ringcomm.transport.base import Transport
 
 __all__ = ["MemoryHub", "MemoryTransport", "Sent"]
 

@@ -68,8 +68,7 @@ import msgpack
 import zmq
 
 from ringcomm.errors import CommTimeoutError, RingcommError
-
-from .session import MAC_BYTES, NONCE_BYTES, SessionKeys, mac
+from ringcomm.transport.session import MAC_BYTES, NONCE_BYTES, SessionKeys, mac
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -43,8 +43,8 @@ import struct
 import tempfile
 from typing import Any
 
-from .base import LANE_MAX_PAYLOAD_BYTES
-from .endpoints import private_dir
+from ringcomm.transport.base import LANE_MAX_PAYLOAD_BYTES
+from ringcomm.transport.endpoints import private_dir
 
 __all__ = ["LANE_MAX_PAYLOAD_BYTES", "LANE_RECV_BYTES", "PARTS_TAG", "UnixLane"]
 

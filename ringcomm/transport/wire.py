@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from .base import INLINE_MAX_BYTES, ZERO_COPY_MIN_BYTES
+from ringcomm.transport.base import INLINE_MAX_BYTES, ZERO_COPY_MIN_BYTES
 
 __all__ = [
     "INLINE_MAX_BYTES",

@@ -56,9 +56,9 @@ from typing import Any, cast
 import zmq
 from zmq.utils import z85
 
-from ..errors import RingcommError
-from . import shm_lane
-from .base import (
+from ringcomm.errors import RingcommError
+from ringcomm.transport import shm_lane
+from ringcomm.transport.base import (
     EVENT_DISCONNECTED,
     EVENT_HANDSHAKE_OK,
     INLINE_MAX_BYTES,
@@ -67,12 +67,12 @@ from .base import (
     Completion,
     Stream,
 )
-from .endpoints import ipc_path, release_private_dir
-from .session import LoginCheck, job_key, plain_login
-from .shm_lane import ShmSegments
-from .unix_lane import UnixLane
-from .wire import inline_frame
-from .zap import ZapHandler
+from ringcomm.transport.endpoints import ipc_path, release_private_dir
+from ringcomm.transport.session import LoginCheck, job_key, plain_login
+from ringcomm.transport.shm_lane import ShmSegments
+from ringcomm.transport.unix_lane import UnixLane
+from ringcomm.transport.wire import inline_frame
+from ringcomm.transport.zap import ZapHandler
 
 __all__ = [
     "EVENT_DISCONNECTED",
