@@ -29,13 +29,13 @@ from ringcomm.config import resolve_init_config
 from ringcomm.group import ProcessGroup
 
 try:  # the progress engine's class was called Engine before issue 16
-    from ringcomm.progress import Progress
+    from ringcomm.core.progress import Progress
 except ImportError:
-    from ringcomm.progress import Engine as Progress  # type: ignore[attr-defined,no-redef]
+    from ringcomm.core.progress import Engine as Progress  # type: ignore[attr-defined,no-redef]
 from ringcomm.transport.wire import INLINE_MAX_BYTES
 
 try:  # the tree measured may predate the group core / transport boundary (A/B runs)
-    from ringcomm.group_core import GroupCore, ProcessState
+    from ringcomm.core.group_core import GroupCore, ProcessState
     from ringcomm.transport.wire import inline_frame
 except ImportError:  # before issue 16
     GroupCore = ProcessState = inline_frame = None  # type: ignore[assignment,misc]

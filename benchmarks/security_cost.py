@@ -107,7 +107,7 @@ def _paired_rank(pg: Any, blocks: int, calls: int) -> dict[str, float]:
 
     import numpy as np
 
-    from ringcomm.progress import Progress
+    from ringcomm.core.progress import Progress
     from ringcomm.transport.workspace import Workspace
 
     real_aborted, real_failed = Progress.aborted, Workspace.failed_peer

@@ -25,8 +25,8 @@ import sys
 import time
 from typing import Any
 
+from ringcomm.cli.train import run_training
 from ringcomm.config import parse_size
-from ringcomm.engine.cli import run_training
 from ringcomm.engine.strategy import TrainConfig
 from ringcomm.engine.train import summarize
 

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from ringcomm.engine.cli import run_training
+from ringcomm.cli.train import run_training
 from ringcomm.engine.strategy import TrainConfig
 from ringcomm.engine.train import summarize
 

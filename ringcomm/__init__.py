@@ -11,6 +11,8 @@ See docs/contracts.md for the contracts; ``ringcomm.errors`` for the error tree.
 from __future__ import annotations
 
 from ringcomm._version import __version__
+from ringcomm.core.p2p import ANY_SOURCE
+from ringcomm.core.work import Work
 from ringcomm.errors import (
     AuthenticationError,
     CollectiveMismatchError,
@@ -26,8 +28,6 @@ from ringcomm.errors import (
 from ringcomm.group import ProcessGroup, init_process_group
 from ringcomm.launch import spawn
 from ringcomm.ops import ReduceOp
-from ringcomm.p2p import ANY_SOURCE
-from ringcomm.work import Work
 
 __all__ = [
     "ANY_SOURCE",

@@ -25,7 +25,7 @@ With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at 
 ``RINGCOMM_STORE_EXTERNAL``, ``RINGCOMM_TRANSPORT``, ``RINGCOMM_SECURITY``,
 ``RINGCOMM_MAX_UNEXPECTED_MESSAGES``/``_BYTES``, ``RINGCOMM_LOCAL_LANE``, ``RINGCOMM_SHM``,
 ``RINGCOMM_BIND``, ``RINGCOMM_TRACE_DIR``/``RINGCOMM_TRACE``/``RINGCOMM_TRACE_ENTRIES``
-(the flight recorder, ringcomm.flight), ``RINGCOMM_HOST_ID`` (pretend hosts), ``RINGCOMM_RESTART`` (set by the launcher for a
+(the flight recorder, ringcomm.core.flight), ``RINGCOMM_HOST_ID`` (pretend hosts), ``RINGCOMM_RESTART`` (set by the launcher for a
 restarted rank), ``RINGCOMM_TUNE_FILE`` (the cost model the group chooses algorithms
 with: :attr:`InitConfig.tune_file`; only its name is resolved here, the group reads it).
 Every invalid value raises :class:`RendezvousError` naming the variable, its value and the
@@ -280,7 +280,7 @@ class InitConfig:
     #: How peers are reached (``transport=`` / ``RINGCOMM_TRANSPORT``): one of
     #: :data:`TRANSPORT_MODES`.
     transport: str = "auto"
-    #: The flight recorder (ringcomm.flight): operations each rank remembers
+    #: The flight recorder (ringcomm.core.flight): operations each rank remembers
     #: (``RINGCOMM_TRACE_ENTRIES``, 0: off), where the record is written
     #: (``RINGCOMM_TRACE_DIR``), and whether ``close()`` writes it too (``RINGCOMM_TRACE=1``).
     trace_entries: int = 4096
@@ -293,7 +293,7 @@ class InitConfig:
     #: How many times the launcher restarted this rank (``RINGCOMM_RESTART``, set by
     #: ``ringcomm run --max-restarts``): > 0 joins the running job (``ProcessGroup.grow``).
     restart: int = 0
-    #: The cost model the group chooses algorithms and piece sizes with (ringcomm.costmodel,
+    #: The cost model the group chooses algorithms and piece sizes with (ringcomm.tuning.costmodel,
     #: written by ``ringcomm tune``): ``RINGCOMM_TUNE_FILE``, else :data:`DEFAULT_TUNE_FILE`
     #: if it exists; None: none (``RINGCOMM_TUNE_FILE=none``). Rank 0 reads it when the
     #: group forms and every rank uses rank 0's. ``tune_file_required``: the variable named

@@ -27,33 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm import group_summary, lifecycle
 from ringcomm._version import __version__
-from ringcomm.buffers import check_array, check_peer, check_tag
 from ringcomm.collectives import HIER_ALGO
 from ringcomm.collectives import api as _collectives
+from ringcomm.collectives.hierarchy import Hierarchy
 from ringcomm.config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
-from ringcomm.costmodel import ALGORITHMS as MODEL_ALGORITHMS
-from ringcomm.costmodel import CostModel, load_tune_file
-from ringcomm.device.p2p import recv_op_class, send_op_class
-from ringcomm.device.xp import select_device
-from ringcomm.elastic import (
-    SHRINK_SLICE_S,
-    agree_survivors,
-    connect_store,
-    dead_view,
-    explain_store_loss,
-    failover_ports,
-    watch_members,
-)
-from ringcomm.errors import (
-    CommTimeoutError,
-    GroupClosedError,
-    PeerFailedError,
-    RendezvousError,
-    RingcommError,
-)
-from ringcomm.group_core import (
+from ringcomm.core import lifecycle
+from ringcomm.core import summary as group_summary
+from ringcomm.core.buffers import check_array, check_peer, check_tag
+from ringcomm.core.group_core import (
     CHECKOUT_MAX_S,
     WORLD_GROUP_ID,
     GroupCore,
@@ -62,16 +44,34 @@ from ringcomm.group_core import (
     setup_workspace,
     workspace_possible,
 )
-from ringcomm.hierarchy import Hierarchy
-from ringcomm.ops import ReduceOp, parse_op
-from ringcomm.p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
-from ringcomm.progress import (
+from ringcomm.core.p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
+from ringcomm.core.progress import (
     DEPART_CLOSE,
     DEPART_ERROR,
     MAX_UNEXPECTED_BYTES,
     MAX_UNEXPECTED_MESSAGES,
     Progress,
 )
+from ringcomm.core.regroup import (
+    SHRINK_SLICE_S,
+    agree_survivors,
+    connect_store,
+    dead_view,
+    explain_store_loss,
+    failover_ports,
+    watch_members,
+)
+from ringcomm.core.work import Work
+from ringcomm.device.p2p import recv_op_class, send_op_class
+from ringcomm.device.xp import select_device
+from ringcomm.errors import (
+    CommTimeoutError,
+    GroupClosedError,
+    PeerFailedError,
+    RendezvousError,
+    RingcommError,
+)
+from ringcomm.ops import ReduceOp, parse_op
 from ringcomm.rendezvous import Store, StoreServer, meeting
 from ringcomm.rendezvous import security as _security
 from ringcomm.rendezvous.hosting import ServerLease
@@ -85,7 +85,8 @@ from ringcomm.transport.endpoints import (
 from ringcomm.transport.wire import WIRE_VERSION
 from ringcomm.transport.workspace import AVAILABLE as WORKSPACE_AVAILABLE
 from ringcomm.transport.zmq_transport import ZmqTransport
-from ringcomm.work import Work
+from ringcomm.tuning.costmodel import ALGORITHMS as MODEL_ALGORITHMS
+from ringcomm.tuning.costmodel import CostModel, load_tune_file
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 
@@ -104,7 +105,7 @@ class ProcessGroup:
     """A set of ranks that communicate. Use as a context manager; ``close()`` is idempotent.
 
     Ranks given to and returned by methods are ranks *of this group* (0..world_size-1).
-    The facade over a :class:`~ringcomm.group_core.GroupCore` (``core``), which is what
+    The facade over a :class:`~ringcomm.core.group_core.GroupCore` (``core``), which is what
     the collectives and point-to-point operations use.
     """
 
@@ -297,7 +298,7 @@ class ProcessGroup:
         """Reduce ``x`` over the group in place; return ``x`` (a Work if ``async_op``).
 
         A group that spans hosts, with several ranks on one of them, reduces hierarchically
-        (:mod:`ringcomm.hierarchy`: within each host, then across hosts, one inter-host
+        (:mod:`ringcomm.collectives.hierarchy`: within each host, then across hosts, one inter-host
         group per local rank) unless ``algo`` (or ``RINGCOMM_ALGO``) names a flat
         algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
         if async_op is False and self._hierarchical(x, op, algo):
@@ -621,7 +622,7 @@ class ProcessGroup:
         logger): ``op``, ``bucket_bytes`` (the next power of two of the call's bytes),
         ``count``, ``bytes``, ``total_s``, ``median_s``, ``busbw_GBps`` (nccl-tests'
         factors). Every group of the process counts; empty with RINGCOMM_TRACE_ENTRIES=0.
-        ``ringcomm.flight.summary_table(rows)`` prints it."""
+        ``ringcomm.core.flight.summary_table(rows)`` prints it."""
         return self.core.state.recorder.summary()
 
     def trace(self, reason: str = "pg.trace()") -> str | None:
@@ -639,7 +640,7 @@ class ProcessGroup:
         """A new, healthy world group of the survivors, with consecutive ranks in the old
         order (NCCL's ``ncclCommShrink``); this group is closed. Every survivor calls it
         after a peer failed (or left); they agree on who survived through the store
-        (:mod:`ringcomm.elastic`): the same member list everywhere. If the store's host
+        (:mod:`ringcomm.core.regroup`): the same member list everywhere. If the store's host
         was among the dead (rank 0, no launcher serving the store), the lowest survivor
         serves a new store on its own address, at the first free port of the old port + 1..8. Sub-groups are not
         carried over: make them again with ``new_group`` on the result. Survivors that

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.engine.cli import run_training
+from ringcomm.cli.train import run_training
 from ringcomm.engine.elastic import summarize_elastic
 from ringcomm.engine.strategy import TrainConfig
 

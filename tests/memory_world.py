@@ -6,7 +6,7 @@ a ``ProcessState`` (no store, no store server) and the world ``ProcessGroup`` --
 one :class:`~ringcomm.transport.memory.MemoryHub` (:func:`hub_of` finds it). :func:`run_ranks` runs one function per rank on threads, as every rank of
 a job runs the same test body (mpi4py's habit).
 
-Not registered with :mod:`ringcomm.lifecycle` (no exit hook): close the groups at the
+Not registered with :mod:`ringcomm.core.lifecycle` (no exit hook): close the groups at the
 end (:func:`close_all`, or the :func:`memory_world` context manager).
 """
 
@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from ringcomm.config import InitConfig
+from ringcomm.core.group_core import WORLD_GROUP_ID, GroupCore, ProcessState
+from ringcomm.core.progress import Progress
 from ringcomm.group import DEFAULT_CHUNK_BYTES, ProcessGroup
-from ringcomm.group_core import WORLD_GROUP_ID, GroupCore, ProcessState
-from ringcomm.progress import Progress
 from ringcomm.transport.memory import MemoryHub, MemoryTransport
 
 __all__ = ["close_all", "hub_of", "memory_groups", "memory_world", "run_ranks"]

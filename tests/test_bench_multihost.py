@@ -109,8 +109,8 @@ def test_compare_mpi_across_hosts(bed: netns_hosts.Testbed, tmp_path: Path) -> N
 
 
 def test_placement_line_and_records() -> None:
-    from ringcomm.bench.cli import placement_line
     from ringcomm.bench.multihost import MARK, parse_records
+    from ringcomm.cli.bench import placement_line
 
     assert placement_line(["a", "a", "b"]).startswith("# ranks 0-1 on a; 2 on b (2 hosts)")
     lines = [f"[1] {MARK}" + json.dumps({"rank": 1, "hostname": "b", "records": [{"x": 1}]}),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ringcomm import cli
-from ringcomm.bench.cli import config_from_args, crowding_warning
+from ringcomm.cli.bench import config_from_args, crowding_warning
 
 BAD = "/nonexistent/x.json"
 

@@ -623,7 +623,7 @@ def test_init_process_group_hands_settings_to_the_engine() -> None:
         sub = pg.new_group([0])
         assert sub is not None and sub.chunk_bytes == 64 << 10
     with rc.init_process_group(0, 1, master_port=0, chunk_bytes=1000, timeout_s=7, env={}) as pg:
-        from ringcomm.progress import MAX_UNEXPECTED_BYTES, MAX_UNEXPECTED_MESSAGES
+        from ringcomm.core.progress import MAX_UNEXPECTED_BYTES, MAX_UNEXPECTED_MESSAGES
 
         assert pg.core.progress.max_unexpected_messages == MAX_UNEXPECTED_MESSAGES
         assert pg.core.progress.max_unexpected_bytes == MAX_UNEXPECTED_BYTES
@@ -818,12 +818,12 @@ def test_default_of() -> None:
 
 
 def test_cli_defaults_are_the_config_defaults() -> None:
-    from ringcomm.bench.cli import config_from_args as bench_config
     from ringcomm.bench.spec import BenchConfig
     from ringcomm.cli import build_parser
-    from ringcomm.engine.cli import config_from_args as train_config
+    from ringcomm.cli.bench import config_from_args as bench_config
+    from ringcomm.cli.ps_server import config_from_args as ps_config
+    from ringcomm.cli.train import config_from_args as train_config
     from ringcomm.engine.strategy import TrainConfig
-    from ringcomm.ps.cli import config_from_args as ps_config
     from ringcomm.ps.config import PSConfig
 
     parser = build_parser()

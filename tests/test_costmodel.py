@@ -1,4 +1,4 @@
-"""The cost model (ringcomm.costmodel) against hand-computed times, and its two subcommands,
+"""The cost model (ringcomm.tuning.costmodel) against hand-computed times, and its two subcommands,
 ``ringcomm model`` and ``ringcomm tune``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ringcomm import cli
-from ringcomm.costmodel import (
+from ringcomm.tuning.costmodel import (
     ALGORITHMS,
     HIER_SEGMENT_BYTES,
     CostModel,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from ringcomm.cli import build_parser, main
+from ringcomm.cli.train import config_from_args
 from ringcomm.device.xp import cupy_or_none
-from ringcomm.engine.cli import config_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--hidden", "16", "--layers", "2", "--in-features", "8", "--classes", "3",

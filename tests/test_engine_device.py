@@ -37,8 +37,8 @@ import pytest
 from conftest import compare_to_single
 
 import ringcomm as rc
+from ringcomm.cli.train import run_training
 from ringcomm.device.standin import STANDIN, StandinArray
-from ringcomm.engine.cli import run_training
 from ringcomm.engine.memory import CupyPoolMeter, device_used_bytes, make_meter, staging_stats
 from ringcomm.engine.strategy import (
     DEVICES,

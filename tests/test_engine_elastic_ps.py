@@ -20,7 +20,7 @@ import pytest
 from elastic_oracle import check_against_single
 
 import ringcomm as rc
-from ringcomm.engine.cli import run_training
+from ringcomm.cli.train import run_training
 from ringcomm.engine.strategy import TrainConfig
 from ringcomm.ps import PSConfig
 from ringcomm.ps.state import ServerState

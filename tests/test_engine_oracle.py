@@ -22,7 +22,7 @@ import pytest
 from conftest import compare_to_single
 
 import ringcomm as rc
-from ringcomm.engine.cli import run_training
+from ringcomm.cli.train import run_training
 from ringcomm.engine.strategy import TrainConfig
 from ringcomm.engine.train import train_rank
 

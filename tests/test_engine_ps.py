@@ -32,7 +32,7 @@ import pytest
 
 import ringcomm as rc
 from ringcomm.cli import main
-from ringcomm.engine.cli import run_training
+from ringcomm.cli.train import run_training
 from ringcomm.engine.strategy import TrainConfig
 from ringcomm.engine.train import summarize, train_rank
 

@@ -33,7 +33,7 @@ import pytest
 from conftest import compare_to_single
 
 import ringcomm as rc
-from ringcomm.engine.cli import run_training
+from ringcomm.cli.train import run_training
 from ringcomm.engine.strategy import TrainConfig
 from ringcomm.engine.tp import local_shape
 from ringcomm.engine.train import train_rank
@@ -257,7 +257,7 @@ def test_usage_errors_exit_2(argv: list[str], message: str, capsys) -> None:
 
 def test_mesh_options_parse() -> None:
     from ringcomm.cli import build_parser
-    from ringcomm.engine.cli import config_from_args
+    from ringcomm.cli.train import config_from_args
 
     args = build_parser().parse_args(
         ["train", "--strategy", "3d", "-n", "8", "--dp", "2", "--pp", "2", "--tp", "2",

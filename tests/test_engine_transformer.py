@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ringcomm.engine.cli import run_training
+from ringcomm.cli.train import run_training
 from ringcomm.engine.data import SyntheticNextToken
 from ringcomm.engine.mesh import DeviceMesh, mesh_groups
 from ringcomm.engine.nn import backward_layers, forward_layers

@@ -28,8 +28,8 @@ from fast_lane_calls import CASES, count_lane, interop_calls, is_blocking
 from memory_world import hub_of, memory_world, run_ranks
 
 import ringcomm as rc
-from ringcomm import progress
-from ringcomm.progress import POLL_SLICE_S
+from ringcomm.core import progress
+from ringcomm.core.progress import POLL_SLICE_S
 
 pytestmark = pytest.mark.timeout(60)
 

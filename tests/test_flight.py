@@ -1,4 +1,4 @@
-"""The flight recorder (ringcomm.flight): the ring buffer, the comms summary, the files a
+"""The flight recorder (ringcomm.core.flight): the ring buffer, the comms summary, the files a
 rank writes to RINGCOMM_TRACE_DIR, the desync report and the Chrome trace
 (``ringcomm trace DIR``)."""
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import ringcomm as rc
-from ringcomm import flight
 from ringcomm.collectives import ALGORITHMS, WORKSPACE_ALGO
+from ringcomm.core import flight
 
 
 # ------------------------------------------------------------------------------ in-process

@@ -253,7 +253,7 @@ def check_engine_results(
     losses and final parameters against NumPy's ``single`` (:data:`ENGINE_TOL`), arrays of
     ``module`` on GPU ``rank % gpus``, the staged path used, memory readings that hold at
     least the model state, activation peaks measured for the pipeline."""
-    from ringcomm.engine.cli import run_training
+    from ringcomm.cli.train import run_training
     from ringcomm.engine.strategy import TrainConfig
 
     n = len(per_rank)

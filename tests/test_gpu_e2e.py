@@ -383,7 +383,7 @@ def cuda_collectives_job(rank: int, world_size: int, store_path: str) -> dict[st
             assert torch.equal(w.result()[0], full(sum(range(W)) + W * k, 4096)), k
 
     def zero_copy() -> None:
-        from ringcomm.torch_device import CudaDevice
+        from ringcomm.torch_backend.device import CudaDevice
 
         t = torch.arange(10.0, device=device)
         a = CudaDevice().array(t)

@@ -1,4 +1,4 @@
-"""Hierarchical collectives (ringcomm.hierarchy) on pretend hosts: each rank's
+"""Hierarchical collectives (ringcomm.collectives.hierarchy) on pretend hosts: each rank's
 ``RINGCOMM_HOST_ID`` says which host it is on, so ranks of different "hosts" talk over
 tcp:// and share no memory, ranks of one host use their workspace. The matrix
 (tests/scripts/hier_check.py): all_reduce over dtypes x ops x counts 0, 1, M-1, M, M+1,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ringcomm.hierarchy import MIN_STEP_S, Budget
+from ringcomm.collectives.hierarchy import MIN_STEP_S, Budget
 from ringcomm.schedule.topology import hier_plan, piece_bounds, topology
 
 REPO = Path(__file__).resolve().parents[1]

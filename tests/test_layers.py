@@ -32,61 +32,52 @@ PACKAGE = "ringcomm"
 # ("ringcomm" itself matches only the package's own __init__). A module may import its own
 # layer or any lower one, never a higher one.
 LAYER_NAMES = {
-    0: "base: errors, config, xp, standin, schedule, costmodel, ops, lifecycle, flight, wire format",
+    0: "base: errors, config, ops, schedule, xp and its stand-in, tuning.costmodel, "
+    "core.lifecycle, core.flight, the wire format",
     1: "transport",
     2: "rendezvous",
-    3: "progress",
-    4: "group core: group_core, work, buffers, device staging",
-    5: "collectives + p2p",
-    6: "group facade (group.py)",
+    3: "core.progress",
+    4: "core: group_core, work, buffers, regroup, summary; device staging",
+    5: "collectives + core.p2p",
+    6: "group facade (group.py), collectives.hierarchy over its sub-groups",
     7: "ps, engine",
-    8: "top: bench, launch, torch_backend, cli, the package's re-exports",
+    8: "top: cli, bench, launch, torch_backend, tuning.hosts, the package's re-exports",
 }
 LAYERS: dict[str, int] = {
     "ringcomm._version": 0,
     "ringcomm.errors": 0,
     "ringcomm.config": 0,
+    "ringcomm.ops": 0,  # reducers
+    "ringcomm.schedule": 0,  # pure schedules
     "ringcomm.device.xp": 0,  # the only module that imports cupy
     "ringcomm.device.standin": 0,  # the host stand-in for cupy.ndarray; xp imports it, it imports nothing
     "ringcomm.device.standin_math": 0,  # the stand-in's arithmetic (imports nothing of ours)
-    "ringcomm.standin": 0,  # the old name of device.standin, a re-export
-    "ringcomm.schedule": 0,  # pure schedules
-    "ringcomm.costmodel": 0,  # the alpha-beta-gamma cost model (pure)
-    "ringcomm.ops": 0,  # reducers
-    "ringcomm.lifecycle": 0,  # the one exit hook
-    "ringcomm.flight": 0,  # the flight recorder and its report (pure but for its file)
+    "ringcomm.tuning": 0,  # the package's own __init__ (imports nothing)
+    "ringcomm.tuning.costmodel": 0,  # the alpha-beta-gamma cost model (pure)
+    "ringcomm.tuning.hosts": 8,  # ringcomm tune --hostfile: its probe job and fit
+    "ringcomm.core.lifecycle": 0,  # the one exit hook
+    "ringcomm.core.flight": 0,  # the flight recorder and its report (pure but for its file)
     "ringcomm.transport.wire": 0,  # pure pack/unpack (in transport/, but below any socket)
     "ringcomm.transport.base": 0,  # the transport interface and path thresholds (pure)
     "ringcomm.transport": 1,  # the transport interface and its lanes; zmq lives here only
     "ringcomm.rendezvous": 2,
-    "ringcomm.progress": 3,
-    "ringcomm.group_core": 4,
-    "ringcomm.elastic": 4,  # agreeing on a failed group's survivors (over the store)
-    "ringcomm.group_summary": 4,  # RINGCOMM_LOG=info: what a group runs on (reads a GroupCore)
-    "ringcomm.work": 4,
-    "ringcomm.buffers": 4,
+    "ringcomm.core.progress": 3,
+    "ringcomm.core": 4,  # the group core and what it is made of (the __init__ imports nothing)
     "ringcomm.device": 4,  # the device side (the package's own __init__ imports nothing)
     "ringcomm.device.staging": 4,  # device staging, beside the group core
     "ringcomm.collectives": 5,
-    "ringcomm.p2p": 5,
+    "ringcomm.core.p2p": 5,
     "ringcomm.device.p2p": 5,  # device p2p: builds on p2p and staging
     "ringcomm.group": 6,  # ProcessGroup, the facade: nothing below imports it
-    "ringcomm.hierarchy": 6,  # hierarchical collectives over a ProcessGroup's sub-groups
+    "ringcomm.collectives.hierarchy": 6,  # hierarchical collectives over a ProcessGroup's sub-groups
     # The naive reference collectives (test oracles) are written with ProcessGroup's p2p.
     "ringcomm.collectives.reference": 7,
     "ringcomm.ps": 7,
     "ringcomm.engine": 7,
-    "ringcomm.ps.cli": 8,  # subcommands of the ringcomm CLI, above the facade like cli.py
-    "ringcomm.engine.cli": 8,
     "ringcomm.bench": 8,
     "ringcomm.launch": 8,
-    "ringcomm.torch_backend": 8,
-    "ringcomm.torch_device": 8,  # the torch backend's device tensors and streams
-    "ringcomm.cli": 8,
-    "ringcomm.trace_cli": 8,
-    "ringcomm.model_cli": 8,
-    "ringcomm.tune_cli": 8,
-    "ringcomm.tune_hosts": 8,  # ringcomm tune --hostfile: its probe job and fit
+    "ringcomm.torch_backend": 8,  # the torch backend and its device tensors and streams
+    "ringcomm.cli": 8,  # every subcommand's parser and driver
     "ringcomm.__main__": 8,
     "ringcomm": 8,  # ringcomm/__init__.py re-exports the public API (group, launch, ...)
 }
@@ -96,12 +87,12 @@ CONFINED = {
     "zmq": ("ringcomm.transport",),  # today: transport.zmq_transport and transport.rpc
     "cupy": ("ringcomm.device.xp",),
     "cupyx": ("ringcomm.device.xp",),
-    "torch": ("ringcomm.torch_backend", "ringcomm.torch_device", "ringcomm.bench.gloo"),
+    "torch": ("ringcomm.torch_backend", "ringcomm.bench.gloo"),
 }
 
 # "engine never touches the transport, only a ProcessGroup" (DESIGN §3).
 FORBIDDEN = {
-    "ringcomm.engine": ("ringcomm.transport", "ringcomm.rendezvous", "ringcomm.progress"),
+    "ringcomm.engine": ("ringcomm.transport", "ringcomm.rendezvous", "ringcomm.core.progress"),
 }
 
 # --- allow-lists: known violations, each to be fixed, none to be added ---------------------
@@ -369,11 +360,11 @@ def test_allow_lists_are_current() -> None:
 def test_the_checks_see_known_shapes() -> None:
     """The walker resolves relative, submodule, lazy, typing and dynamic imports."""
     by_pair = {(e.importer, e.imported): e.kind for e in internal_edges()}
-    assert ("ringcomm.group", "ringcomm.lifecycle") in by_pair  # from . import lifecycle
+    assert ("ringcomm.group", "ringcomm.core.lifecycle") in by_pair  # from . import lifecycle
     assert ("ringcomm.group", "ringcomm.collectives.api") in by_pair  # from .collectives import
     assert by_pair[("ringcomm.collectives.reference", "ringcomm.group")] == "typing"
     assert by_pair[("ringcomm.launch.spawn", "ringcomm.group")] == "lazy"
-    assert by_pair[("ringcomm.cli", "ringcomm.engine.cli")] == "dynamic"
+    assert by_pair[("ringcomm.cli", "ringcomm.cli.train")] == "dynamic"
     assert any(e.imported == "cupy" for e in edges_of("ringcomm.device.xp"))
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from memory_world import close_all, hub_of, memory_groups, memory_world, run_ranks
 
+from ringcomm.core.progress import SUSPECT_GRACE_S
 from ringcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -27,7 +28,6 @@ from ringcomm.errors import (
     RingcommError,
 )
 from ringcomm.ops import reference_reduce
-from ringcomm.progress import SUSPECT_GRACE_S
 from ringcomm.transport.base import EVENT_DISCONNECTED, INLINE_MAX_BYTES, Stream
 from ringcomm.transport.memory import MemoryHub, MemoryTransport
 from ringcomm.transport.wire import KIND_P2P, Header, pack_header, unpack_header

@@ -33,9 +33,15 @@ from ringcomm.collectives.choice import (
     size_bucket,
 )
 from ringcomm.config import DEFAULT_TUNE_FILE, resolve_init_config
-from ringcomm.costmodel import HIER_SEGMENT_BYTES, CostModel, CpuModel, LinkModel, load_tune_file
 from ringcomm.group import ProcessGroup
 from ringcomm.rendezvous import StoreServer
+from ringcomm.tuning.costmodel import (
+    HIER_SEGMENT_BYTES,
+    CostModel,
+    CpuModel,
+    LinkModel,
+    load_tune_file,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

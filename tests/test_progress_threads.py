@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import ringcomm as rc
-from ringcomm import progress
+from ringcomm.core import progress
 
 ROUNDS = 40
 PERIOD_S = 0.010

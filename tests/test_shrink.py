@@ -1,4 +1,4 @@
-"""Shrinking a failed group to its survivors (``ProcessGroup.shrink``, ringcomm.elastic).
+"""Shrinking a failed group to its survivors (``ProcessGroup.shrink``, ringcomm.core.regroup).
 
 Real processes (not ``rc.spawn``, which stops every rank on the first failure): W ranks
 run a loop of collectives; one is killed with SIGKILL (rank 0 included: it hosts the
@@ -160,7 +160,7 @@ def test_a_second_failure_during_the_shrink_is_a_clear_error_everywhere(
 
 def test_a_reaped_process_counts_as_ended() -> None:
     # A killed peer that its parent (a launcher) already reaped has no pid left: it ended.
-    from ringcomm.group_core import wait_for_exit
+    from ringcomm.core.group_core import wait_for_exit
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

@@ -1,4 +1,4 @@
-"""The torch backend's device-tensor path on the CPU (``ringcomm.torch_device``).
+"""The torch backend's device-tensor path on the CPU (``ringcomm.torch_backend.device``).
 
 CUDA tensors cannot exist without a GPU, so the backend's device path is driven here by
 the stand-in device: CPU tensors posing as device tensors (``use_standin``), which the
@@ -58,7 +58,7 @@ def _device_path_calls() -> int:
 
 # -- the jobs (spawned ranks) --------------------------------------------------------------
 def standin_training_job(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
-    from ringcomm.torch_device import use_standin
+    from ringcomm.torch_backend.device import use_standin
 
     dev = use_standin()  # every CPU tensor of the ringcomm backend is a device tensor
     report = training_job(rank, world_size, store_path)
@@ -70,7 +70,7 @@ def standin_training_job(rank: int, world_size: int, store_path: str) -> dict[st
 def standin_collectives_job(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
     """test_torch_backend's collectives with contiguous tensors on the device path and
     non-contiguous ones on the host path (a job mixing both), then the device-only checks."""
-    from ringcomm.torch_device import use_standin
+    from ringcomm.torch_backend.device import use_standin
 
     dev = use_standin(claim=lambda t: t.is_contiguous())
     report: dict[str, Any] = dict(collectives_job(rank, world_size, store_path))
@@ -101,7 +101,7 @@ def standin_collectives_job(rank: int, world_size: int, store_path: str) -> dict
     dist.all_reduce(t)
     report["after_errors"] = t.tolist()
     # ordering across streams: issued on s1, waited for on s2
-    from ringcomm.torch_device import FakeStream
+    from ringcomm.torch_backend.device import FakeStream
 
     s1, s2 = FakeStream("s1"), FakeStream("s2")
     with dev.on_stream(s1):
@@ -184,7 +184,7 @@ def test_work_is_ordered_on_the_callers_streams(standin_reports: list[dict[str, 
 @pytest.fixture
 def one_rank_standin() -> Any:
     import ringcomm.torch_backend  # noqa: F401  (registers "ringcomm")
-    from ringcomm.torch_device import stop_standin, use_standin
+    from ringcomm.torch_backend.device import stop_standin, use_standin
 
     dev = use_standin()
     dist.init_process_group("ringcomm", store=dist.HashStore(), rank=0, world_size=1)
@@ -196,7 +196,7 @@ def one_rank_standin() -> Any:
 
 
 def test_is_completed_waits_for_the_callers_stream(one_rank_standin: Any) -> None:
-    from ringcomm.torch_device import FakeStream
+    from ringcomm.torch_backend.device import FakeStream
 
     dev = one_rank_standin
     s1, s2 = FakeStream("s1"), FakeStream("s2")

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from launcher_results import clean_env
 
-from ringcomm import flight
+from ringcomm.core import flight
 
 STRAGGLER = Path(__file__).resolve().parent / "scripts" / "straggler.py"
 SLEEP_S, TIMEOUT_S = "4", "1.5"

@@ -1,4 +1,4 @@
-"""``ringcomm tune --hostfile``: the probe across hosts (ringcomm.tune_hosts) on pretend
+"""``ringcomm tune --hostfile``: the probe across hosts (ringcomm.tuning.hosts) on pretend
 hosts and on network-namespace hosts, the CPU pools from the ranks' reports, the usage
 errors."""
 
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ringcomm import cli, tune_hosts
+from ringcomm import cli
 from ringcomm.bench.multihost import MARK
-from ringcomm.costmodel import CostModel, CpuModel, HostSample, LinkModel, predict_sample
-from ringcomm.tune_hosts import HostInfo, cpu_pools, fit, probe_specs, samples_from
+from ringcomm.tuning import hosts as tune_hosts
+from ringcomm.tuning.costmodel import CostModel, CpuModel, HostSample, LinkModel, predict_sample
+from ringcomm.tuning.hosts import HostInfo, cpu_pools, fit, probe_specs, samples_from
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "tune_probe.py"

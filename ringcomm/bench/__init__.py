@@ -12,5 +12,5 @@ Modules (top to bottom):
   module that imports torch), :mod:`~ringcomm.bench.mpi` (mpi4py, run under mpirun): one
   family each, each with ``bench(group, config) -> records``.
 * :mod:`~ringcomm.bench.runner` -- parent side: starts the ranks, merges their records.
-* :mod:`~ringcomm.bench.plot` (matplotlib, optional), :mod:`~ringcomm.bench.cli`.
+* :mod:`~ringcomm.bench.plot` (matplotlib, optional), :mod:`~ringcomm.cli.bench`.
 """

@@ -118,7 +118,7 @@ def parse_records(lines: Sequence[str], world_size: int) -> tuple[list[list[Reco
 
 def run_collecting(argv: list[str], timeout_s: float, what: str) -> tuple[int, list[str]]:
     """Run ``argv``; keep the lines carrying :data:`MARK`, pass the others to stderr
-    (also ``ringcomm tune --hostfile``'s probe job, :mod:`ringcomm.tune_hosts`).
+    (also ``ringcomm tune --hostfile``'s probe job, :mod:`ringcomm.tuning.hosts`).
 
     The child (``ringcomm run`` or ``mpirun``) gets SIGKILL if the bench dies, and its own
     teardown (ssh clients dying with it, remote watchdogs seeing EOF) stops the ranks."""

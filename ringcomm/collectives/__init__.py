@@ -149,7 +149,7 @@ BROADCAST_TREE_MAX_BYTES = 1024 * 1024
 
 #: The name of the shared-workspace algorithm (every collective has it on one host).
 WORKSPACE_ALGO = "shm"
-#: The hierarchical collectives of a group spanning hosts (ringcomm.hierarchy, above this
+#: The hierarchical collectives of a group spanning hosts (ringcomm.collectives.hierarchy, above this
 #: layer: ``RINGCOMM_ALGO=hier`` is valid here and means "no flat preference").
 HIER_ALGO = "hier"
 

@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.core.progress import INLINE_MAX_BYTES
 from ringcomm.ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
-from ringcomm.progress import INLINE_MAX_BYTES
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.transport.wire import KIND_COLL, Header
 

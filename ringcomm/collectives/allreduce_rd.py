@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.core.progress import ZERO_COPY_MIN_BYTES
 from ringcomm.ops import finalize, reduce_into
-from ringcomm.progress import ZERO_COPY_MIN_BYTES
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.rd import rd_allreduce_plan
 from ringcomm.transport.wire import Header

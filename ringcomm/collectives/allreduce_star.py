@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringcomm.collectives.allreduce_direct import AllReduceDirect
-from ringcomm.progress import INLINE_MAX_BYTES
+from ringcomm.core.progress import INLINE_MAX_BYTES
 from ringcomm.transport.wire import KIND_COLL
 
 __all__ = ["AllReduceStar"]

@@ -1,5 +1,5 @@
 """The public collective calls (``ProcessGroup`` methods delegate here, passing their
-:class:`~ringcomm.group_core.GroupCore`).
+:class:`~ringcomm.core.group_core.GroupCore`).
 
 Each call: check the arguments on the calling rank (TypeError/ValueError, before anything
 is sent), choose the algorithm, take the group's next collective sequence number, build the
@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.buffers import check_array, check_peer
 from ringcomm.collectives import (
     ALGORITHMS,
     HIER_ALGO,
@@ -42,6 +41,11 @@ from ringcomm.collectives.ipc import IpcCollectives
 from ringcomm.collectives.staged import PIPELINED, DeviceCall, staged_class
 from ringcomm.collectives.workspace import WorkspaceCollectives
 from ringcomm.config import ipc_small_bytes, ipc_window_bytes, mps_active
+from ringcomm.core.buffers import check_array, check_peer
+from ringcomm.core.flight import E_END, FOLD_MASK, RUNNING, now
+from ringcomm.core.group_core import GroupCore, setup_workspace
+from ringcomm.core.progress import Op
+from ringcomm.core.work import Work
 from ringcomm.device.ipc import ipc_device_for
 from ringcomm.device.staging import backend_for
 from ringcomm.device.xp import get_xp, is_device_array
@@ -51,11 +55,7 @@ from ringcomm.errors import (
     PeerFailedError,
     RingcommError,
 )
-from ringcomm.flight import E_END, FOLD_MASK, RUNNING, now
-from ringcomm.group_core import GroupCore, setup_workspace
 from ringcomm.ops import ReduceOp, check_op_dtype, parse_op
-from ringcomm.progress import Op
-from ringcomm.work import Work
 
 __all__ = [
     "all_gather",
@@ -207,7 +207,7 @@ def _run(
         return _run_call(group, call, timeout_s, async_op, what)
     # Inline, not recorder.start()/done(): the entry pushed here, ended by storing its end
     # time (its state reads "done" then), folded into the summary when the sequence
-    # number is a multiple of FOLD_BATCH (ringcomm.flight.FlightRecorder). Every load
+    # number is a multiple of FOLD_BATCH (ringcomm.core.flight.FlightRecorder). Every load
     # here counts: this is on every collective (~0.5 us a call in a 2-rank job before).
     # (call[i]: Call's name 0, algo 1, dtype 6, shape 7, nbytes 9; indexing a NamedTuple
     # costs less than its properties; nbytes None: dtype times shape, when folded)
@@ -481,7 +481,7 @@ def model_hier_segment(group: GroupCore, nbytes: int, collective: str) -> int | 
     return None if model is None else model.hier_segment(collective, nbytes)
 
 
-# -- checks of the calls that also run hierarchically (ringcomm.hierarchy, above) --------
+# -- checks of the calls that also run hierarchically (ringcomm.collectives.hierarchy, above) --------
 def check_reduce_scatter(group: GroupCore, x: Any, out: Any, op: Any) -> tuple[Any, Any, ReduceOp]:
     """reduce_scatter's arguments checked: ``(x, out, op)``, ``out`` allocated if None."""
     what = _what(group, "reduce_scatter")

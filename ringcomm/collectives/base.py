@@ -1,6 +1,6 @@
 """What every collective algorithm shares: the call, its fingerprint, inboxes and sends.
 
-An algorithm is a :class:`CollectiveOp` (a progress-engine :class:`~ringcomm.progress.Op`)
+An algorithm is a :class:`CollectiveOp` (a progress-engine :class:`~ringcomm.core.progress.Op`)
 built from two frozen descriptions, the same for every algorithm (the registry's one
 signature)::
 
@@ -71,9 +71,9 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from ringcomm.core.progress import Op, Progress, SerialQueue, Stream
 from ringcomm.errors import CollectiveMismatchError, CommTimeoutError, RingcommError
 from ringcomm.ops import ReduceOp
-from ringcomm.progress import Op, Progress, SerialQueue, Stream
 from ringcomm.transport.wire import KIND_COLL, Header, HeaderTemplate, pack_header
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The algorithm and piece size of a call, from a cost model (pure: no sockets).
 
 A group that loaded a cost model (``RINGCOMM_TUNE_FILE``, written by ``ringcomm tune``;
-:mod:`ringcomm.costmodel`) asks its :class:`ModelChooser` instead of the measured switch
+:mod:`ringcomm.tuning.costmodel`) asks its :class:`ModelChooser` instead of the measured switch
 points, for the collectives the model prices (:data:`MODELLED`). The chooser prices every
 algorithm the registry runs for the collective (the model's names mapped by
 :data:`REGISTRY_NAMES`; ``hier`` only where the caller says the group runs it) at the
@@ -10,8 +10,8 @@ group's world shape, ``hosts`` x ``ranks_per_host`` (hosts of different sizes: p
 piece size was set (``chunk_bytes=`` / ``RINGCOMM_CHUNK_BYTES`` / ``pg.chunk_bytes``), each
 of them at every piece size of :data:`CHUNK_CANDIDATES`; the cheapest wins (ties: the
 model's table order, then the group's own piece size). ``hier`` is priced in segments
-(:mod:`ringcomm.hierarchy` runs it so); a model with a CPU term (``ringcomm tune
---hostfile``, :class:`ringcomm.costmodel.CpuModel`) also chooses its segment size among
+(:mod:`ringcomm.collectives.hierarchy` runs it so); a model with a CPU term (``ringcomm tune
+--hostfile``, :class:`ringcomm.tuning.costmodel.CpuModel`) also chooses its segment size among
 :data:`SEGMENT_CANDIDATES` (:meth:`ModelChooser.hier_segment`): small segments shorten the
 part of the pipeline that does not overlap where a link bounds it, large ones cost less CPU
 per byte where the cores do. Without one, hier keeps its 8 MiB segments (a model that does
@@ -28,8 +28,8 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from ringcomm.costmodel import ALGORITHMS as MODEL_ALGORITHMS
-from ringcomm.costmodel import HIER_SEGMENT_BYTES, CostModel, predict
+from ringcomm.tuning.costmodel import ALGORITHMS as MODEL_ALGORITHMS
+from ringcomm.tuning.costmodel import HIER_SEGMENT_BYTES, CostModel, predict
 
 __all__ = [
     "CHUNK_CANDIDATES",
@@ -42,7 +42,7 @@ __all__ = [
     "size_bucket",
 ]
 
-#: The registry's name of the hierarchical algorithm (ringcomm.hierarchy, run by the group).
+#: The registry's name of the hierarchical algorithm (ringcomm.collectives.hierarchy, run by the group).
 HIER = "hier"
 #: The cost model's algorithm names -> the registry's (the model's others, ``ps`` and an
 #: all_reduce ``tree``, are not registry algorithms and never chosen).
@@ -180,7 +180,7 @@ class ModelChooser:
         """hier's predicted time and segment size (None: :data:`HIER_SEGMENT_BYTES`); a
         segment other than that only if it is predicted :data:`CHUNK_GAIN` faster. (A
         model without a CPU term prices hier as it did before it had one: steps one after
-        another, :func:`ringcomm.costmodel.predict`.)"""
+        another, :func:`ringcomm.tuning.costmodel.predict`.)"""
         t = self._time(model, collective, "hierarchical", size)
         best, segment = t, None
         if self.choose_segment:

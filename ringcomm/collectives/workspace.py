@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringcomm.collectives.base import Call, describe_fingerprint, fingerprint
+from ringcomm.core.progress import Op
+from ringcomm.core.work import Work
 from ringcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -57,14 +59,12 @@ from ringcomm.errors import (
     RingcommError,
 )
 from ringcomm.ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
-from ringcomm.progress import Op
 from ringcomm.transport import workspace as ws_mod
 from ringcomm.transport.wire import SUPPORTED_DTYPES
 from ringcomm.transport.workspace import FP, LINE_WORDS, Window, Workspace, WorkspaceTimeout
-from ringcomm.work import Work
 
 if TYPE_CHECKING:
-    from ringcomm.group_core import GroupCore
+    from ringcomm.core.group_core import GroupCore
 
 log = logging.getLogger("ringcomm")
 
@@ -134,7 +134,7 @@ class Job:
 
 
 class WorkspaceOp(Op):
-    """A queued (asynchronous) call as an :class:`~ringcomm.progress.Op`, so that a
+    """A queued (asynchronous) call as an :class:`~ringcomm.core.progress.Op`, so that a
     ``Work`` waits on it; never submitted to the engine."""
 
     def __init__(self, runner: WorkspaceCollectives, job: Job) -> None:

@@ -3,7 +3,7 @@
 :class:`StagedSendOp` enqueues the device->host copy of every piece on the staging stream
 first, then sends each piece once its copy is done (the copy of piece k+1 runs while piece
 k is sent); a piece's staging buffer goes back to the pool once libzmq let go of it.
-:class:`StagedRecvOp` receives into one pinned host buffer with :class:`~ringcomm.p2p.RecvOp`'s
+:class:`StagedRecvOp` receives into one pinned host buffer with :class:`~ringcomm.core.p2p.RecvOp`'s
 own matching and checks, and enqueues the host->device copy of each piece as soon as it
 is in (so the copy overlaps the receive of the next piece); the op completes once the
 last copy finished. The wire format is the same as for NumPy buffers: a device rank and a
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.core.p2p import RecvOp, SendOp
 from ringcomm.device.staging import DeviceStager, Slot, backend_for
-from ringcomm.p2p import RecvOp, SendOp
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 

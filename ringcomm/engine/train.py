@@ -8,7 +8,7 @@ finished), model-state bytes held at the end of the last step, ``peak_bytes``
 on a GPU), the pinned staging buffers' bytes (``staging_bytes``; device runs) and how many
 the run took from the staging pool, bytes sent per step (the group's counter), the
 strategy's extras.
-Launching the ranks is the CLI's (:func:`ringcomm.engine.cli.run_training`: a top-layer
+Launching the ranks is the CLI's (:func:`ringcomm.cli.train.run_training`: a top-layer
 module, so the engine never imports the launcher).
 :func:`summarize` turns the per-rank results into the ``train --json`` object (docs/contracts.md).
 """

@@ -1,6 +1,6 @@
 """``ringcomm run``: start N ranks of a script on this host and supervise them.
 
-Pipeline: ``ringcomm run``'s parser (:mod:`ringcomm.launch.cli`) -> :func:`config_from_args`
+Pipeline: ``ringcomm run``'s parser (:mod:`ringcomm.cli.run`) -> :func:`config_from_args`
 (a frozen :class:`RunConfig`) -> :func:`run`.
 
 What :func:`run` does (local mode):

@@ -1,6 +1,6 @@
 """``ringcomm run --hostfile FILE`` / ``-H h1:2,h2:2``: launch ranks on other hosts over ssh.
 
-Pipeline, as in local mode: ``ringcomm run``'s parser (:mod:`ringcomm.launch.cli`) ->
+Pipeline, as in local mode: ``ringcomm run``'s parser (:mod:`ringcomm.cli.run`) ->
 :func:`config_from_args` (a frozen :class:`SshRunConfig`) -> :func:`run`.
 
 What :func:`run` does:

@@ -370,7 +370,7 @@ def ask_for_traces(
     ranks: Sequence[RankProcess], trace_dir: str | None, wait_s: float = TRACE_WAIT_S
 ) -> list[int]:
     """With a trace directory: SIGUSR1 to every rank still running (its group's handler
-    writes its flight record there, ringcomm.flight), then wait until each has written
+    writes its flight record there, ringcomm.core.flight), then wait until each has written
     ``rank<N>.json`` since, at most ``wait_s``. The ranks that wrote one."""
     if not trace_dir or not hasattr(signal, "SIGUSR1"):
         return []

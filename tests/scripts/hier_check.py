@@ -31,7 +31,7 @@ if sys.argv[1] != "real":
     os.environ["RINGCOMM_HOST_ID"] = f"pretend-host-{HOSTS[RANK]}"  # before the group forms
 
 import ringcomm as rc  # noqa: E402
-from ringcomm import hierarchy  # noqa: E402
+from ringcomm.collectives import hierarchy  # noqa: E402
 from ringcomm.collectives.base import FP_STEP, CollectiveOp  # noqa: E402
 
 NAMES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"]

@@ -20,7 +20,7 @@ RANK = int(os.environ["RINGCOMM_RANK"])
 os.environ["RINGCOMM_HOST_ID"] = f"pretend-host-{HOSTS[RANK]}"  # before the group forms
 
 import ringcomm as rc  # noqa: E402
-from ringcomm import hierarchy  # noqa: E402
+from ringcomm.collectives import hierarchy  # noqa: E402
 
 SEEN: list[tuple[int | None, int]] = []
 _segments = hierarchy.Hierarchy._segments

@@ -18,7 +18,7 @@ os.environ["RINGCOMM_IPC_WINDOW_BYTES"] = "1024"  # many rounds inside the hosts
 os.environ["RINGCOMM_IPC_SMALL_BYTES"] = "0"
 
 import ringcomm as rc  # noqa: E402
-from ringcomm import hierarchy  # noqa: E402
+from ringcomm.collectives import hierarchy  # noqa: E402
 from ringcomm.device.standin import StandinArray, standin_array  # noqa: E402
 from ringcomm.ops import reference_reduce  # noqa: E402
 

@@ -7,7 +7,7 @@ cost model (``RINGCOMM_TUNE_FILE``), checked against NumPy; one line per call.
 
 Prints ``MODEL rank source|none`` and ``CALL rank op bytes algo ok``; ``algo`` as the
 flight recorder saw it: the world group's entry for the call, or ``hier`` when the call
-ran on sub-groups (ringcomm.hierarchy).
+ran on sub-groups (ringcomm.collectives.hierarchy).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The probe of ``ringcomm tune --hostfile`` (ringcomm.tune_hosts.probe) on pretend hosts,
+"""The probe of ``ringcomm tune --hostfile`` (ringcomm.tuning.hosts.probe) on pretend hosts,
 small: prints the rank's report as the ssh job's ranks do.
 
     ringcomm run -n N tune_probe.py HOSTS
@@ -18,7 +18,7 @@ os.environ["RINGCOMM_HOST_ID"] = f"pretend-host-{HOSTS[RANK]}"  # before the gro
 
 import ringcomm as rc  # noqa: E402
 from ringcomm.bench.multihost import MARK  # noqa: E402
-from ringcomm.tune_hosts import probe  # noqa: E402
+from ringcomm.tuning.hosts import probe  # noqa: E402
 
 KiB = 1 << 10
 SPECS = [("cross", 4 * KiB, None), ("cross", 256 * KiB, None), ("host", 256 * KiB, None),

@@ -1,7 +1,7 @@
 """``ringcomm trace DIR [--chrome FILE] [--json]``: read the ranks' flight records.
 
 ``DIR`` holds the ``rank<N>.json`` files the ranks wrote (``RINGCOMM_TRACE_DIR``; see
-:mod:`ringcomm.flight`). Prints the desync report: first the answer (the rank that is
+:mod:`ringcomm.core.flight`). Prints the desync report: first the answer (the rank that is
 behind or missing, and the op the others waited in; or a mismatch), then per group every
 rank's latest operation. ``--chrome FILE``
 also writes a Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing).
@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from ringcomm.config import UsageError, check_output_path
-from ringcomm.flight import chrome_trace, desync_report, load_dir
+from ringcomm.core.flight import chrome_trace, desync_report, load_dir
 
 __all__ = ["add_parser", "main"]
 

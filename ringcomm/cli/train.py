@@ -32,6 +32,7 @@ from ringcomm.config import (
     format_size,
     size_arg,
 )
+from ringcomm.core.flight import summary_table
 from ringcomm.engine.elastic import ELASTIC_STRATEGIES, summarize_elastic
 from ringcomm.engine.optim import OPTIMIZERS
 from ringcomm.engine.strategy import (
@@ -45,7 +46,6 @@ from ringcomm.engine.strategy import (
 from ringcomm.engine.train import bubble_lines, summarize, train_rank
 from ringcomm.engine.transformer import check_tp_sizes
 from ringcomm.errors import RingcommError
-from ringcomm.flight import summary_table
 from ringcomm.launch.spawn import spawn
 from ringcomm.schedule.pipeline import SCHEDULES
 
@@ -470,7 +470,7 @@ def main(args: argparse.Namespace) -> int:
         if cfg.comm_summary:
             result["comm_summary"] = [r.get("comm_summary") for r in per_rank]
             rows = per_rank[0].get("comm_summary") or []
-            print("collectives of rank 0 (ringcomm.flight.summary_table):\n" + summary_table(rows))
+            print("collectives of rank 0 (ringcomm.core.flight.summary_table):\n" + summary_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

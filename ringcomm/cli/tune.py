@@ -3,18 +3,18 @@
 Measures this machine's same-host link class with a short probe (one job of ``-n`` local
 ranks through the benchmark harness, :mod:`ringcomm.bench`: ring all_reduce,
 reduce_scatter and all_gather at a few sizes, checked, then timed back to back), fits the per-call overhead,
-alpha, beta and gamma of :mod:`ringcomm.costmodel` by least squares and writes a JSON that
+alpha, beta and gamma of :mod:`ringcomm.tuning.costmodel` by least squares and writes a JSON that
 ``ringcomm model --model FILE`` loads and a process group chooses its algorithms and
 piece sizes with (``RINGCOMM_TUNE_FILE``; the default ``--out``, ``ringcomm-model.json``,
 is where a group whose rank 0 starts in this directory looks). On one host the network
 parameters come from ``--net-gbps``/``--net-latency-us``; with ``--hostfile``/``-H`` a
 probe across the hosts (every rank active, through the ssh launcher) measures the network's
 effective alpha and beta and the CPU the ranks of a host (and co-located hosts) share, and
-fits them (:mod:`ringcomm.tune_hosts`). Exit status: 0; 1 if a rank failed or a result was
+fits them (:mod:`ringcomm.tuning.hosts`). Exit status: 0; 1 if a rank failed or a result was
 wrong; 2 for a usage error.
 
 ``ringcomm tune --hostfile F | -H h1:2,h2:2 [--ssh-config F]``: fit it across hosts
-(:mod:`ringcomm.tune_hosts`).
+(:mod:`ringcomm.tuning.hosts`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ringcomm.config import (
     parse_size,
     size_arg,
 )
-from ringcomm.costmodel import CostModel, Fit, Sample, design_row, fit_local
+from ringcomm.tuning.costmodel import CostModel, Fit, Sample, design_row, fit_local
 
 if TYPE_CHECKING:
     from ringcomm.bench.sweep import Record
@@ -62,7 +62,7 @@ PROBE_ENV = {"RINGCOMM_ALGO": "ring", "RINGCOMM_WORKSPACE": "0", "RINGCOMM_TUNE_
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ringcomm.model_cli import add_link_options
+    from ringcomm.cli.model import add_link_options
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "tune",
@@ -151,9 +151,9 @@ def _rate(s_per_byte: float) -> str:
 def main(args: argparse.Namespace) -> int:
     from ringcomm.bench.report import summarize
     from ringcomm.bench.spec import BenchConfig, SizeSpec, element_count
+    from ringcomm.cli.model import model_from_args
     from ringcomm.errors import RankFailedError
     from ringcomm.launch import spawn
-    from ringcomm.model_cli import model_from_args
 
     check_output_path(args.out, "--out")
     if args.hostfile is not None or args.hosts is not None:
@@ -240,10 +240,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _main_hosts(args: argparse.Namespace) -> int:
     """``ringcomm tune --hostfile F | -H ...``: the probe across hosts and its fit."""
-    from ringcomm.bench.cli import hosts_from_args
-    from ringcomm.costmodel import HIER_SEGMENT_BYTES, predict_sample
-    from ringcomm.model_cli import model_from_args
-    from ringcomm.tune_hosts import (
+    from ringcomm.cli.bench import hosts_from_args
+    from ringcomm.cli.model import model_from_args
+    from ringcomm.tuning.costmodel import HIER_SEGMENT_BYTES, predict_sample
+    from ringcomm.tuning.hosts import (
         DEFAULT_SIZE,
         cpu_pools,
         fit,

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ringcomm.core.progress import Op, Progress
 from ringcomm.errors import MessageMismatchError, RingcommError
-from ringcomm.progress import Op, Progress
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 

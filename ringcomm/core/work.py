@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ringcomm.progress import Op, Progress
+from ringcomm.core.progress import Op, Progress
 
 __all__ = ["Work"]
 

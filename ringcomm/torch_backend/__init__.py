@@ -48,7 +48,7 @@ ringcomm[torch]``). How it fits into torch.distributed (checked against torch 2.
   exception as the value: DDP would read it as tensors and crash), so under DDP the error
   surfaces from ``loss.backward()``.
 
-CUDA tensors (:mod:`ringcomm.torch_device`): a CUDA tensor goes to ringcomm as a CuPy array
+CUDA tensors (:mod:`ringcomm.torch_backend.device`): a CUDA tensor goes to ringcomm as a CuPy array
 on its memory (DLPack, no copy); each call is ordered after the caller's current stream at
 the call, the backend's own steps after ringcomm's (copies back, casts) run on that stream,
 and ``Work.wait()`` makes the waiter's current stream wait for them (NCCL's semantics); the
@@ -118,13 +118,14 @@ from torch._C._distributed_c10d import (
 from torch.futures import Future
 
 from ringcomm.config import env_master_addr, env_token, security_mode
+from ringcomm.core.p2p import ANY_SOURCE
+from ringcomm.core.work import Work as RcWork
 from ringcomm.errors import CommTimeoutError, RingcommError
 from ringcomm.group import ProcessGroup as RcGroup
 from ringcomm.group import init_process_group
-from ringcomm.p2p import ANY_SOURCE
 from ringcomm.rendezvous import StoreServer
 from ringcomm.rendezvous.security import job_store
-from ringcomm.torch_device import (
+from ringcomm.torch_backend.device import (
     CallScope,
     DeviceBinding,
     array_of,
@@ -132,7 +133,6 @@ from ringcomm.torch_device import (
     start_call,
     tensor_of,
 )
-from ringcomm.work import Work as RcWork
 
 __all__ = ["BACKEND_NAME", "RingcommProcessGroup", "RingcommWork"]
 
@@ -186,7 +186,7 @@ _Post = Callable[[], object]
 # -- tensors <-> arrays ------------------------------------------------------------------
 def _check_cpu(t: Any, what: str) -> torch.Tensor:
     """Check a tensor of the current call: a dense tensor on the CPU or on the rank's device,
-    on the same device as the call's others (:meth:`ringcomm.torch_device.CallScope.check`)."""
+    on the same device as the call's others (:meth:`ringcomm.torch_backend.device.CallScope.check`)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.is_sparse:

@@ -27,6 +27,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
+from ringcomm.core.group_core import GroupCore, wait_for_exit
 from ringcomm.errors import (
     AuthenticationError,
     CommTimeoutError,
@@ -34,7 +35,6 @@ from ringcomm.errors import (
     RendezvousError,
     RingcommError,
 )
-from ringcomm.group_core import GroupCore, wait_for_exit
 from ringcomm.rendezvous import Store
 
 __all__ = [

@@ -33,13 +33,13 @@ USAGE_EXIT = 2
 
 #: Modules providing ``add_parser(subparsers)`` and ``main(args)``, in help order.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "ringcomm.launch.cli",
-    "ringcomm.bench.cli",
-    "ringcomm.engine.cli",
-    "ringcomm.ps.cli",
-    "ringcomm.trace_cli",
-    "ringcomm.model_cli",
-    "ringcomm.tune_cli",
+    "ringcomm.cli.run",
+    "ringcomm.cli.bench",
+    "ringcomm.cli.train",
+    "ringcomm.cli.ps_server",
+    "ringcomm.cli.trace",
+    "ringcomm.cli.model",
+    "ringcomm.cli.tune",
 )
 
 

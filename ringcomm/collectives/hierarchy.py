@@ -44,10 +44,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ringcomm.costmodel import HIER_SEGMENT_BYTES
 from ringcomm.device.xp import get_xp
 from ringcomm.ops import ReduceOp
 from ringcomm.schedule.topology import Topology, hier_plan, piece_bounds
+from ringcomm.tuning.costmodel import HIER_SEGMENT_BYTES
 
 __all__ = ["FLAT_ALGO", "MIN_STEP_S", "Budget", "Hierarchy"]
 

@@ -1,6 +1,6 @@
 """``ringcomm model --hosts H --ranks-per-host L --size S``: predicted times per algorithm.
 
-Prints, from the alpha-beta-gamma model of :mod:`ringcomm.costmodel`, one row per algorithm
+Prints, from the alpha-beta-gamma model of :mod:`ringcomm.tuning.costmodel`, one row per algorithm
 of ``--op`` for the given world (time, nccl-tests busbw, bytes on the busiest host uplink),
 the winner and the sizes where the winner changes; then a scan of worlds of 1, 2, 4, ...,
 512 hosts of ``L`` ranks (2 to 4096 ranks) with each row's winner and crossover points.
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ringcomm.config import UsageError, check_output_path, format_size, size_arg
-from ringcomm.costmodel import (
+from ringcomm.tuning.costmodel import (
     ALGORITHMS,
     HIER_SEGMENT_BYTES,
     CostModel,

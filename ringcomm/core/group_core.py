@@ -5,7 +5,7 @@ Two public classes, below the collectives (docs/architecture.md) and above the p
 * :class:`ProcessState`: what every group of one process shares (the config, the progress
   engine, the rendezvous store and, on rank 0, its server) and how the process leaves them
   all: ``close()``/``abort()`` of the world group, or the exit hooks of
-  :mod:`ringcomm.lifecycle`, for which it is the registered leaver.
+  :mod:`ringcomm.core.lifecycle`, for which it is the registered leaver.
 * :class:`GroupCore`: one group as its calls see it: rank translation, the serial queue of
   its collectives, their per-shape plans and sequence numbers, deadlines, whether it may
   still be used, and running an operation (blocking, or a ``Work``).
@@ -25,18 +25,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ringcomm import lifecycle
 from ringcomm.config import InitConfig, ipc_enabled
-from ringcomm.costmodel import CostModel
+from ringcomm.core import lifecycle
+from ringcomm.core.flight import FlightRecorder
+from ringcomm.core.progress import DEPART_ERROR, Op, Progress, SerialQueue
+from ringcomm.core.work import Work
 from ringcomm.errors import CommTimeoutError, GroupClosedError, PeerFailedError, RingcommError
-from ringcomm.flight import FlightRecorder
-from ringcomm.progress import DEPART_ERROR, Op, Progress, SerialQueue
 from ringcomm.rendezvous import Store, StoreServer
 from ringcomm.rendezvous.hosting import ServerLease
 from ringcomm.schedule.topology import Topology, topology
 from ringcomm.transport import workspace as ws_mod
 from ringcomm.transport.endpoints import EndpointInfo, host_identity
-from ringcomm.work import Work
+from ringcomm.tuning.costmodel import CostModel
 
 __all__ = [
     "CHECKOUT_MAX_S",
@@ -65,7 +65,7 @@ CULPRIT_LEAD_S = 0.2
 class ProcessState:
     """What all groups of one process share: the engine, the store, the config; and how
     the process leaves them all (``close``/``abort`` of the world group, or the exit
-    hooks of :mod:`ringcomm.lifecycle`, for which this is the registered leaver)."""
+    hooks of :mod:`ringcomm.core.lifecycle`, for which this is the registered leaver)."""
 
     def __init__(
         self,
@@ -86,7 +86,7 @@ class ProcessState:
         self.peers: dict[int, EndpointInfo] = {}
         self.host_id = config.host_id or host_identity()
         #: How many shrinks made this world group (0: the one init_process_group formed),
-        #: and the port its store listens on (ringcomm.elastic).
+        #: and the port its store listens on (ringcomm.core.regroup).
         self.epoch = 0
         self.store_port = config.master_port
         #: The store connection under ``store`` when that is a prefixed view of it (every
@@ -103,7 +103,7 @@ class ProcessState:
         #: The cost model the group's calls choose algorithms with (RINGCOMM_TUNE_FILE:
         #: rank 0's, shared when the world group formed); None: the measured switch points.
         self.costmodel: CostModel | None = None
-        #: This process's last operations (ringcomm.flight; RINGCOMM_TRACE_*).
+        #: This process's last operations (ringcomm.core.flight; RINGCOMM_TRACE_*).
         self.recorder = FlightRecorder(
             config.trace_entries, config.rank, config.trace_dir, config.trace_at_close
         )

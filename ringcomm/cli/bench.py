@@ -48,7 +48,7 @@ _REDOPS = ("sum", "avg", "max", "min", "prod")
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
-    from ringcomm.buffers import SUPPORTED_DTYPE_NAMES
+    from ringcomm.core.buffers import SUPPORTED_DTYPE_NAMES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "bench",

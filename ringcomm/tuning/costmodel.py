@@ -112,7 +112,7 @@ FORMAT_VERSION = 2
 #: The versions :meth:`CostModel.from_dict` reads.
 READ_VERSIONS = (1, 2)
 #: Bytes (of the per-rank buffer ``S``) per segment of a hierarchical call when nothing
-#: chose another (``ringcomm.hierarchy.SEGMENT_BYTES``).
+#: chose another (``ringcomm.collectives.hierarchy.SEGMENT_BYTES``).
 HIER_SEGMENT_BYTES = 8 << 20
 _CLASSES = ("local", "net")
 
@@ -626,7 +626,7 @@ def _crosses(step: Step) -> bool:
 
 def _segmented_time(model: CostModel, p: Plan, size: float, segment_bytes: int) -> float:
     """A hierarchical plan run in segments of ``segment_bytes`` (of ``S``), as
-    :mod:`ringcomm.hierarchy` runs it: the host's steps of one segment overlap the steps
+    :mod:`ringcomm.collectives.hierarchy` runs it: the host's steps of one segment overlap the steps
     across hosts of the one before. The call lasts as long as the slower of: the pipeline
     of those two stages (``m`` segments of the slower stage, plus the faster once: the
     pipeline fills and drains; each stage's steps at the segment's size, each step at least
@@ -833,7 +833,7 @@ def design_row(
 
     Linear only where every step's reduction is not overlapped with its transfer: one
     piece per transfer, i.e. ``size`` small enough that no transfer exceeds
-    ``chunk_bytes`` (:func:`ringcomm.costmodel` prices ``k`` pieces as an overlap).
+    ``chunk_bytes`` (:func:`ringcomm.tuning.costmodel` prices ``k`` pieces as an overlap).
     """
     p = plan(op, algo, 1, world_size)
     row = np.zeros(4)

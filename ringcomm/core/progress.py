@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
+from ringcomm.core.lifecycle import DEPART_ERROR, DEPART_EXIT
 from ringcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -65,7 +66,6 @@ from ringcomm.errors import (
     QueueLimitError,
     RingcommError,
 )
-from ringcomm.lifecycle import DEPART_ERROR, DEPART_EXIT
 from ringcomm.transport.base import (
     EVENT_DISCONNECTED,
     EVENT_HANDSHAKE_OK,

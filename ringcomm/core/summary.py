@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ringcomm.config import binds_to_core, format_size
-from ringcomm.group_core import GroupCore
+from ringcomm.core.group_core import GroupCore
 from ringcomm.transport.endpoints import choose_endpoint
 
 __all__ = ["describe"]

@@ -1,8 +1,8 @@
 """``ringcomm tune --hostfile F | -H h1:2,h2:2 [--ssh-config F]``: fit the cost model across hosts.
 
-One job of the ssh launcher (``ringcomm run --hostfile ... -m ringcomm.tune_hosts CONFIG``,
+One job of the ssh launcher (``ringcomm run --hostfile ... -m ringcomm.tuning.hosts CONFIG``,
 as ``ringcomm bench --hostfile`` starts its ranks, :mod:`ringcomm.bench.multihost`) runs,
-on every rank of every host at once, the probes of :data:`ringcomm.costmodel.PROBE_KINDS`
+on every rank of every host at once, the probes of :data:`ringcomm.tuning.costmodel.PROBE_KINDS`
 (float32 sum all_reduce): the flat ring over the whole group, the hierarchical schedule in
 two segment sizes, only its steps across hosts (every local rank's ring with the ranks of
 its local index elsewhere, all at once) and only its steps on the hosts. Each is checked
@@ -10,8 +10,8 @@ once, then timed back to back (the bench's convention: each rank's median, the s
 rank's). Every rank also reports its host's boot id and the cores it may run on: hosts
 with one boot id are one machine (network namespaces, containers) and share its cores.
 
-:func:`ringcomm.costmodel.fit_hosts` then fits the network's effective alpha and beta and
-the CPU terms (:class:`ringcomm.costmodel.CpuModel`) to the measured times; the rest (the
+:func:`ringcomm.tuning.costmodel.fit_hosts` then fits the network's effective alpha and beta and
+the CPU terms (:class:`ringcomm.tuning.costmodel.CpuModel`) to the measured times; the rest (the
 same-host link, the reduction, the per-call overhead) comes from ``--base`` (a file of
 ``ringcomm tune`` on one host) or the defaults. The command prints each probe beside the
 fitted model and writes the JSON (format version 2) that ``RINGCOMM_TUNE_FILE`` and
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.config import environ_changed
-from ringcomm.costmodel import HIER_SEGMENT_BYTES, CostModel, HostFit, HostSample, fit_hosts
+from ringcomm.tuning.costmodel import HIER_SEGMENT_BYTES, CostModel, HostFit, HostSample, fit_hosts
 
 __all__ = [
     "DEFAULT_SIZE",
@@ -87,7 +87,7 @@ def _cores() -> int:
 def probe(pg: Any, specs: Sequence[Sequence[Any]], iters: int, warmup: int) -> dict[str, Any]:
     """What every rank runs: each probe of ``specs`` checked once, then ``warmup`` untimed
     and ``iters`` timed calls back to back; this rank's times and wrong elements."""
-    from ringcomm.hierarchy import Hierarchy
+    from ringcomm.collectives.hierarchy import Hierarchy
     from ringcomm.ops import ReduceOp
 
     topo = pg.topology
@@ -150,7 +150,7 @@ class HostInfo:
 
 
 def cpu_pools(infos: Sequence[HostInfo]) -> tuple[float, int]:
-    """``(cores, shared_hosts)`` of :class:`ringcomm.costmodel.CpuModel` from every rank's
+    """``(cores, shared_hosts)`` of :class:`ringcomm.tuning.costmodel.CpuModel` from every rank's
     report: hosts reporting one boot id are one machine; ``shared_hosts`` is 0 when every
     host is on one machine, else the most hosts any machine holds (1: hosts of their own);
     ``cores``: the fewest cores a rank of the busiest machine may run on."""
@@ -194,7 +194,7 @@ def run_probe(
     argv += ["--hostfile", hosts.hostfile] if hosts.hostfile else ["-H", hosts.hosts_option]
     if hosts.ssh_config is not None:
         argv += ["--ssh-config", hosts.ssh_config]
-    argv += ["-n", str(hosts.world_size), "-m", "ringcomm.tune_hosts", json.dumps(config)]
+    argv += ["-n", str(hosts.world_size), "-m", "ringcomm.tuning.hosts", json.dumps(config)]
     # (the launcher passes RINGCOMM_* on; the probes name their algorithms)
     with environ_changed({"RINGCOMM_TUNE_FILE": "none", "RINGCOMM_ALGO": None}):
         code, lines = run_collecting(argv, timeout_s, "the probe job")
@@ -222,10 +222,10 @@ def fit(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """On every rank (under ``ringcomm run``): ``python -m ringcomm.tune_hosts CONFIG``."""
+    """On every rank (under ``ringcomm run``): ``python -m ringcomm.tuning.hosts CONFIG``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m ringcomm.tune_hosts CONFIG_JSON", file=sys.stderr)
+        print("usage: python -m ringcomm.tuning.hosts CONFIG_JSON", file=sys.stderr)
         return 2
     config = json.loads(args[0])
     import ringcomm as rc
