@@ -10,7 +10,6 @@ import re
 import numpy as np
 import pytest
 
-from ringcomm.bench import cli as bench_cli
 from ringcomm.bench.inputs import count_wrong, expected_output, rank_input
 from ringcomm.bench.mpi import mpirun_command
 from ringcomm.bench.report import (
@@ -35,6 +34,7 @@ from ringcomm.bench.spec import (
     sweep_bytes,
 )
 from ringcomm.bench.sweep import run_sweep
+from ringcomm.cli import bench as bench_cli
 from ringcomm.cli import build_parser
 
 # --- plan ---------------------------------------------------------------------------------
