@@ -157,10 +157,17 @@ def test_a_stand_in_event_wait_gives_up_through_its_watch() -> None:
 
 
 # --------------------------------------------------------------------------- the stand-in catches
-def job_mutations(pg: rc.ProcessGroup, mutation: str) -> int:
-    """all_reduce over windows with one piece of the protocol taken away: wrong results."""
+def job_mutations(pg: rc.ProcessGroup, mutation: str, flags: str) -> int:
+    """all_reduce over windows with one piece of the protocol taken away: wrong results.
+
+    Without its record a rank's copies into its window are ordered by nothing, so the
+    result depends on when each process runs its (lazy) stream. "no record" fixes the
+    order a GPU is free to choose: rank 0 runs its stream only once rank 1 has finished
+    the same call (told through a file in ``flags``), so rank 1 reads windows rank 0 has
+    not written yet. The intact protocol would wait there for rank 0's record: not run."""
     import ringcomm.device.ipc as dipc
 
+    at = {"it": -1}
     if mutation == "no wait":
         dipc.StandinIpcDevice.wait = lambda self, stream, ev, watch: None  # type: ignore[method-assign]
     elif mutation == "no offset":
@@ -170,12 +177,29 @@ def job_mutations(pg: rc.ProcessGroup, mutation: str) -> int:
         )
     elif mutation == "no record":
         dipc.StandinIpcDevice.record = lambda self, stream, ev: None  # type: ignore[method-assign]
+        if pg.rank == 0:
+            complete = dipc.StandinIpcDevice.complete
+
+            def late(self: Any, stream: Any, watch: Any) -> None:
+                if at["it"] >= 0:
+                    done = Path(flags) / f"done.{at['it']}"
+                    stop = time.monotonic() + 20
+                    while not done.exists():  # bounded: rank 1 never waits for rank 0 here
+                        assert time.monotonic() < stop, "rank 1 did not finish its call"
+                        time.sleep(0.001)
+                complete(self, stream, watch)
+
+            dipc.StandinIpcDevice.complete = late  # type: ignore[method-assign]
     n, r = pg.world_size, pg.rank
+    pg.all_reduce(standin_array(np.zeros(3001, np.float32)), timeout_s=20)  # windows set up
     wrong = 0
     for it in range(4):
+        at["it"] = it
         count = 3001
         x = standin_array(np.arange(count, dtype=np.float32) + r + it)
         pg.all_reduce(x, timeout_s=20)
+        if r == 1:
+            (Path(flags) / f"done.{it}").touch()
         want = np.arange(count, dtype=np.float32) * n + n * (n - 1) / 2 + n * it
         wrong += not np.array_equal(x.get(), want)
     return wrong
@@ -184,9 +208,9 @@ def job_mutations(pg: rc.ProcessGroup, mutation: str) -> int:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mutation", ["none", "no wait", "no offset", "no record"])
 def test_the_stand_in_shows_a_missing_wait_as_wrong_bytes(
-    mutation: str, tiny_windows: None
+    mutation: str, tiny_windows: None, tmp_path: Path
 ) -> None:
-    wrong = rc.spawn(job_mutations, 2, args=(mutation,), timeout_s=100)
+    wrong = rc.spawn(job_mutations, 2, args=(mutation, str(tmp_path)), timeout_s=100)
     if mutation == "none":
         assert wrong == [0, 0]
     else:
