@@ -53,7 +53,7 @@ import numbers
 import os
 import re
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -566,8 +566,14 @@ def _origin(*found: _Found | None) -> str:
     return "(" + ", ".join(f"{f.name} from {f.label}" for f in present) + ")"
 
 
+def environment() -> MutableMapping[str, str]:
+    """The process's environment. The one place ringcomm reaches it: other modules ask
+    here (a launcher copies it for the ranks it starts, a setting is parsed below)."""
+    return os.environ
+
+
 def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if env is None else env
+    return environment() if env is None else env
 
 
 def bind_mode(env: Mapping[str, str] | None = None) -> str:
