@@ -91,15 +91,15 @@ def test_standin_windows_sit_at_an_offset_and_peers_map_them() -> None:
     dev = StandinIpcDevice()
     win = dev.alloc_window(1000)
     assert win.offset == STANDIN_GUARD_BYTES and win.size == STANDIN_GUARD_BYTES + 1000
-    win.buf._host[:] = np.arange(1000) % 251
+    win.buf.host[:] = np.arange(1000) % 251
     view = dev.map_window(win.handle, win.offset, 1000, win.size)
     again = dev.map_window(win.handle, win.offset + 10, 20, win.size)
     assert isinstance(view, StandinArray)
-    assert np.array_equal(view._host, np.arange(1000) % 251)
-    assert np.array_equal(again._host, np.arange(10, 30))
+    assert np.array_equal(view.host, np.arange(1000) % 251)
+    assert np.array_equal(again.host, np.arange(10, 30))
     assert dev.cache.opens == 1 and dev.cache.references(win.handle) == 2
     wrong = dev.map_window(win.handle, 0, 16, win.size)  # the offset forgotten
-    assert not np.array_equal(wrong._host, np.arange(16))
+    assert not np.array_equal(wrong.host, np.arange(16))
     for _ in range(3):
         dev.unmap_window(win.handle)
     assert dev.cache.closes == 1
@@ -121,7 +121,7 @@ def test_standin_event_wait_orders_two_streams() -> None:
     peer_ev = b.open_event(handle)
     peer_win = b.map_window(win.handle, win.offset, 64, win.size)
     for waits in (False, True):
-        win.buf._host[:] = 0
+        win.buf.host[:] = 0
         dst = standin_array(np.zeros(64, np.uint8))
         a.copy(sa, win.buf, src)
         a.record(sa, ev)
@@ -129,7 +129,7 @@ def test_standin_event_wait_orders_two_streams() -> None:
             b.wait(sb, peer_ev, watch=sa.run_one)  # A's stream steps while B spins
         b.copy(sb, dst, peer_win)
         b.complete(sb, watch=lambda: None)
-        assert np.array_equal(dst._host, np.arange(64)) is waits, waits
+        assert np.array_equal(dst.host, np.arange(64)) is waits, waits
         a.complete(sa, watch=lambda: None)
     assert peer_ev.completed == 2 and ev.recorded == 2
 

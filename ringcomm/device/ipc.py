@@ -475,22 +475,22 @@ class StandinIpcDevice(IpcDevice):
 
     # copies and kernels
     def copy(self, stream: Any, dst: Any, src: Any) -> None:
-        d, s = _u8(dst)._host, _u8(src)._host
+        d, s = _u8(dst).host, _u8(src).host
         stream.enqueue(lambda: np.copyto(d, s))
 
     def d2h(self, stream: Any, host: np.ndarray, dev: Any) -> None:
-        s = _u8(dev)._host
+        s = _u8(dev).host
         h = host.reshape(-1).view(np.uint8)
         stream.enqueue(lambda: np.copyto(h, s))
 
     def h2d(self, stream: Any, dev: Any, host: np.ndarray) -> None:
-        d = _u8(dev)._host
+        d = _u8(dev).host
         h = host.reshape(-1).view(np.uint8)
         stream.enqueue(lambda: np.copyto(d, h))
 
     def reduce(self, stream: Any, op: ReduceOp, srcs: Sequence[Any], out: Any) -> None:
-        hosts = [s._host for s in srcs]
-        o = out._host
+        hosts = [s.host for s in srcs]
+        o = out.host
         if len(hosts) == 1:
             stream.enqueue(lambda: np.copyto(o, hosts[0]))
             return
@@ -499,7 +499,7 @@ class StandinIpcDevice(IpcDevice):
         stream.enqueue(lambda: reduce_in_order(ufunc, hosts, o, silence=silence))
 
     def finalize(self, stream: Any, op: ReduceOp, acc: Any, world_size: int) -> None:
-        a = acc._host
+        a = acc.host
         stream.enqueue(lambda: finalize(op, a, world_size))
 
 

@@ -93,7 +93,7 @@ class StagedRecvOp(RecvOp):
             time.monotonic() + STAGING_TIMEOUT_S,
             self.describe(),
         )
-        self._slot = st._acquire(self.x.nbytes)
+        self._slot = st.acquire(self.x.nbytes)
         self.data = self._slot.buf[: self.x.nbytes]  # RecvOp fills this host buffer
         super().start()
 

@@ -261,34 +261,34 @@ class HostStandinBackend(DeviceBackend):
         return StandinArray(np.empty(nbytes, np.uint8))
 
     def d2h(self, stream: _LazyStream, host: np.ndarray, dev: StandinArray) -> None:
-        src = dev._host
+        src = dev.host
         stream.enqueue(lambda: np.copyto(host, src))
 
     def h2d(self, stream: _LazyStream, dev: StandinArray, host: np.ndarray) -> None:
-        dst = dev._host
+        dst = dev.host
         stream.enqueue(lambda: np.copyto(dst, host))
 
     def d2d(self, stream: _LazyStream, dst: StandinArray, src: StandinArray) -> None:
-        d, s = dst._host, src._host
+        d, s = dst.host, src.host
         stream.enqueue(lambda: np.copyto(d, s))
 
     def reduce_into(self, stream: _LazyStream, op: ReduceOp, acc: Any, incoming: Any) -> None:
-        a, b = acc._host, incoming._host
+        a, b = acc.host, incoming.host
         stream.enqueue(lambda: reduce_into(op, a, b))
 
     def reduce_out(self, stream: _LazyStream, op: ReduceOp, a: Any, b: Any, out: Any) -> None:
-        x, y, o = a._host, b._host, out._host
+        x, y, o = a.host, b.host, out.host
         stream.enqueue(lambda: reduce_out(op, x, y, o))
 
     def finalize(self, stream: _LazyStream, op: ReduceOp, acc: Any, world_size: int) -> None:
-        a = acc._host
+        a = acc.host
         stream.enqueue(lambda: finalize(op, a, world_size))
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
-        return bool(np.may_share_memory(a._host, b._host))
+        return bool(np.may_share_memory(a.host, b.host))
 
     def same_memory(self, a: Any, b: Any) -> bool:
-        ha, hb = a._host, b._host
+        ha, hb = a.host, b.host
         return bool(
             ha.__array_interface__["data"][0] == hb.__array_interface__["data"][0]
             and ha.nbytes == hb.nbytes
@@ -589,8 +589,12 @@ class DeviceStager:
         backend.wait_event(self.stream, ready_event)
 
     # -- sending -------------------------------------------------------------------------
-    def _acquire(self, nbytes: int) -> Slot:
+    def acquire(self, nbytes: int) -> Slot:
+        """A staging slot of at least ``nbytes`` from the pool, waiting for one until the
+        call's deadline; the caller releases it (``pool.release``)."""
         return self.pool.acquire(nbytes, self.deadline, self.what)
+
+    _acquire = acquire  # (the name collectives/staged.py still uses)
 
     @staticmethod
     def bytes_of(a: Any) -> Any:
@@ -603,7 +607,7 @@ class DeviceStager:
         slot = self.pool.try_acquire(nbytes)
         if slot is None:  # the pool is at its bound: send what is queued, then wait
             self.pump(0)
-            slot = self._acquire(nbytes)
+            slot = self.acquire(nbytes)
         host = slot.buf[:nbytes]
         self.backend.d2h(self.stream, host, _u8(src))
         self._queue.append((slot, self.backend.record(self.stream), host, send, args))
@@ -630,7 +634,7 @@ class DeviceStager:
     # -- receiving -----------------------------------------------------------------------
     def _stage_in(self, payload: Any) -> tuple[Slot, np.ndarray]:
         nbytes = len(payload)
-        slot = self._acquire(nbytes)
+        slot = self.acquire(nbytes)
         host = slot.buf[:nbytes]
         host[...] = np.frombuffer(payload, np.uint8)
         return slot, host
@@ -671,7 +675,7 @@ class DeviceStager:
     def to_host(self, dev: Any) -> tuple[Slot, np.ndarray]:
         """A pinned host copy of all of ``dev`` (waited for); the caller releases the slot."""
         nbytes = dev.nbytes
-        slot = self._acquire(nbytes)
+        slot = self.acquire(nbytes)
         host = slot.buf[:nbytes]
         self.backend.d2h(self.stream, host, _u8(dev))
         self.backend.record(self.stream).synchronize()

@@ -44,74 +44,79 @@ def set_read_barrier(fn: Callable[[], None]) -> None:
 
 
 class StandinArray(ArrayMath):
-    """Stand-in device array: a NumPy array that only staging code and its own methods read."""
+    """Stand-in device array over the NumPy array :attr:`host` (its "device memory").
 
-    __slots__ = ("__weakref__", "_host")
+    Only the stand-in's own methods and the stand-in device backends (``staging``'s and
+    ``ipc``'s, which play CUDA's copies and kernels) read :attr:`host` directly: it skips
+    the stream, so other code reads the array with ``get()``.
+    """
+
+    __slots__ = ("__weakref__", "host")
 
     def __init__(self, host: np.ndarray) -> None:
         if not isinstance(host, np.ndarray):
             raise TypeError(f"StandinArray wraps a numpy.ndarray, got {type(host).__name__}")
-        self._host = host
+        self.host = host
 
     # -- the ndarray surface ringcomm uses ------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._host.shape
+        return self.host.shape
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return self._host.dtype
+        return self.host.dtype
 
     @property
     def size(self) -> int:
-        return self._host.size
+        return self.host.size
 
     @property
     def nbytes(self) -> int:
-        return self._host.nbytes
+        return self.host.nbytes
 
     @property
     def itemsize(self) -> int:
-        return self._host.itemsize
+        return self.host.itemsize
 
     @property
     def ndim(self) -> int:
-        return self._host.ndim
+        return self.host.ndim
 
     @property
     def flags(self) -> Any:
-        return self._host.flags
+        return self.host.flags
 
     def __len__(self) -> int:
-        return len(self._host)
+        return len(self.host)
 
     def reshape(self, *shape: Any) -> StandinArray:
-        return StandinArray(self._host.reshape(*shape))
+        return StandinArray(self.host.reshape(*shape))
 
     def view(self, dtype: Any) -> StandinArray:
-        return StandinArray(self._host.view(dtype))
+        return StandinArray(self.host.view(dtype))
 
     def __getitem__(self, index: Any) -> StandinArray:
         """Basic indexing gives a view, advanced indexing (stand-in index arrays, lists) a
         copy, one element a 0-d array: CuPy's semantics. NumPy index arrays are refused."""
-        got = self._host[host_operand(index, "stand-in __getitem__")]
+        got = self.host[host_operand(index, "stand-in __getitem__")]
         return StandinArray(got if isinstance(got, np.ndarray) else np.asarray(got))
 
     def copy(self) -> StandinArray:
-        return StandinArray(self._host.copy())
+        return StandinArray(self.host.copy())
 
     def get(self) -> np.ndarray:
         """A NumPy copy (like ``cupy.ndarray.get``: queued device work finishes first)."""
         for fn in _READ_BARRIER:
             fn()
-        return self._host.copy()
+        return self.host.copy()
 
     def set(self, arr: Any) -> None:
         """Overwrite with ``arr`` (like ``cupy.ndarray.set``)."""
-        self._host[...] = arr
+        self.host[...] = arr
 
     def __repr__(self) -> str:
-        return f"StandinArray({self._host!r})"
+        return f"StandinArray({self.host!r})"
 
 
 class StandinModule(ModuleMath):
@@ -133,11 +138,11 @@ class StandinModule(ModuleMath):
 
     @staticmethod
     def empty_like(a: StandinArray, dtype: Any = None) -> StandinArray:
-        return StandinArray(np.empty_like(a._host, dtype))
+        return StandinArray(np.empty_like(a.host, dtype))
 
     @staticmethod
     def zeros_like(a: StandinArray, dtype: Any = None) -> StandinArray:
-        return StandinArray(np.zeros_like(a._host, dtype))
+        return StandinArray(np.zeros_like(a.host, dtype))
 
     @staticmethod
     def asarray(a: Any, dtype: Any = None) -> StandinArray:
@@ -149,7 +154,7 @@ class StandinModule(ModuleMath):
 
     @staticmethod
     def may_share_memory(a: StandinArray, b: StandinArray) -> bool:
-        return bool(np.may_share_memory(a._host, b._host))
+        return bool(np.may_share_memory(a.host, b.host))
 
 
 STANDIN = StandinModule()

@@ -32,7 +32,7 @@ def host_operand(value: Any, what: str) -> Any:
     """``value`` as NumPy sees it: a stand-in array's host array (lists and tuples of them
     too); a NumPy array is refused (``TypeError``: a host array mixed with device ones)."""
     if isinstance(value, ArrayMath):
-        return value._host
+        return value.host
     if isinstance(value, np.ndarray):
         raise TypeError(
             f"{what}: a numpy.ndarray mixed with stand-in device arrays (copy it to the "
@@ -46,7 +46,7 @@ def host_operand(value: Any, what: str) -> Any:
 def _binary(name: str, fn: Callable[[Any, Any], Any], reflected: bool = False) -> Any:
     def method(self: ArrayMath, other: Any) -> Any:
         b = host_operand(other, f"stand-in {name}")
-        return self._wrap(fn(b, self._host) if reflected else fn(self._host, b))
+        return self._wrap(fn(b, self.host) if reflected else fn(self.host, b))
 
     method.__name__ = name
     return method
@@ -54,7 +54,7 @@ def _binary(name: str, fn: Callable[[Any, Any], Any], reflected: bool = False) -
 
 def _inplace(name: str, fn: Callable[[Any, Any], Any]) -> Any:
     def method(self: ArrayMath, other: Any) -> Any:
-        fn(self._host, host_operand(other, f"stand-in {name}"))  # in place on the host array
+        fn(self.host, host_operand(other, f"stand-in {name}"))  # in place on the host array
         return self
 
     method.__name__ = name
@@ -63,7 +63,7 @@ def _inplace(name: str, fn: Callable[[Any, Any], Any]) -> Any:
 
 def _unary(name: str, fn: Callable[[Any], Any]) -> Any:
     def method(self: ArrayMath) -> Any:
-        return self._wrap(fn(self._host))
+        return self._wrap(fn(self.host))
 
     method.__name__ = name
     return method
@@ -72,7 +72,7 @@ def _unary(name: str, fn: Callable[[Any], Any]) -> Any:
 def _reduction(name: str) -> Any:
     def method(self: ArrayMath, *args: Any, **kwargs: Any) -> Any:
         what = f"stand-in {name}"
-        host = getattr(self._host, name)(*host_operand(args, what), **_kw(kwargs, what))
+        host = getattr(self.host, name)(*host_operand(args, what), **_kw(kwargs, what))
         return self._wrap(host)
 
     method.__name__ = name
@@ -84,10 +84,10 @@ def _kw(kwargs: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 class ArrayMath:
-    """Operators and methods of a stand-in array (``self._host``: the NumPy array)."""
+    """Operators and methods of a stand-in array (``self.host``: the NumPy array)."""
 
     __slots__ = ()
-    _host: np.ndarray
+    host: np.ndarray
 
     def _wrap(self, value: Any) -> Any:
         """A NumPy result as a stand-in array (a NumPy scalar as a 0-d one, as CuPy)."""
@@ -116,47 +116,47 @@ class ArrayMath:
 
     # -- device to host: explicit, synchronising, one element -------------------------
     def item(self) -> Any:
-        return self._host.item()
+        return self.host.item()
 
     def __float__(self) -> float:
-        return float(self._host.item())
+        return float(self.host.item())
 
     def __int__(self) -> int:
-        return int(self._host.item())
+        return int(self.host.item())
 
     def __bool__(self) -> bool:
-        return bool(self._host.item()) if self._host.size == 1 else bool(self._host)
+        return bool(self.host.item()) if self.host.size == 1 else bool(self.host)
 
     # -- shape and layout ---------------------------------------------------------------
     @property
     def T(self) -> Any:
-        return self._wrap(self._host.T)
+        return self._wrap(self.host.T)
 
     @property
     def strides(self) -> tuple[int, ...]:
-        return self._host.strides
+        return self.host.strides
 
     def transpose(self, *axes: Any) -> Any:
-        return self._wrap(self._host.transpose(*axes))
+        return self._wrap(self.host.transpose(*axes))
 
     def swapaxes(self, a: int, b: int) -> Any:
-        return self._wrap(self._host.swapaxes(a, b))
+        return self._wrap(self.host.swapaxes(a, b))
 
     def ravel(self) -> Any:
-        return self._wrap(self._host.ravel())
+        return self._wrap(self.host.ravel())
 
     def astype(self, dtype: Any, copy: bool = True) -> Any:
-        return self._wrap(self._host.astype(dtype, copy=copy))
+        return self._wrap(self.host.astype(dtype, copy=copy))
 
     def fill(self, value: Any) -> None:
-        self._host.fill(host_operand(value, "stand-in fill"))
+        self.host.fill(host_operand(value, "stand-in fill"))
 
     def __setitem__(self, index: Any, value: Any) -> None:
         what = "stand-in __setitem__"
-        self._host[host_operand(index, what)] = host_operand(value, what)
+        self.host[host_operand(index, what)] = host_operand(value, what)
 
     def __iter__(self) -> Any:
-        return (self._wrap(row) for row in self._host)
+        return (self._wrap(row) for row in self.host)
 
     # -- reductions (0-d arrays, not scalars) ------------------------------------------
     sum = _reduction("sum")
