@@ -1,30 +1,15 @@
 """Reduce ops: how two buffers are combined, written once over an ``xp`` array module.
 
-The collectives call :func:`reduce_into` on every received piece and :func:`finalize` once at
-the end, the same code for NumPy and CuPy (``xp = get_xp(acc)``).
+The collectives call :func:`reduce_into` on every received piece and :func:`finalize` once
+at the end, the same code for NumPy and CuPy (``xp = get_xp(acc)``). Semantics match NCCL:
+floats in their own dtype (no widening, NaN propagates, overflow silent; AVG is SUM then
+one division by ``world_size``); integers wrap, AVG truncates toward zero; bool SUM/MAX are
+OR, PROD/MIN are AND, AVG raises. Any other dtype raises ``TypeError``.
 
-Semantics, per dtype family (they match NCCL; Gloo raises for some of these instead):
-
-* **float16/32/64** -- IEEE arithmetic in the buffer's own dtype: a float16 SUM accumulates
-  in float16, in place (no widening), so it can overflow to ``inf`` or lose precision on long
-  sums. MAX/MIN propagate NaN (``xp.maximum``/``xp.minimum``). Overflow to ``inf`` and
-  ``inf - inf = nan`` are silent (no NumPy ``RuntimeWarning``).
-  AVG = SUM, then one division by ``world_size`` (``xp.divide``, not a multiply by ``1/n``,
-  so that e.g. ``3 * x / 3 == x`` stays exact where IEEE allows).
-* **int8..int64, uint8..uint64** -- two's-complement arithmetic in the buffer's dtype:
-  SUM and PROD wrap on overflow like NumPy array arithmetic, silently (no warning).
-  AVG = the wrapped integer SUM, then division by ``world_size`` **truncating toward zero**
-  (like C, CUDA and NCCL): ``avg([-3, 0]) == -1`` (floor would give ``-2``).
-* **bool** -- logical: SUM and MAX are logical OR, PROD and MIN are logical AND (as torch
-  and NCCL treat bool). AVG on bool raises ``TypeError``.
-
-Any other dtype (complex, object, strings, datetime, ...) raises ``TypeError``.
-
-Operand order: ``reduce_into(op, acc, incoming)`` computes ``acc (op) incoming``; with
-``incoming_first=True`` it computes ``incoming (op) acc``. Every op here is commutative in
-value, but not always bit for bit (``maximum(0.0, -0.0)`` vs ``maximum(-0.0, 0.0)``, which of
-two NaN payloads survives an add), so algorithms that need identical bits on every rank (see
-``schedule/rd.py``) fix the order explicitly.
+Invariant: ``reduce_into(op, acc, incoming)`` computes ``acc (op) incoming``, and
+``incoming_first=True`` the reverse: ops are commutative in value but not always bit for
+bit, so algorithms that need identical bits on every rank fix the order. Per-dtype rules
+in full: docs/architecture.md, section "ops.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """One way out: however a rank's process ends, it ends promptly and its peers learn why.
 
-A process that formed a group registers it here (:func:`register`); the first
-registration installs three hooks, and nothing else in ringcomm closes at exit (no
-``__del__`` does I/O):
+A process that formed a group registers it (:func:`register`); the first registration
+installs the hooks: ``sys.excepthook`` (chained; leaves with :data:`DEPART_ERROR` and the
+exception), ``atexit`` (:data:`DEPART_EXIT`), and SIGTERM/SIGHUP when their handler is the
+default and the registration runs on the main thread (a farewell over fresh connections,
+then the signal's default action). SIGINT keeps Python's handling.
 
-* ``sys.excepthook`` (chained: the previous hook prints the traceback first): the main
-  thread ends with an uncaught exception (``KeyboardInterrupt`` included). Every
-  registered group leaves with :data:`DEPART_ERROR` and the exception's type and message,
-  so its peers' pending and next calls raise ``PeerFailedError`` saying ``rank N exited:
-  RuntimeError: ...``. Not in an interactive interpreter, where an uncaught exception
-  does not end the process.
-* ``atexit`` (after the main thread ended, while daemon threads still run): what is still
-  registered leaves with :data:`DEPART_EXIT` (a normal end, or ``sys.exit(n)``, without
-  ``close()``): peers still waiting on it fail with "rank N left the group", idle peers
-  close cleanly.
-* SIGTERM and SIGHUP, when their handler is the default at the first registration and
-  the registration runs on the main thread: each group sends its farewell ("killed by
-  SIGTERM") over fresh connections (no lock, no data socket: the handler may have
-  interrupted this rank's driver), removes its files, and the signal's default action
-  then ends the process (status: killed by that signal). SIGINT keeps Python's own
-  handling: ``KeyboardInterrupt``, then the exception path above.
-
-Every leave runs on a helper thread joined for at most :data:`EXIT_BUDGET_S`: if libzmq
-(or anything) blocks, the process exits anyway, without waiting on it. ``os._exit`` and
-SIGKILL run no hook; peers then see the dropped connection (``progress`` module).
+Invariants: nothing else in ringcomm closes at exit (no ``__del__`` does I/O); every leave
+runs on a helper thread joined for at most :data:`EXIT_BUDGET_S`, so a blocked libzmq
+never keeps the process alive; ``os._exit`` and SIGKILL run no hook (peers see the dropped
+connection). Each path in full: docs/architecture.md, section "core/lifecycle.py".
 """
 
 from __future__ import annotations

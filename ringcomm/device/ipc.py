@@ -1,25 +1,17 @@
 """Device windows: device memory every rank of a host can read, over CUDA IPC or its stand-in.
 
 A *window* is a block of device memory one rank allocates and exports as a *handle* plus an
-*offset* (a handle names the base of the allocation that holds the window, as CUDA's does),
-which the other ranks on the host open once and keep in a :class:`HandleCache`. Beside it,
-each rank exports *interprocess events*; a peer makes its stream wait for one of them
-(``streamWaitEvent``), so ordering between ranks stays on the GPU. The collectives over
-windows live in :mod:`ringcomm.collectives.ipc`; this module is the device side:
+*offset* (the handle names the base of its allocation, as CUDA's does); peers open it once
+and keep it in a :class:`HandleCache`. Each rank also exports *interprocess events*, which a
+peer's stream waits for (``streamWaitEvent``), so ordering between ranks stays on the GPU.
+:class:`IpcDevice` is what the collectives (:mod:`ringcomm.collectives.ipc`) need of a
+device; :class:`CupyIpcDevice` does it with CUDA, :class:`StandinIpcDevice` on the host
+(``memfd`` segments, windows at non-zero offsets, the stand-in's lazy stream, so a missing
+wait or offset shows as wrong bytes on the CPU).
 
-* :class:`IpcDevice` -- what they need of a device (allocate and export, open, events,
-  copies and reductions enqueued on a stream, completion polled against a deadline);
-* :class:`CupyIpcDevice` -- CUDA through CuPy's runtime bindings (``ipcGetMemHandle``,
-  ``ipcOpenMemHandle``, ``ipcGetEventHandle``/``ipcOpenEventHandle``, ``streamWaitEvent``);
-* :class:`StandinIpcDevice` -- the host stand-in: windows and events live in ``memfd``
-  segments that peers open through ``/proc/<pid>/fd`` (the shared workspace's way), a
-  window sits at a non-zero offset of its segment, and everything runs on the stand-in's
-  *lazy* stream (``device.staging``): a copy enqueued by rank A runs only when A's stream is
-  driven, and a peer's event wait spins until A's stream recorded it. So a missing wait or
-  a missing offset shows as wrong bytes on the CPU, as it would race on a GPU.
-
-Completion: :meth:`IpcDevice.complete` waits (polling, with ``watch`` between looks: the
-caller's deadline and peer liveness) until the stream ran everything enqueued so far.
+Invariant: :meth:`IpcDevice.complete` returns only once the stream ran everything enqueued
+so far, checking ``watch`` (deadline, peer liveness) between looks. Details:
+docs/architecture.md, section "device/ipc.py".
 """
 
 from __future__ import annotations

@@ -1,39 +1,17 @@
 """Staging device memory through pinned host buffers: backends, a buffer pool, stagers.
 
 Sockets read and write host memory only, so a collective on device arrays (CuPy, or the
-host stand-in ``ringcomm.device.standin``) moves every byte through host *staging* buffers:
+stand-in ``ringcomm.device.standin``) moves every byte through pinned host buffers, the
+copy of piece k+1 overlapping the send of piece k. :class:`DeviceBackend` (streams, events,
+async copies, kernels) has :class:`CupyBackend` and :class:`HostStandinBackend` (a *lazy*
+stream: queued work runs only when an event after it is waited on, so a missing wait shows
+as wrong bytes on the CPU); :class:`StagingPool` reuses and bounds the pinned buffers;
+:data:`HOST_STAGER` and :class:`DeviceStager` are what algorithms reach their data through.
 
-* **send**: a device->host copy of a piece into a staging buffer, enqueued on a stream;
-  the piece is handed to the transport once an event recorded after the copy is done.
-  Copies of many pieces are enqueued before the first is sent, so the copy of piece k+1
-  runs while piece k is being sent (the transport's I/O thread writes it to the socket).
-* **receive**: the received frame is copied into a staging buffer, and a host->device copy
-  (into the destination, or into device scratch followed by the reduction kernel with
-  ``out=`` the destination) is enqueued; the call returns at once, so the next piece is
-  received while the copy and the kernel run.
-
-Synchronisation, explicit: a stager first makes its stream wait for an event recorded on
-the caller's stream at the call (so no copy reads a buffer before the kernel producing
-it finished); a staging buffer is sent only after the event of its copy is done; a staging
-buffer goes back to the pool only once the events of every copy touching it are done *and*
-the transport's tracker says libzmq let go of it (zero-copy sends read it from libzmq's I/O
-thread); the op completes only after its stream is synchronised (every write into the
-caller's arrays finished).
-
-Pieces: :class:`DeviceBackend` (what a device must do: streams, events, async copies,
-kernels, pinned allocation) with two implementations, :class:`CupyBackend` and
-:class:`HostStandinBackend` (NumPy arrays as "device" memory; its stream runs the queued
-copies and kernels lazily, only when an event after them is waited on or polled, so a
-missing wait shows up as wrong bytes in CPU tests); :class:`StagingPool` (pinned buffers
-by power-of-two size class, reused across calls, never reallocated per call; bounded:
-``max_staging_bytes``, by default ``RINGCOMM_STAGING_MAX_BYTES`` (K/M/G suffixes; parsed
-by :func:`ringcomm.config.staging_max_bytes`) or :data:`DEFAULT_MAX_STAGING_BYTES`); and the
-*stagers*, the small buffer interface collective algorithms reach their data through:
-:data:`HOST_STAGER` (NumPy arrays: today's zero-copy path, nothing staged) and
-:class:`DeviceStager` (one per call on device arrays).
-
-Layering: next to ``xp`` (below the transport); CuPy is reached through
-``xp.cupy_or_none()`` only. Trackers are duck-typed (``.done``).
+Invariants: a stager's stream first waits for the caller's stream; a buffer is sent only
+after its copy's event, and returns to the pool only after every copy touching it and the
+transport's tracker are done; an op completes only after its stream is synchronised.
+Details: docs/architecture.md, section "device/staging.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """A NumPy array posing as device memory: the host stand-in for ``cupy.ndarray``.
 
-:class:`StandinArray` wraps a NumPy array and exposes the small part of CuPy's
-ndarray surface ringcomm uses (shape, dtype, sizes, views by ``reshape``/``view``/basic
-slicing, ``get()``/``set()``) and, through :mod:`~ringcomm.device.standin_math`, the
-arithmetic the training engine computes with (:data:`STANDIN` is its ``xp``; it never turns
-into a NumPy array implicitly). ringcomm treats it exactly like a CuPy array: every
-collective and p2p call on it takes the *staged* path (``ringcomm.device.staging``: pinned staging
-buffers, a stream, events), with NumPy copies and ufuncs standing in for CUDA copies and
-kernels. So a machine without a GPU exercises the staging bookkeeping; what it cannot
-exercise is CUDA itself (``scripts/gpu_check.sh`` does, on a GPU machine).
+:class:`StandinArray` wraps a NumPy array (:attr:`StandinArray.host`) behind the part of
+CuPy's ndarray surface ringcomm uses and, through :mod:`~ringcomm.device.standin_math`, the
+arithmetic the training engine computes with (:data:`STANDIN` is its ``xp``). ringcomm
+treats it exactly like a CuPy array: every collective and p2p call takes the staged path
+(``ringcomm.device.staging``), NumPy standing in for CUDA copies and kernels, so a machine
+without a GPU exercises the staging bookkeeping (``scripts/gpu_check.sh`` checks CUDA).
 
-Honesty: the stand-in's stream (``staging.HostStandinBackend``) runs queued copies and
-reductions *lazily*, only when an event after them is waited on or polled, so code that
-sends a staging buffer before waiting for its copy, or reads device memory before the
-stream finished, sees stale bytes and fails its test, as it would race on a GPU.
-
-Users and tests make one with :func:`standin_array` (a copy) and read it back with
-``a.get()``, as with CuPy's ``cupy.asarray``/``ndarray.get``; like CuPy's (a copy on the
-current stream, then a wait for it), ``get()`` first lets the stand-in's stream run what is
-queued on it (:func:`set_read_barrier`).
+Invariants: it never becomes a NumPy array implicitly; its stream runs queued work lazily,
+so reading before a wait sees stale bytes, as it would race on a GPU; ``get()`` first runs
+what is queued (:func:`set_read_barrier`), as CuPy's does. Users make one with
+:func:`standin_array` (a copy). Details: docs/architecture.md, section "device/standin.py".
 """
 
 from __future__ import annotations

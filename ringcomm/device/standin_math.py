@@ -1,20 +1,16 @@
-"""The arithmetic of the host stand-in device array: the part of CuPy's ndarray and module
-surface the training engine computes with (elementwise math, matmul, reductions,
-indexing, creation), done by NumPy on the wrapped host arrays.
+"""The arithmetic of the host stand-in device array, done by NumPy on the wrapped arrays.
 
-:class:`ArrayMath` is mixed into :class:`~ringcomm.device.standin.StandinArray` and
-:class:`ModuleMath` into its module (what ``get_xp`` returns for it), so code written
-once over ``xp`` (``ringcomm.engine``) runs on the stand-in exactly as on CuPy.
+:class:`ArrayMath` (mixed into :class:`~ringcomm.device.standin.StandinArray`) and
+:class:`ModuleMath` (into its ``xp``) give the part of CuPy's surface the training engine
+computes with (elementwise math, matmul, reductions, indexing, creation), so code written
+once over ``xp`` runs on the stand-in exactly as on CuPy.
 
-Honest as a device, as CuPy is: a stand-in array never becomes a NumPy array implicitly
-(``np.asarray(a)`` raises ``TypeError``, as CuPy's ``__array__`` does; NumPy functions and
-ufuncs refuse it); a NumPy array mixed into its arithmetic, indexing or module functions
-raises ``TypeError`` (CuPy refuses host operands); results are stand-in arrays, reductions
-0-d arrays, not NumPy scalars. The only ways between host and "device" are explicit:
-``xp.asarray(host)`` (host to device) and ``a.get()``, ``a.item()``, ``float(a)``/``int(a)``
-/``bool(a)`` of a one-element array (device to host: CuPy's synchronising conversions). So
-a step that forgot to copy its data over, or reads device memory with NumPy, fails on the
-CPU as it would on a GPU.
+Invariants, as CuPy's: a stand-in array never becomes a NumPy array implicitly
+(``np.asarray(a)``, NumPy functions and ufuncs raise ``TypeError``); a NumPy operand mixed
+in raises ``TypeError``; results are stand-in arrays (reductions 0-d ones). The only ways
+between host and device are explicit: ``xp.asarray(host)``, and ``get()``, ``item()``,
+``float``/``int``/``bool`` of one element. Details: docs/architecture.md, section
+"device/standin_math.py".
 """
 
 from __future__ import annotations

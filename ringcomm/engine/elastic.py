@@ -1,37 +1,17 @@
 """Elastic training: ``ringcomm train --strategy dp|ps --elastic``.
 
-The ``dp`` strategy (or ``ps`` under bsp: :mod:`ringcomm.engine.ps` says what its servers
-and workers do at each point), driven so that it survives a lost rank:
+The ``dp`` strategy (or ``ps`` under bsp) driven so that it survives a lost rank: a step
+that fails with ``PeerFailedError`` is undone on every survivor (from a snapshot taken at
+the step's start), the survivors ``shrink()``, agree on the earliest step among them,
+re-split the *same* global batch and run it again; with ``--max-restarts K`` the lost slot
+is started again and admitted at a step boundary (``grow(wait=True)``), getting the step,
+parameters and optimizer state from a survivor. ``cfg.fail_at`` injects a kill at a step
+(or mid-step, after a given bucket). Each membership change is recorded (step, event,
+slots, time lost).
 
-* every step starts from a snapshot of the parameters and optimizer state; a step that
-  fails because a peer failed (``PeerFailedError``) is undone on every survivor (the
-  snapshot is restored: a survivor may or may not have applied the update when it saw the
-  failure), the survivors ``shrink()``, re-split the *same* global batch over themselves
-  (:meth:`~ringcomm.engine.dp.DataParallel.regroup`) and run the step again, so its loss is
-  still the mean over the whole global batch and every later step equals ``single``'s;
-* with ``--max-restarts K`` the launcher (``rc.spawn(elastic=True)``) starts the lost slot
-  again and says so in the store; the survivors wait for it at the next step boundary and
-  admit it (``grow(wait=True)``: the time it takes to start is time lost, as a torchrun
-  restart's is), the batch is split over all again, and the newcomer gets the step
-  number, parameters and optimizer state from a survivor.
-
-Fault injection for tests and demonstrations: ``cfg.fail_at`` = ((slot, step), ...) —
-that slot's first process kills itself (SIGKILL) at the start of that step — or
-(slot, step, bucket): mid-step, once its ``bucket``-th gradient all-reduce of the step
-(0: the first launched) is done, so the survivors hold partly reduced gradients (``ps``:
-its ``bucket``-th push_pull, so the servers hold partial sums of the step, and have
-applied it for the keys pushed before).
-
-A survivor can be a step ahead of another when it sees the failure: the dead rank's last
-contribution may have completed one survivor's step (its update applied) and not
-another's. After each shrink the survivors agree on the earliest step among them; one
-that is ahead goes back to the snapshot before its last step.
-Each membership change is recorded: the step, the event (``shrink``/``grow``), the slots
-after it, and the time lost (from the failure seen to the new group ready).
-
-What the loop needs of a strategy is :class:`ElasticStrategy`: ``dp``'s
-:class:`~ringcomm.engine.dp.DataParallel` and ``ps``'s
-:class:`~ringcomm.engine.ps.ParameterServer` have it (:data:`ELASTIC_STRATEGIES`).
+Invariant: every step's loss is the mean over the whole global batch, so every later
+step equals ``single``'s. What the loop needs of a strategy is :class:`ElasticStrategy`
+(:data:`ELASTIC_STRATEGIES`). Details: docs/architecture.md, section "engine/elastic.py".
 """
 
 from __future__ import annotations
@@ -310,9 +290,15 @@ def summarize_elastic(
         "membership": sorted(changes.values(), key=lambda c: float(c["at_s"])),
         "final_slots": final_slots,
         "per_rank": [
-            {"rank": r["slot"], "rejoined": r["rejoined"], "param_bytes": r["param_bytes"],
-             "grad_bytes": r["grad_bytes"], "optim_bytes": r["optim_bytes"],
-             "peak_bytes": r["peak_bytes"], "sent_bytes_per_step": r["sent_bytes_per_step"]}
+            {
+                "rank": r["slot"],
+                "rejoined": r["rejoined"],
+                "param_bytes": r["param_bytes"],
+                "grad_bytes": r["grad_bytes"],
+                "optim_bytes": r["optim_bytes"],
+                "peak_bytes": r["peak_bytes"],
+                "sent_bytes_per_step": r["sent_bytes_per_step"],
+            }
             for r in sorted(results, key=lambda r: int(r["slot"]))
         ],
         "lost_slots": [slot for slot, r in enumerate(per_rank) if r is None],

@@ -1,24 +1,14 @@
 """Measuring a rank's memory: tracemalloc on the host, the CuPy memory pool on a GPU.
 
 A meter is started before the strategy is built, told when each step begins and ends, and
-read at the end (docs/contracts.md, JSON output: ``peak_bytes`` is measured, not computed):
-
-* :class:`TracemallocMeter` (``cpu``, ``host-staged``): ``peak`` is the largest
-  tracemalloc peak within a step (reset at each step's start), ``held`` what is traced at
-  the end. Host-staged runs count the stand-in's staging buffers too (they are NumPy).
-* :class:`CupyPoolMeter` (``cuda``): ``peak`` is the high-water of CuPy's default memory
-  pool's ``total_bytes()`` on the rank's GPU (device memory the pool holds: blocks in use
-  and cached free ones) over the steps, with the cached free blocks released right before the first step,
-  so what construction left behind does not count; ``held`` is ``used_bytes()`` (blocks in
-  use) at the end. The pool only grows when no cached block fits, so its high-water is
-  at least the true peak of live bytes and exceeds it only by the pool's rounding (512 B)
-  and fragmentation. Exact per-allocation tracking (CuPy's memory hooks) is thread-local,
-  and ringcomm's progress thread allocates and frees device buffers too, so it would
-  miscount. The pinned host staging buffers are not device memory: they are reported
-  apart (:func:`staging_stats`).
-
-:func:`device_used_bytes` gives the pipeline a cheap probe of live device bytes (sampled at
-action boundaries, for the activation peak on a GPU).
+read at the end (docs/contracts.md, JSON output: ``peak_bytes`` is measured, not computed).
+:class:`TracemallocMeter` (``cpu``, ``host-staged``): the largest tracemalloc peak within a
+step. :class:`CupyPoolMeter` (``cuda``): the high-water of CuPy's default pool's
+``total_bytes()`` over the steps (cached blocks released before the first), at least the
+true peak of live bytes, exceeding it only by the pool's rounding and fragmentation; the
+pinned staging buffers are reported apart (:func:`staging_stats`).
+:func:`device_used_bytes` is the pipeline's cheap probe of live device bytes. Why not
+CuPy's memory hooks: docs/architecture.md, section "engine/memory.py".
 """
 
 from __future__ import annotations

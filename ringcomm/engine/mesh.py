@@ -1,22 +1,15 @@
 """A device mesh: the world's ranks as a ``dp x pp x tp`` grid and a group per axis.
 
 ``DeviceMesh(pg, dp=D, pp=P, tp=T)`` (torch's ``DeviceMesh`` is the anchor) places world
-rank ``r`` at coordinates ``(d, p, t)`` with ``r = (d * P + p) * T + t``: tp is the fastest
-axis (a stage's tp ranks are neighbours, as Megatron-LM lays them out), dp the slowest.
-Each axis has one sub-group per line of the grid along it. ``new_group`` is collective
-(every rank of ``pg`` calls it for every sub-group, members or not, in the same order), so
-:func:`mesh_groups` lists them in one deterministic order: axes ``dp, pp, tp``, and within
-an axis the lines in row-major order of the other coordinates. An axis of size 1 makes no
-group (every rank skips it alike).
+rank ``r = (d * P + p) * T + t`` at ``(d, p, t)``: tp is the fastest axis, dp the slowest.
+Each axis has one sub-group per line of the grid along it; a rank keeps its own as
+:class:`AxisGroup` s, which forward the collectives and p2p and count, per axis, the payload
+and the bytes this rank sends under the ring algorithms.
 
-Each rank keeps the groups it belongs to as :class:`AxisGroup` s: a thin wrapper that
-forwards ``all_reduce``, ``reduce_scatter``, ``all_gather`` and p2p to the sub-group and
-counts, per axis, the payload it was handed and the bytes this rank sends under the
-bandwidth-optimal (ring) algorithms: ``2 (n-1)/n`` of an all_reduce's buffer, ``(n-1)/n``
-of a reduce_scatter's input, ``(n-1)`` times an all_gather's piece, a send's buffer. (The
-transport's own counter is per process, not per group, so the axes cannot be told apart
-there; the group's shared-workspace counter is read too, as a measured check of the
-payload.)
+Invariant: ``new_group`` is collective, so :func:`mesh_groups` lists every sub-group in one
+deterministic order (axes ``dp, pp, tp``, lines row-major; an axis of size 1 makes none)
+and every rank creates them all in that order. Details: docs/architecture.md, section
+"engine/mesh.py".
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """``tp`` and ``3d``: the transformer over a ``dp x pp x tp`` mesh (:mod:`.mesh`).
 
-* **tp** (Megatron-LM tensor parallelism): every rank holds its slice of every layer
-  (:mod:`.transformer`: heads, MLP columns/rows and the vocabulary split over the tp group)
-  and runs the whole global batch; the conjugate pairs (:mod:`.tp`) all-reduce the
-  activations. ``--strategy tp --tp T`` is the ``1 x 1 x T`` mesh.
-* **3d**: ``--dp D --pp P --tp T``. The ``L`` blocks are split into ``P`` contiguous
-  stages (sizes differing by at most one; the embedding joins stage 0, the final norm and
-  LM head the last stage), each stage tensor-parallel over its tp group; the global batch
-  is split by rows over the ``D`` replicas, and each replica's rows into
-  ``cfg.micro_batches`` micro-batches run by the pipeline schedule of
-  :func:`~ringcomm.schedule.pipeline.stage_orders` (``gpipe`` or ``1f1b``; with ``P = 1``
-  one micro-batch). Activations go stage to stage between the ranks of equal tp index
-  (with sequence parallel each sends only its sequence shard).
-* Gradients: summed over dp by an async all_reduce of each layer's slice of the stage's
-  flat gradient buffer, started as soon as the stage's last backward action has passed the
-  layer (it overlaps the backward of the layers below, as Megatron's DDP does); under
-  sequence parallel the replicated parameters' gradients of the sequence regions are then
-  all-reduced over tp (one packed buffer; the two sums commute). With ``--zero 1|2`` the dp
-  sum is instead, after the schedule, a reduce_scatter into each rank's shard, the
-  optimizer step on the owned shard (its state only) and an all_gather of the parameters
-  (ZeRO-1 keeps the full gradient buffer; ZeRO-2 a gradient shard, the accumulation
-  buffer coming from a work pool each step).
+``tp`` (Megatron-LM tensor parallelism, the ``1 x 1 x T`` mesh): every rank holds its slice
+of every layer and runs the whole global batch. ``3d`` (``--dp D --pp P --tp T``): the
+blocks are split into ``P`` contiguous stages run by the pipeline schedule
+(:func:`~ringcomm.schedule.pipeline.stage_orders`), each stage tensor-parallel, the global
+batch split by rows over the ``D`` replicas; dp gradients are summed by async all_reduces
+overlapping the backward (or, with ``--zero 1|2``, a reduce_scatter, a sharded optimizer
+step and an all_gather).
 
-The loss is divided by the global number of tokens everywhere, so the sum over dp of the
-replicas' gradients is the full-batch gradient, and the run reproduces ``single``.
-:meth:`Parallel3D.extra` reports the mesh coordinates and the bytes each axis moved
-(:class:`~ringcomm.engine.mesh.AxisGroup`).
+Invariant: the loss is divided by the global number of tokens everywhere, so the sum over
+dp of the replicas' gradients is the full-batch gradient and the run reproduces
+``single``. :meth:`Parallel3D.extra` reports the mesh coordinates and each axis's bytes.
+Details: docs/architecture.md, section "engine/parallel.py".
 """
 
 from __future__ import annotations

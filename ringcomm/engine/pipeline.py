@@ -1,25 +1,16 @@
 """``pipeline``: layers split into ``world_size`` stages, the batch into micro-batches.
 
-Rank ``s`` is stage ``s`` and holds layers ``balance_stages(costs, N)[s]`` (contiguous,
-balanced by per-layer cost) with their own flat parameter and gradient buffers and
-optimizer. Each step runs the stage's action list from
-:func:`~ringcomm.schedule.pipeline.stage_orders` (``gpipe`` or ``1f1b``):
+Rank ``s`` is stage ``s``: it holds layers ``balance_stages(costs, N)[s]`` (contiguous,
+balanced by cost) with their own flat buffers and optimizer, and each step runs its action
+list from :func:`~ringcomm.schedule.pipeline.stage_orders` (``gpipe`` or ``1f1b``).
+Activations go to ``s+1`` with tag ``2i``, activation gradients to ``s-1`` with tag
+``2i+1``; the last stage computes the loss (summed, divided by the global batch size).
 
-* forward of micro-batch ``i``: stage 0 reads its rows of the global batch, others receive
-  the activation from ``s-1`` (tag ``2i``); the output goes to ``s+1`` with ``isend``; the
-  last stage computes the loss (summed, divided by the global batch size);
-* backward of ``i``: the last stage starts from the loss, others receive the activation
-  gradient from ``s+1`` (tag ``2i+1``); gradients accumulate over micro-batches in the
-  flat buffer; the input gradient goes to ``s-1``; the micro-batch's activations are freed.
-
-Sends are ``isend`` (so two stages sending to each other never wait on each other), waited
-at the end of the step. Measured per step: the time each stage spends computing (busy) and
-the step's span from a barrier to the stage's last action, from which the CLI computes the
-bubble fraction ``1 - sum(busy) / (N * max(span))`` (on a GPU the stream is synchronised
-around each compute span, so busy is kernel time, not launch time); the most
-micro-batches alive at once; and the activation memory: the peak of tracemalloc (when
-tracing) above the step's starting level, or on a GPU the most device bytes in use at an
-action boundary (CuPy's pool, sampled after each action) above the step's start.
+Invariants: sends are ``isend`` waited at the end of the step, so two stages sending to each
+other never wait on each other; gradients accumulate over micro-batches in the flat
+buffer; a micro-batch's activations are freed after its backward. What a step measures
+(busy time, span, bubble, live micro-batches, activation memory): docs/architecture.md,
+section "engine/pipeline.py".
 """
 
 from __future__ import annotations

@@ -1,58 +1,17 @@
 """``ps``: data-parallel training over the parameter server (:mod:`ringcomm.ps`).
 
-Roles: ranks ``0..S-1`` of the job are servers (``cfg.ps_servers``), ranks ``S..N-1`` the
-``W = N - S`` workers, which split the global batch by rows among themselves (the same
-global batch as ``single``; a worker's loss and gradients are divided by the *global* batch
-size, as in ``dp``, so the servers *sum* the workers' gradients: ``PSConfig.reduce="sum"``).
+Ranks ``0..S-1`` are servers (``cfg.ps_servers``), the other ``W`` workers split the global
+batch by rows; one key per layer with parameters, placed by
+:class:`~ringcomm.ps.slicer.HashSlicer`, pushed with ``push_pull`` as soon as backward
+finished the layer. ``--ps-update server``: the servers apply the optimizer;
+``--ps-update worker``: they only sum and every worker applies its own. Workers send their
+partial losses to every server (tag :data:`TAG_LOSS`); rank 0 is the ``loss_rank``.
 
-Keys: one per layer that has parameters (key = the layer's index), the layer's parameters
-as one contiguous slice of a flat buffer. Keys are placed by the parameter server's slicer
-(:class:`~ringcomm.ps.slicer.HashSlicer`; layers of ``cfg.ps_split_min_bytes`` or more are
-split over every server). As soon as backward has finished a layer, its gradient goes out
-with ``push_pull`` (overlapping the layers below, as ``dp``'s buckets do):
-
-* ``--ps-update server``: the servers sum the step's gradients and apply the optimizer (its
-  state on the servers); ``push_pull`` writes the new parameters straight into the
-  worker's parameter buffer (that layer's parameters are not read again this step).
-* ``--ps-update worker``: the servers only sum; ``push_pull`` returns the summed gradient
-  and every worker applies its own optimizer (the engine's) to its full replica.
-
-The server-side updaters (:mod:`ringcomm.ps.updaters`) repeat the engine's optimizer
-formulas operation by operation, their hyper-parameters are taken from the engine's
-optimizer here, and bsp sums the pushes in worker order: ``bsp`` reproduces ``single`` to
-rounding (the workers' partial gradients are summed in another order than one full-batch
-product; float64 agrees to ~1e-16 relative). ``ssp``/``asp`` apply each push on arrival (a
-worker's partial gradient counts whole, one optimizer step per push): they train, but do not
-follow ``single``.
-
-The loss: a server holds no data, so each worker sends its partial loss of each step (a
-float64 over the PS sub-group, tag :data:`TAG_LOSS`, without waiting for it) to every
-server; a server's ``step(s)`` receives them, sums them in worker order and returns the
-global mean loss, and ends when every worker has finished step ``s``. Rank 0 (server 0)
-is the ``loss_rank``, as for ``dp``. Workers never wait for each other's losses, so ``ssp``
-and ``asp`` stay asynchronous. The servers' request loops run in a background thread
-from construction to the last step, which ends when every worker has closed its client.
-
-Elastic (``--elastic``, bsp only; driven by :func:`ringcomm.engine.elastic.run_elastic`):
-the loss of a step is instead all-reduced over the whole job (servers add 0), which also
-marks the step's end on every rank, so survivors of a lost worker are at most one step
-apart, as in ``dp``. A worker snapshots its replica (and, with ``--ps-update worker``, its
-optimizer state) before each step; a server keeps each shard's state from before its last
-applied step (``PSConfig.keep_undo``). After the survivors shrink and agree on the step to
-take again (the earliest among the workers; a server's step follows theirs),
-:meth:`ParameterServer.regroup` makes the sub-groups again, the servers go back to the
-start of that step for the new number of workers (partial sums dropped, a shard that
-applied the step put back: :meth:`~ringcomm.ps.state.ServerState.rebase`) and serve the
-new group, the workers re-split the same global batch and connect new clients. A restarted
-worker (``--max-restarts``) is admitted the same way, its replica and optimizer state
-broadcast from a surviving worker. A lost *server* ends the job with an error: the
-model's state on it is gone (standalone servers restart from checkpoints instead,
-:mod:`ringcomm.ps.membership`).
-
-Layering: ``engine`` and ``ps`` are sibling packages on top of the collectives
-(docs/architecture.md); this strategy is the one place where the engine imports ``ringcomm.ps``,
-and like every strategy it talks only to its ``ProcessGroup`` (the parameter server runs
-over a sub-group of it). CPU (NumPy) only: the parameter server holds NumPy arrays.
+Invariants: losses and gradients are divided by the *global* batch size and the servers
+sum (``PSConfig.reduce="sum"``), in worker order under bsp, so ``bsp`` reproduces ``single``
+to rounding (``ssp``/``asp`` train but do not follow it); workers never wait for each
+other's losses. The one place the engine imports ``ringcomm.ps``; CPU (NumPy) only. Elastic
+runs (bsp) and a lost server: docs/architecture.md, section "engine/ps.py".
 """
 
 from __future__ import annotations

@@ -1,42 +1,17 @@
 """The strategy interface, the training configuration, and the strategy registry.
 
-A *strategy* owns how one rank holds and updates the model: which parameters, gradients
-and optimizer states it keeps, and which collectives move them. Every strategy has the same
-interface, so the training loop (:mod:`ringcomm.engine.train`) and the CLI never name one::
+A *strategy* owns how one rank holds and updates the model (which parameters, gradients
+and optimizer states it keeps, which collectives move them) behind one interface,
+:class:`Strategy` (``step``, ``state_nbytes``, ``export_params``, ``extra``), registered by
+name in :data:`STRATEGIES` (``name -> "module:Class"``, imported on use), so the training
+loop and the CLI never name one. Devices (:data:`DEVICES`, :func:`array_module`): ``cpu``,
+``cuda`` and ``host-staged`` (the stand-in device), one code path over ``self.xp``.
 
-    class MyStrategy(Strategy):
-        name = "mine"
-        def __init__(self, pg, cfg): ...         # pg: the world ProcessGroup (None: single)
-        def step(self, step) -> float | None:    # one optimizer step on global batch `step`;
-                                                 # the global mean loss on rank `loss_rank`
-        def state_nbytes(self) -> dict[str, int] # param_bytes, grad_bytes, optim_bytes held
-        def export_params(self) -> dict          # {"<layer>.<name>": host array}; collective
-        def extra(self) -> dict                  # strategy-specific measurements (JSON)
-
-and is registered by name in :data:`STRATEGIES` (``name -> "module:Class"``, imported on
-use). A strategy talks only to its ``ProcessGroup``; it may split it (``pg.new_group``),
-as the parameter-server strategy (:mod:`~ringcomm.engine.ps`, ``ps``) does for its
-servers and workers from ``cfg.ps_servers``, ``cfg.consistency``, ``cfg.staleness`` and
-``cfg.ps_update``, and as ``tp``/``3d`` (:mod:`~ringcomm.engine.parallel`) do for their
-mesh (``cfg.dp``, ``cfg.pp``, ``cfg.tp``). Every strategy must reproduce ``single``: the same
-global batch per step (:meth:`TrainConfig.build_data`: the MLP's
-:class:`~ringcomm.engine.data.SyntheticClassification` or the transformer's
-:class:`~ringcomm.engine.data.SyntheticNextToken`, ``cfg.model``), the same
-seeded initialisation (:func:`~ringcomm.engine.params.init_layer`), the loss summed over
-the global batch and divided by its size.
-
-Devices (``cfg.device``, :data:`DEVICES`; :func:`array_module` gives each one's ``xp``):
-``cpu`` keeps everything in NumPy arrays; ``cuda`` keeps parameters, gradients, optimizer
-state, the batch and activations in CuPy arrays on GPU ``rank % device_count`` (the batch
-is drawn on the host from the seed, as on the CPU, then copied over); ``host-staged`` does
-the same on the host stand-in device (:mod:`ringcomm.device.standin`: NumPy underneath, but
-a device array that never turns into a NumPy array implicitly, whose collectives and p2p
-take the device path CuPy arrays take). One code path: a strategy computes with ``self.xp``
-only, moves host data over with ``xp.asarray`` and reads results back with ``float()`` or
-``to_host``, so a step that would read device memory with NumPy fails on the stand-in as it
-would on a GPU. Strategies pass each buffer through :attr:`Strategy.as_comm` before giving
-it to the group (today the buffer itself on every device), and call :meth:`Strategy.sync`
-before reading a clock.
+Invariants: a strategy talks only to its ``ProcessGroup`` (it may split it); every
+strategy reproduces ``single`` (the same global batch per step, :meth:`TrainConfig.build_data`,
+the same seeded initialisation, the loss summed over the global batch and divided by its
+size); host data goes over with ``xp.asarray`` only, back with ``float()``/``to_host``.
+The interface and devices in full: docs/architecture.md, section "engine/strategy.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """Tensor parallelism's building blocks: the conjugate pairs and sharded parameters.
 
-The pairs (Megatron-LM's ``mappings.py``, picotron's ``tensor_parallel.py``), each a forward
-and its backward side by side, over the tensor-parallel group ``tp.group`` (a
-:class:`~ringcomm.engine.mesh.AxisGroup`, passed explicitly: there is no global parallel
-state):
+The pairs (Megatron-LM's ``mappings.py``), each forward beside its backward, over the group
+``tp.group`` (an :class:`~ringcomm.engine.mesh.AxisGroup` passed explicitly: no global
+parallel state): :class:`CopyToTP` (*f*), :class:`ReduceFromTP` (*g*), and under sequence
+parallelism :class:`GatherFromSequence` and :class:`ReduceScatterToSequence` (sequence is
+axis 1 of ``(batch, seq, features)``); :func:`enter_tp`/:func:`exit_tp` pick a
+:class:`TPContext`'s pair. A :class:`ParamSpec` gives a parameter's master shape and split.
 
-* :class:`CopyToTP` (Megatron's *f*): identity forward, all_reduce backward. Placed where
-  a replicated activation enters a column-parallel layer: every rank's partial input
-  gradient is summed.
-* :class:`ReduceFromTP` (*g*): all_reduce forward, identity backward. Placed after a
-  row-parallel layer: the ranks' partial outputs are summed.
-* :class:`GatherFromSequence` (*f* under sequence parallelism): all_gather along the
-  sequence forward, reduce_scatter along it backward.
-* :class:`ReduceScatterToSequence` (*g* under sequence parallelism): reduce_scatter along
-  the sequence forward, all_gather backward.
-
-Activations are ``(batch, seq, features)``; the sequence is axis 1. :func:`enter_tp` and
-:func:`exit_tp` pick the pair of a :class:`TPContext` (plain or sequence parallel); with a
-group of one rank (the ``single`` model) every pair is the identity.
-
-Parameters: a layer describes each parameter by a :class:`ParamSpec` (its master shape and
-how it splits over the tp ranks). Every rank draws the same seeded *master* weights and
-keeps its slice (:func:`shard`), so a tp run starts from exactly ``single``'s parameters;
-:func:`unshard` puts the gathered slices back together (for export and comparison).
+Invariants: with a group of one rank every pair is the identity; every rank draws the
+same seeded *master* weights and keeps its slice (:func:`shard`), so a tp run starts from
+exactly ``single``'s parameters (:func:`unshard` puts them back together). Where each pair
+goes: docs/architecture.md, section "engine/tp.py".
 """
 
 from __future__ import annotations

@@ -1,47 +1,17 @@
 """A small GPT-style transformer, written once for one rank or a tensor-parallel group.
 
-Model (pre-norm, no dropout, untied LM head)::
+Pre-norm blocks (causal multi-head attention with a fused QKV projection, a GELU MLP
+``d -> 4d -> d``), no dropout, an untied LM head; activations ``(batch, seq, d_model)``.
+Every layer takes a :class:`~ringcomm.engine.tp.TPContext`: with one rank the conjugate
+pairs are the identity; over T ranks the layers are Megatron-LM's (vocab-parallel
+:class:`TokenEmbedding`, heads and MLP split in :class:`Block`, a column-parallel
+:class:`LMHead`, :class:`VocabParallelCrossEntropy` that never gathers the full logits,
+optional sequence parallelism).
 
-    x = tok_emb[ids] + pos_emb[positions]                 TokenEmbedding
-    L times:  h = x + Attn(LN1(x));  x = h + MLP(LN2(h))   Block
-    logits = LNf(x) @ W_head                              FinalNorm, LMHead
-    loss = sum over tokens of -log softmax(logits)[next token] / (batch * seq)
-
-Attention is causal multi-head self-attention (fused QKV projection without bias, softmax
-over earlier positions, output projection with bias); the MLP is ``d -> 4d -> d`` with
-GELU (tanh approximation, :class:`~ringcomm.engine.nn.GELU`; ``act="relu"`` for ReLU).
-Activations are ``(batch, seq, d_model)``. The vocab-parallel loss is summed over tokens
-and divided by the *global* token count, so partial batches' gradients add up.
-
-Every layer takes a :class:`~ringcomm.engine.tp.TPContext`. With one rank (``single``, and
-``dp``/``zero*``) every conjugate pair is the identity and the layers are the plain model.
-Over a tp group of T ranks they are Megatron-LM's layers:
-
-* :class:`TokenEmbedding` is vocab-parallel: rank t holds rows ``[tV/T, (t+1)V/T)`` of the
-  table, looks up only the ids in its shard (the others masked to zero) and the partial
-  embeddings are all-reduced (g); positions are replicated.
-* :class:`Block`: attention with the heads split over the ranks (QKV column-parallel:
-  each rank its heads' q, k, v; the output projection row-parallel), MLP column-parallel
-  ``W1`` then row-parallel ``W2``: per block one f and one g around each half, so two
-  all_reduces of ``batch*seq*d_model`` forward and two backward (Megatron's count).
-* :class:`LMHead` is column-parallel over the vocabulary (f before it), and
-  :class:`VocabParallelCrossEntropy` computes the loss from the vocab shards with an
-  all_reduce MAX of the logits' row maxima and one all_reduce SUM of the exp sums and the
-  target logits (stacked): it never gathers the full logits.
-* Sequence parallel (``tp.sequence_parallel``): the residual stream, the LayerNorms and the
-  embedding's positions live on sequence shards ``(batch, seq/T, d)``; f becomes all_gather
-  along the sequence and g reduce_scatter; the gradients of the replicated parameters of
-  those regions (``ParamSpec.sp_reduce``) are each rank's shard's only, and the strategy
-  all-reduces them over the tp group.
-
-Uneven splits are refused, not padded: heads, vocabulary (and the sequence, under sequence
-parallel) must divide by T (:func:`check_tp_sizes`; the CLI exits 2 before any rank starts).
-
-Parameters are :class:`~ringcomm.engine.tp.ParamSpec` s: ``init`` draws the *master*
-weights from the layer's seeded generator on every rank (the same draws as ``single``) and
-keeps this rank's slice. The QKV projection has no bias: the key's bias adds the same
-``q . b_k`` to every score of a query, so softmax cancels it and its gradient is zero up to
-rounding, which Adam would turn into full ``lr``-sized steps of noise (float32).
+Invariants: the loss is summed over tokens and divided by the *global* token count, so
+partial batches' gradients add up; uneven splits are refused, not padded
+(:func:`check_tp_sizes`); ``init`` draws ``single``'s master weights on every rank. Model,
+tp layout, no QKV bias: docs/architecture.md, section "engine/transformer.py".
 """
 
 from __future__ import annotations

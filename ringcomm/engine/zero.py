@@ -1,28 +1,16 @@
 """ZeRO stages 1, 2 and 3 (Rajbhandari et al., 2020) over a ProcessGroup.
 
-All three are data parallel (each rank its rows of the global batch, the loss divided by
-the global batch size) and partition the flat parameter space the same way
-(:func:`~ringcomm.schedule.partition.flat_layout`): the buffer is cut into *segments*, each
-padded to a multiple of ``N`` elements and viewed as ``(N, piece)`` rows; rank ``r`` owns
-row ``r`` of every segment, and its shard buffers (optimizer state, and for stages 2 and 3
-gradients and parameters) are those rows laid end to end
-(:func:`~ringcomm.schedule.partition.shard_pieces`). The optimizer is elementwise, so
-updating the owned rows gives exactly the single-process update of those elements.
+All three are data parallel and partition the flat parameter space alike
+(:func:`~ringcomm.schedule.partition.flat_layout`): segments padded to a multiple of ``N``
+elements, viewed as ``(N, piece)`` rows; rank ``r`` owns row ``r`` of every segment
+(:func:`~ringcomm.schedule.partition.shard_pieces`). ``zero1``: full parameters and
+gradients, buckets reduce-scattered then parameters all-gathered; ``zero2``: no full
+gradient buffer (at most two bucket buffers in flight); ``zero3``: only the parameter
+shard, each layer all-gathered before its forward and backward and dropped after.
 
-* ``zero1`` (P_os): full parameters and gradients; segments are gradient buckets. When
-  backward completes a bucket, an async reduce-scatter (in place: rank r's row of the
-  bucket receives the sum) starts; each rank updates its rows with its optimizer-state
-  shard; then each bucket's parameters are all-gathered (in place).
-* ``zero2`` (P_os+g): as zero1, but there is no full gradient buffer: a bucket's gradient
-  buffer is allocated when backward reaches it, reduce-scattered into the rank's gradient
-  shard and dropped once the reduce-scatter is done (at most two in flight).
-* ``zero3`` (P_os+g+p): segments are layers and only the parameter shard is kept. Before a
-  layer's forward its parameters are all-gathered (the next layer's gather is started
-  first, so it overlaps this layer's compute) and dropped right after; the same before its
-  backward; its gradients then go into a layer-sized buffer, are reduce-scattered into the
-  gradient shard and the buffer dropped. The update touches only the owned shard.
-  Per step a rank sends 3(N-1)/N of the model (two all-gathers and a reduce-scatter)
-  against 2(N-1)/N for dp/zero1/zero2.
+Invariant: the optimizer is elementwise, so updating the owned rows gives exactly the
+single-process update of those elements. Per stage in full: docs/architecture.md, section
+"engine/zero.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """A parameter server: one receive loop per worker over a ProcessGroup, shared state.
 
 The p2p layer has no receive-from-any-source, so a server runs one thread per worker, each
-blocking on that worker's request stream (:mod:`ringcomm.ps.protocol`). The threads share
-one :class:`~ringcomm.ps.state.ServerState` under a condition variable: a pull that the
-consistency rule does not allow yet waits on it, and every push wakes the waiters. Sends
-and receives of different threads go through the group's engine concurrently (one thread
-drives the sockets, the others wait for their operation).
+blocking on that worker's request stream (:mod:`ringcomm.ps.protocol`), all sharing one
+:class:`~ringcomm.ps.state.ServerState` under a condition variable (a pull not allowed yet
+waits on it; every push wakes the waiters). Receives and sends are asynchronous
+(``irecv(...).wait()``), so the group's progress thread drives the socket meanwhile.
 
-Asynchronous receives and sends throughout (``irecv(...).wait()``): while any is pending the
-group's progress thread drives the socket. With blocking calls, the thread that drives
-leaves when its own message is in, and the next waiter looks again only after its 5 ms
-wait slice: measured, a bsp push_pull of 1 KiB with 2 workers took ~6 ms that way.
-
-A malformed request (an unknown op or dtype, sizes out of range or unlike the shard's, a
-payload of another size than its header said) gets an error reply to its worker, its
-payload read and dropped, and the server goes on serving everyone: sizes are checked
-against the shard (or, for an init, ``max_shard_bytes``) before anything is allocated.
-
-Payloads: a push is received into a fresh array that the state then owns (the bsp
-average is summed into the first worker's), so receiving costs the one copy out of the
-socket. A pull under bsp sends the shard's parameter itself, zero-copy and outside the lock:
-no update of that shard can happen before the reader pushes its next step, which it does
-only after this reply. Under ssp/asp updates come at any time, so the pull sends a copy
-taken under the lock.
+Invariants: a malformed request gets an error reply, its payload read and dropped, and the
+server goes on serving everyone (sizes are checked before anything is allocated); a push
+costs one copy out of the socket; under bsp a pull sends the shard's parameter zero-copy
+outside the lock (no update can happen before the reader pushes again), under ssp/asp a
+copy taken under the lock. Details: docs/architecture.md, section "ps/server.py".
 """
 
 from __future__ import annotations
@@ -216,7 +204,9 @@ class PSServer:
     def _discard(self, g: Any, peer: int) -> None:
         """Read a refused request's payload and drop it (the next message is a header)."""
         try:
-            g.irecv(np.empty(0, np.uint8), peer, P.TAG_REQUEST).wait(timeout_s=self.config.timeout_s)
+            g.irecv(np.empty(0, np.uint8), peer, P.TAG_REQUEST).wait(
+                timeout_s=self.config.timeout_s
+            )
         except MessageMismatchError:
             pass  # any payload but an empty one: read and dropped, as wanted
 

@@ -1,19 +1,14 @@
 """Which server holds which part of which key: pure functions, no sockets.
 
-A *slicer* maps ``(key, nelem, itemsize)`` to a list of :class:`Piece` s, contiguous element
-ranges of the key's flat array, each held by one server. Small arrays live whole on one
-server, chosen by the slicer's rule; arrays of at least ``split_min_bytes`` are split over
-*all* servers into near-equal contiguous ranges, so no single server carries a large
-tensor alone (ps-lite's ``Slicer``; the rule is swappable: pass any object with
-``slice(key, nelem, itemsize, num_servers)``).
+A *slicer* maps ``(key, nelem, itemsize)`` to :class:`Piece` s, contiguous element ranges of
+the key's flat array, each held by one server (ps-lite's ``Slicer``; any object with
+``slice(key, nelem, itemsize, num_servers)`` will do). Small arrays live whole on one
+server: :class:`HashSlicer` (default) picks ``blake2b(key) % num_servers``,
+:class:`RangeSlicer` cuts the key space into equal ranges. Arrays of at least
+``split_min_bytes`` are split over *all* servers by :func:`split_even`.
 
-* :class:`HashSlicer` (default): a small key's server is ``blake2b(key) % num_servers``:
-  stable across processes and runs (Python's ``hash`` is salted per process).
-* :class:`RangeSlicer`: the key space ``[0, key_space)`` is cut into ``num_servers`` equal
-  ranges (ps-lite's default): neighbouring keys share a server.
-
-Both split large arrays the same way (:func:`split_even`): server ``i`` of ``S`` gets
-elements ``[i*n//S, (i+1)*n//S)``, so the pieces differ in length by at most one element.
+Invariants: placement is stable across processes and runs (no salted ``hash``); server
+``i`` of ``S`` gets elements ``[i*n//S, (i+1)*n//S)``, so pieces differ by at most one.
 """
 
 from __future__ import annotations

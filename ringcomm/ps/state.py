@@ -1,36 +1,17 @@
 """What one server holds and decides: shards, worker clocks, consistency, checkpoints.
 
 Pure bookkeeping, no sockets and no threads: the server (:mod:`ringcomm.ps.server`) calls
-these methods under its lock and turns "not ready" into a wait. So the consistency rules are
-unit-tested directly.
+these methods under its lock and turns "not ready" into a wait, so the consistency rules
+(``bsp``, ``ssp`` with bound K, ``asp``) are unit-tested directly. Worker ``w``'s clock on a
+shard counts the steps it pushed there; a pull's *gap* is its clock minus the slowest
+worker's, recorded for every served pull.
 
-Worker update: the bsp averages and asp/ssp inboxes not yet pulled are not checkpointed
-(a restart loses them with the rest of the interval).
-
-Clocks. Worker ``w``'s clock on a shard is the number of steps it has pushed there (a
-push for step ``t`` sets it to ``t + 1``; a push for a step below it is a duplicate, e.g.
-re-sent after a reconnect, and is dropped). A pull carries the reader's clock ``c``: the
-step it is about to compute (``pull`` at step ``c`` reads for step ``c``; ``push_pull`` of
-step ``c`` reads for ``c + 1``). Its *gap* is ``c - min_w clock[w]``: how many steps the
-reader is ahead of the slowest worker. Every served pull records its gap.
-
-Consistency.
-
-* ``bsp``: a step's gradients are kept per worker and, once all ``W`` have arrived, summed in
-  worker order and divided by ``W`` (so the average is the same bits every run); then
-  applied (server update) or kept for pulls (worker update). ``version`` = steps applied.
-  A pull at clock ``c`` waits until ``version >= c``. (With ``reduce="sum"``: the sum, and
-  asp/ssp pushes count whole.)
-* ``ssp`` (bound K) and ``asp``: each push is applied on arrival, scaled by ``1/W`` (W pushes
-  then make one averaged step of plain SGD). In worker-update mode the server adds each
-  push, scaled by ``1/W``, to every worker's inbox, and a pull hands the worker its inbox
-  (and empties it): every worker applies every gradient exactly once, as the server would.
-  ``ssp`` delays a pull while its gap would exceed K; ``asp`` never delays.
-
-Undo (bsp, ``config.keep_undo``; elastic training, :mod:`ringcomm.engine.elastic`): before
-applying a step, a shard copies its parameters and optimizer state (server update), so
-that :meth:`ServerState.rebase` can put every shard back to where it was when a step
-began, after a worker was lost during it, for a new number of workers.
+Invariants: a push for a step below the worker's clock is a duplicate and is dropped; bsp
+sums a step's gradients in worker order (the same bits every run) and a pull at clock
+``c`` waits until ``version >= c``; ssp delays a pull while its gap would exceed K; in
+worker-update mode every worker applies every gradient exactly once. The bsp averages and
+inboxes not yet pulled are not checkpointed. :meth:`ServerState.rebase` (undo, elastic)
+puts every shard back to a step's start. Details: docs/architecture.md, section "ps/state.py".
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Server-side optimizers ("updaters"): apply an averaged gradient to a flat shard in place.
 
-An updater is stateless itself; its per-shard state is a dict of arrays (and 0-d arrays for
+An updater is stateless itself; its per-shard state is a dict of arrays (0-d arrays for
 counters) made by :meth:`Updater.new_state`, which the server checkpoints with the shard.
 
-The elementwise math is written operation by operation in the order of the training
-engine's optimizers (``ringcomm.engine.optim``), so that a worker applying the engine's
+Invariant: the elementwise math is written operation by operation in the order of the
+training engine's optimizers (``ringcomm.engine.optim``), so a worker applying the engine's
 optimizer to the averaged gradient and a server applying these produce bit-identical
-parameters (both are NumPy in-place ops on the same dtype with Python-float scalars):
-
-SGD (``momentum`` m, learning rate lr; step counter t counts calls, from 1)::
-
-    m == 0:  p -= lr * g
-    t == 1:  buf[...] = g                       (torch's first step: buf = g)
-    t  > 1:  buf *= m;  buf += g
-             p -= lr * buf
-
-Adam (b1, b2, eps, lr; t from 1)::
-
-    m *= b1;  m += (1 - b1) * g
-    v *= b2;  v += (1 - b2) * (g * g)
-    c1 = 1 - b1**t;  c2 = 1 - b2**t            (Python floats)
-    p -= (lr / c1) * m / (sqrt(v / c2) + eps)
+parameters (NumPy in-place ops on the same dtype, Python-float scalars). The SGD and Adam
+formulas: docs/architecture.md, section "ps/updaters.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The worker side: a key-value client with push/pull handles (ps-lite's KVWorker).
 
-``init(key, array)``, ``push(key, grad)``, ``pull(key, out)`` and ``push_pull(key, grad,
-out)`` return a :class:`Handle` at once; ``handle.wait()`` blocks until every server that
-holds a piece of the key answered. Buffers are used in place, zero-copy: do not modify
-``grad`` or read ``out`` before ``wait()`` returns. A key's pieces
-(:mod:`ringcomm.ps.slicer`) go to their servers in parallel; a pull receives each piece
-straight into its slice of ``out``.
+``init``, ``push``, ``pull`` and ``push_pull`` return a :class:`Handle` at once;
+``handle.wait()`` blocks until every server holding a piece of the key answered. A key's
+pieces (:mod:`ringcomm.ps.slicer`) go to their servers in parallel. ``advance()`` ends a
+step: ``push`` sends the current step's gradient, ``pull`` reads for it, ``push_pull`` reads
+for the next one. :attr:`KVWorker.pull_gaps` keeps the latest pulls' gaps.
 
-The clock: ``advance()`` ends a step. ``push`` sends the gradient of the current step;
-``pull`` reads for the current step; ``push_pull`` sends the current step's gradient and
-reads for the next one (under bsp it returns once every worker pushed that step). Each
-pull's reply says the gap it was served at; :attr:`KVWorker.pull_gaps` keeps the latest
-65536 of them, :attr:`KVWorker.max_pull_gap` the largest. A client is used by one thread.
-
-Reconnects (standalone servers, :mod:`ringcomm.ps.membership`): when a server restarts,
-the job re-forms its group; every request not yet answered is sent again to the new group,
-after a ``hello`` that tells each server this worker's clock (servers drop pushes they
-already have, so a re-sent push is not counted twice).
+Invariants: buffers are used in place, zero-copy (do not modify ``grad`` or read ``out``
+before ``wait()``); a client is used by one thread; after a server restart
+(:mod:`ringcomm.ps.membership`) unanswered requests are sent again after a ``hello`` with
+this worker's clock, so no push is counted twice. Details: docs/architecture.md, section
+"ps/worker.py".
 """
 
 from __future__ import annotations

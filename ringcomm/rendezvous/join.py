@@ -1,21 +1,15 @@
 """Joining a group at the store: the checks its host makes before anybody waits.
 
-A rank joins a group *instance* (a key namespace of the store, e.g. ``pg0``) saying what it
-believes: its rank, the world size, its ringcomm version and who it is (host, pid). The
-store's host keeps, per namespace, the first values it was told (or the world size of the
-launcher that serves the store) and refuses at once a join that disagrees: another world
-size, a rank out of range, a rank another process holds already, another version.
+A rank joins a group *instance* (a store namespace, e.g. ``pg0``) saying its rank, the world
+size, its ringcomm version and who it is (host, pid). Pure bookkeeping, no sockets: the
+store's server thread calls it.
 
-A refusal fails the whole namespace: the ranks of it waiting in the store (parked
-``get``/``wait``) and every later join or wait there get the same message, so every rank
-raises ``RendezvousError`` naming both values within moments instead of waiting out its
-deadline.
-
-A store a rank hosts for its group (``gated``) admits joins to a namespace only once its
-host opened it (the host's own join): a rank that reaches the store of the process's
-previous group, still closing at the same port, is told "not yet" and comes back, rather
-than joining a store about to go. Pure bookkeeping, no sockets: the store's server thread
-calls it.
+Invariants: per namespace the first values told (or the launcher's world size) win, and a
+join that disagrees (world size, rank out of range, a rank held by another process,
+version) fails the whole namespace at once, so every rank raises ``RendezvousError``
+naming both values instead of waiting out its deadline; a ``gated`` store admits joins to a
+namespace only once its host opened it. Details: docs/architecture.md, section
+"rendezvous/join.py".
 """
 
 from __future__ import annotations

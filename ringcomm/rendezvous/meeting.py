@@ -1,20 +1,15 @@
 """Where a new group meets: its store, its key namespace, and the checks before the wait.
 
-:func:`ringcomm.init_process_group` forms a group through these steps:
+:func:`ringcomm.init_process_group` forms a group in four steps: the namespace
+(:func:`next_namespace`: the k-th group a process forms at one meeting point uses
+``pg<k>``), the store (rank 0 serves it, :func:`serve_store`, or a launcher does; under
+torchrun through :func:`publish_address`/:func:`read_address`), the join
+(:func:`join_request`, checked by :mod:`ringcomm.rendezvous.join`) and the wait
+(:func:`wait_for_ranks`, naming missing ranks after :data:`NOTICE_S`).
 
-* **Namespace** (:func:`next_namespace`): the k-th group a process forms at one meeting
-  point (a store address; under torchrun, torchrun's store) keeps its keys under ``pg<k>``,
-  so groups formed one after another, or side by side, never read each other's keys
-  (every rank of a job forms its groups in the same order). Callers with a store of their
-  own per group (the torch backend, the parameter server's epochs) name it themselves.
-* **Store**: rank 0 serves it (:func:`serve_store`: a live server of this process at the
-  same address is shared), or a launcher does. Under torchrun rank 0 takes a port from
-  the OS and publishes the address in torchrun's own store (:func:`publish_address`), where
-  the other ranks read it (:func:`read_address`).
-* **Join** (:func:`join_request`): every rank says its rank, world size and version, and
-  the store's host refuses a disagreement at once (:mod:`ringcomm.rendezvous.join`).
-* **Wait** (:func:`wait_for_ranks`): for every rank's keys, saying once, after
-  :data:`NOTICE_S`, which ranks are missing, then on to the deadline.
+Invariant: every rank of a job forms its groups in the same order, so groups formed one
+after another or side by side never read each other's keys. Details: docs/architecture.md,
+section "rendezvous/meeting.py".
 """
 
 from __future__ import annotations
@@ -254,5 +249,7 @@ def wait_for_ranks(store: Store, keys: list[str], cfg: InitConfig, label: str) -
 
 def _ranks(keys: list[str], missing: list[str]) -> str:
     ranks = [r for r, k in enumerate(keys) if k in missing]
-    shown = ", ".join(map(str, ranks[:16])) + (f" ... ({len(ranks)} in all)" if len(ranks) > 16 else "")
+    shown = ", ".join(map(str, ranks[:16])) + (
+        f" ... ({len(ranks)} in all)" if len(ranks) > 16 else ""
+    )
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"

@@ -1,18 +1,14 @@
 """Pipeline-parallel schedules: pure functions returning ordered (stage, micro-batch, F/B).
 
-``p`` stages, ``m`` micro-batches. Forward of micro-batch ``i`` on stage ``s`` needs its
-forward on ``s-1``; backward on ``s`` needs the backward on ``s+1`` (on the last stage, its
-own forward). Each stage runs its own action list in order (:func:`stage_orders`):
+``p`` stages, ``m`` micro-batches; each stage runs its own action list
+(:func:`stage_orders`): GPipe (every forward, then every backward; bubble
+:func:`gpipe_bubble`) or 1F1B (warm-up forwards, then one forward one backward, then the
+drain: the same bubble, at most ``p - s`` micro-batches live on stage ``s``).
 
-* GPipe: every forward, then every backward (last micro-batch first). A stage holds the
-  activations of all ``m`` micro-batches at once; the bubble is ``(p-1)/(m+p-1)``
-  (:func:`gpipe_bubble`).
-* 1F1B (PipeDream-Flush): stage ``s`` runs ``min(p-s-1, m)`` warm-up forwards, then
-  alternates one forward and one backward, then drains the remaining backwards. Same bubble
-  as GPipe, but at most ``p - s`` micro-batches are live on stage ``s``.
-
-:func:`simulate` places every action on a clock (given forward/backward durations), which
-both proves a set of orders deadlock-free and gives the global order of :func:`schedule`.
+Invariants: forward of micro-batch ``i`` on stage ``s`` follows its forward on ``s-1``;
+backward on ``s`` follows the backward on ``s+1``. :func:`simulate` places every action on a
+clock, which proves a set of orders deadlock-free and gives :func:`schedule`'s global
+order. Details: docs/architecture.md, section "schedule/pipeline.py".
 """
 
 from __future__ import annotations

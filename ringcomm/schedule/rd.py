@@ -1,25 +1,14 @@
-"""Recursive-doubling allreduce plan for small messages, any world size.
+"""Recursive-doubling allreduce plan for small messages, any world size (pure).
 
-The scheme of MPICH's ``MPIR_Allreduce_intra_recursive_doubling``. With ``p2`` the largest
-power of two ``<= n`` and ``rem = n - p2``:
+MPICH's ``MPIR_Allreduce_intra_recursive_doubling``: with ``p2`` the largest power of two
+``<= n`` and ``rem = n - p2``, the first ``2 * rem`` ranks pair up (odd ranks send to the
+even one and sit out), the ``p2`` left exchange whole buffers with partner ``newrank ^ mask``
+for ``mask = 1, 2, 4, ...``, and the even ranks send the result back to their odd partner.
 
-1. Pre-step (only the first ``2 * rem`` ranks): odd rank ``2i+1`` sends its data to
-   ``2i`` and sits out; even rank ``2i`` reduces it in (``x[2i] op x[2i+1]``).
-2. The ``p2`` ranks left, renumbered ``newrank = rank // 2`` (for ``rank < 2*rem``) or
-   ``rank - rem`` (the rest), do ``log2(p2)`` exchanges: partner ``newrank ^ mask`` for
-   ``mask = 1, 2, 4, ...``; each sends its whole buffer and reduces the partner's in.
-3. Post-step: even rank ``2i < 2*rem`` sends the result to ``2i+1``.
-
-Why every rank ends with identical bits: the renumbering keeps rank order, and in every
-combination the operand from the lower rank is on the left (``RdStep.incoming_first`` tells
-the higher rank of an exchange to compute ``incoming (op) local``). By induction, after the
-exchange with ``mask`` every rank of an aligned block of ``2*mask`` newranks holds the same
-bits: the two halves each held identical bits, and both partners evaluate the same
-expression ``lower_half (op) upper_half`` on them, a deterministic IEEE operation. The result
-is one fixed bracketing of ``x[0] op x[1] op ... op x[n-1]`` in rank order, the same on every
-rank and on every run. (Order matters for bits even though every op is commutative in value:
-``maximum(0.0, -0.0)`` differs from ``maximum(-0.0, 0.0)``, and which NaN payload survives
-an add depends on operand order.) The sitting-out odd ranks receive a copy of those bits.
+Invariant: every rank ends with identical bits, on every run: in every combination the
+operand from the lower rank is on the left (:attr:`RdStep.incoming_first`), so the result
+is one fixed bracketing of ``x[0] op ... op x[n-1]`` in rank order. The steps and the
+proof: docs/architecture.md, section "schedule/rd.py".
 """
 
 from __future__ import annotations

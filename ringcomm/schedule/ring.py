@@ -1,35 +1,15 @@
-"""Ring schedule: reduce-scatter then all-gather, each ``world_size - 1`` steps.
+"""Ring schedule: reduce-scatter then all-gather, each ``world_size - 1`` steps (pure).
 
-The buffer of ``count`` elements is cut into ``world_size`` segments (:func:`segment_bounds`).
-Every rank sends to its right neighbour ``(rank + 1) % n`` and receives from its left
-neighbour ``(rank - 1) % n`` at every step; the functions here only say *which segment*.
+The buffer is cut into ``world_size`` segments (:func:`segment_bounds`); at every step each
+rank sends to its right neighbour and receives from its left one, and the functions here
+say only *which segment*. ``order`` (a permutation of the ranks; None: ``0 .. n-1``, e.g.
+:attr:`ringcomm.schedule.topology.Topology.ring_order`) is the order the ring visits them.
 
-Reduce-scatter, step ``k = 0 .. n-2`` on rank ``r``::
-
-    send segment (r - k - 1) % n   # the partial sum received at step k-1 (own data at k=0)
-    recv segment (r - k - 2) % n   # reduce the left neighbour's partial sum into it
-
-Segment ``s`` starts as rank ``s+1``'s data at step 0, gains one rank's contribution per step
-going right, and reaches rank ``s`` at the last step (``(r - n) % n == r``): after
-reduce-scatter rank ``r`` owns the fully reduced segment ``r``, so ``reduce_scatter``
-returns ``x[rank]`` as the API promises. The receiver combines ``local (op) incoming``
-unless the collective chooses otherwise; either way only the owner computes segment ``r`` and
-all-gather copies those bits, so every rank ends with identical bits.
-
-All-gather, step ``k = 0 .. n-2`` on rank ``r``::
-
-    send segment (r - k) % n       # own segment at k=0, then the one received at step k-1
-    recv segment (r - k - 1) % n   # overwrite it with the left neighbour's copy
-
-At every step, the segment rank ``r`` sends is the segment rank ``r+1`` receives.
-
-Ring order. Every function also takes ``order``: the ranks in the order the ring visits
-them (a permutation of ``range(n)``; None: ``0 .. n-1``), e.g. a group's host-contiguous
-:attr:`ringcomm.schedule.topology.Topology.ring_order`, so the ring crosses each host
-boundary once whatever the launcher's rank order. The schedule is then the one above for
-the rank's *position* ``p`` in ``order`` (right neighbour ``order[p + 1]``), with position
-``s``'s segment being segment ``order[s]``: rank ``r`` still owns segment ``r`` after
-reduce-scatter (``reduce_scatter`` still returns ``x[rank]``).
+Invariants: after reduce-scatter rank ``r`` owns the fully reduced segment ``r`` whatever
+``order`` (so ``reduce_scatter`` returns ``x[rank]``); only the owner computes a segment and
+all-gather copies its bits, so every rank ends with identical bits; at every step the
+segment a rank sends is the one its right neighbour receives. The step formulas:
+docs/architecture.md, section "schedule/ring.py".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Which ranks share a host, and the pieces of a hierarchical collective (pure).
 
-A group's topology comes from its ranks' host identities (:func:`topology`): hosts are
-numbered in the order of their lowest rank, each host's ranks ascending; a rank's local
-rank is its index there, the host's leader its first rank. :attr:`Topology.ring_order`
-lists the ranks host by host, so a ring in that order crosses each host boundary once.
-
-A hierarchical all_reduce over H hosts (:func:`hier_plan`) cuts the buffer into
-``M = max(ranks per host)`` pieces. On a host of L ranks, local rank i owns pieces
-``i, i + L, i + 2L, ...`` (with L == M: exactly piece i). Each piece is reduced onto its
-owner within the host, all-reduced among the owners of that piece on the H hosts (one
-inter-host group per piece: every local rank drives its own, so no single leader's link or
-core carries everything), and sent back from the owner to its host. Each host's uplink
-then carries ``2 (H-1)/H * S`` of an S-byte all_reduce (the flat ring's own bound crosses
-each boundary with ``2 (n-1)/n * S`` per rank on it).
+:func:`topology`: hosts numbered in the order of their lowest rank, each host's ranks
+ascending; a rank's local rank is its index there, the host's leader its first rank;
+:attr:`Topology.ring_order` lists the ranks host by host, so a ring in that order crosses
+each host boundary once. :func:`hier_plan`: a hierarchical all_reduce cuts the buffer into
+``M = max(ranks per host)`` pieces, each reduced onto its owner within the host,
+all-reduced among the owners of that piece across hosts and sent back, so no single
+leader carries everything. Details: docs/architecture.md, section "schedule/topology.py".
 """
 
 from __future__ import annotations

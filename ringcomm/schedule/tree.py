@@ -1,21 +1,13 @@
 """Broadcast/reduce trees with any root: a binomial tree and a chain (for pipelining).
 
-Both work on the *relative rank* ``vrank = (rank - root) % n``, so the root is vrank 0.
+Both work on the relative rank ``vrank = (rank - root) % n`` (the root is vrank 0). Binomial
+tree (MPICH's): the parent of ``vrank`` clears its lowest set bit; :func:`binomial_children`
+lists the children largest subtree first, so a broadcast finishes in ``ceil(log2 n)``
+rounds. Chain: ``root, root+1, ..., root-1`` (mod n), for pipelined broadcasts.
 
-Binomial tree (as MPICH's binomial bcast/reduce): the parent of ``vrank`` is ``vrank`` with
-its lowest set bit cleared; its children are ``vrank + mask`` for each power of two ``mask``
-below that bit (every power of two for the root) while ``vrank + mask < n``.
-:func:`binomial_children` lists them largest subtree first (decreasing ``mask``), the order
-a broadcast sends in: then a broadcast where each rank forwards to one child per round
-finishes in ``ceil(log2 n)`` rounds, the minimum, and no path is longer than that.
-
-A reduce runs the tree upwards: each rank receives its children in ``reversed(children)``
-order (increasing ``mask``) and combines ``local (op) incoming``, then sends to its parent.
-Child subtrees hold consecutive vranks above the parent's, so this evaluates one fixed
-bracketing of the inputs in vrank order: the same bits on every run.
-
-Chain: ``root, root+1, ..., root-1`` (mod n); a pipelined broadcast sends chunk k+1 to
-``next`` while ``next`` forwards chunk k.
+Invariant: a reduce receives its children in ``reversed(children)`` order and combines
+``local (op) incoming``, evaluating one fixed bracketing in vrank order: the same bits on
+every run. Details: docs/architecture.md, section "schedule/tree.py".
 """
 
 from __future__ import annotations

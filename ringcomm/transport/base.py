@@ -1,31 +1,16 @@
 """The transport boundary: the one interface the progress engine sends and receives through.
 
-In the spirit of gloo's ``transport::Pair`` and ps-lite's ``Van``: the layer above hands a
-transport whole messages (a packed header and its payload) for a peer, and reads whole
-messages back; *how* each one travels is the transport's choice, made here and nowhere
-else:
+As gloo's ``transport::Pair`` and ps-lite's ``Van``: the layer above hands a transport whole
+messages (a packed header and its payload) for a peer and reads whole messages back; how
+each one travels (inline in the header, a same-host datagram, two zmq frames, a
+shared-memory slot or a zero-copy frame, by ``nbytes``) is chosen here and nowhere else.
 
-=================================  ==========================================================
-payload size (``nbytes``)          path (ZmqTransport)
-=================================  ==========================================================
-< ``INLINE_MAX_BYTES``             inside the header frame (one frame): a same-host datagram
-                                   when the stream allows it, else one zmq frame
-< ``LANE_MAX_PAYLOAD_BYTES``       header and payload as one same-host datagram when the
-                                   stream allows it, else two zmq frames, copied
->= ``ZERO_COPY_MIN_BYTES``         a shared-memory slot to a same-host peer when one is free,
-                                   else a zero-copy zmq frame (the send returns its tracker)
-=================================  ==========================================================
-
-Order. Messages to one peer are delivered in the order sent, per :class:`Stream` (the
-messages of one operation): a datagram may overtake a zmq message sent before it, so once
-one message of a stream went to a peer over zmq, the stream's later messages to that peer
-do too. ``stream=None``: the message never takes the datagram path (point-to-point, whose
-order must hold across operations; control messages).
-
-Implementations: :class:`~ringcomm.transport.zmq_transport.ZmqTransport` (zmq with the
-same-host datagram and shared-memory lanes behind it) and
-:class:`~ringcomm.transport.memory.MemoryTransport` (in one process, for tests: seeded
-delivery order, injected delays and deaths).
+Invariant: messages to one peer are delivered in the order sent, per :class:`Stream` (the
+messages of one operation); ``stream=None`` never takes the datagram path (point-to-point
+and control messages, whose order must hold across operations). Implementations:
+:class:`~ringcomm.transport.zmq_transport.ZmqTransport` and, for tests,
+:class:`~ringcomm.transport.memory.MemoryTransport`. The size table and the order rule:
+docs/architecture.md, section "transport/base.py".
 """
 
 from __future__ import annotations

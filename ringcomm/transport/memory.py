@@ -1,42 +1,17 @@
 """An in-memory transport for tests: every rank of a job in one process, no sockets.
 
-Like pyzmq's ``inproc`` tests (STYLE.md, habit 9): the progress engine and everything above
-it run unchanged over :class:`MemoryTransport`, which implements
-:class:`~ringcomm.transport.base.Transport`, while a :class:`MemoryHub` (the "network" of
-one process) decides when each message becomes visible, so tests of protocol logic are
-deterministic and need no sleeps.
+The progress engine and everything above it run unchanged over :class:`MemoryTransport`
+(a :class:`~ringcomm.transport.base.Transport`), while a :class:`MemoryHub` (the "network"
+of one process) decides when each message becomes visible, so protocol tests are
+deterministic and need no sleeps. Framing is ZmqTransport's; faults (:meth:`MemoryHub.kill`,
+:meth:`MemoryHub.hold`/:meth:`MemoryHub.release`, :meth:`MemoryHub.drop_next`) are injected
+on the hub, from any thread.
 
-Delivery order. A receiver keeps one FIFO queue per channel: one per sending rank (the data
-path; zmq's PUSH to PULL keeps that order, which all matching relies on), and one per rank
-for farewells (:meth:`MemoryTransport.send_farewell`: a connection of its own in the zmq
-transport, so it may overtake). The next message a receiver takes is drawn among the heads
-of its non-empty queues by the receiver's own ``random.Random``, seeded from the hub's
-``seed`` and its rank: for a given sequence of sends and receives the order is the same
-on every run, and other seeds give other interleavings across senders, never within one.
-(With one thread per rank, the sequence itself depends on thread timing: the seed fixes
-the choices, not the schedule.)
-
-Framing, as :class:`~ringcomm.transport.zmq_transport.ZmqTransport` frames messages over
-zmq: a payload below ``INLINE_MAX_BYTES`` travels inside the header frame
-(:func:`~ringcomm.transport.wire.inline_frame`); a larger one as a header frame and a
-payload frame, copied when sent (the caller may reuse its buffer: sends never return a
-completion). There is one path, so every message keeps its order (``stream`` is not needed
-for it).
-
-Faults, injected on the hub (each also reachable from a test at any time, any thread):
-
-* :meth:`MemoryHub.kill` -- the rank is cut off (a crashed process, or a partition): what
-  it sends later or sent that is still held back is lost, and so is what is queued for it
-  or sent to it later (what its peers took in already stays); every other rank gets
-  ``(rank, EVENT_DISCONNECTED)`` from ``poll_events``, and the killed rank one for each of
-  them, as libzmq's monitor reports a dropped connection on both sides.
-* :meth:`MemoryHub.hold` / :meth:`MemoryHub.release` -- delay the messages from one rank
-  to another: held messages are not visible to the receiver until released, in order.
-* :meth:`MemoryHub.drop_next` -- lose the next messages from one rank to another.
-
-Closing a transport (:meth:`MemoryTransport.close`) reports ``(rank, EVENT_DISCONNECTED)``
-to every live peer, as a closed PULL socket does to the PUSH sockets connected to it;
-messages to a closed rank are dropped.
+Invariants: messages from one sender to one receiver keep their order (one FIFO per
+sending rank, one for farewells); the interleaving across senders is drawn by the
+receiver's ``random.Random`` seeded from the hub's seed and its rank; a killed or closed
+rank's peers get ``(rank, EVENT_DISCONNECTED)``, as libzmq's monitor reports. Delivery
+order and faults in full: docs/architecture.md, section "transport/memory.py".
 """
 
 from __future__ import annotations

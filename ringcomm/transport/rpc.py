@@ -1,50 +1,17 @@
 """Request/reply over ZeroMQ: one ROUTER server, many DEALER clients, msgpack maps.
 
-Used by the rendezvous store. Frames on the wire (the ROUTER adds/strips the identity)::
+Used by the rendezvous store. :class:`RpcServer`: one daemon thread owns the ROUTER and calls
+``handler(call)`` per well-formed request (``None``: reply later with
+:meth:`RpcServer.reply`); malformed messages are dropped and counted, never stop it.
+:class:`RpcClient`: a DEALER (never a REQ) owned by one I/O thread; any number of threads
+call :meth:`RpcClient.call`, each with its own deadline.
 
-    request  [identity, head, msgpack {"id": int, "body": map}]
-    reply    [identity, head, msgpack {"id": int, "body": map}]      handled
-             [identity, head, msgpack {"id": int, "error": str}]     the handler raised
-             [identity, b"", msgpack {"id": int, "refused": str}]    authentication failed
-
-Sessions (session.py): a request's ``head`` is empty (no session: a first contact, at most
-``HELLO_MAX_BYTES``, or any request to a server without sessions) or ``cn | id | HMAC`` (the
-session's client nonce, the request id as 8 bytes, the HMAC of both and the payload under
-the session key). The server checks the HMAC and that ids increase within a session before
-it decodes anything, and answers a failure with ``refused`` (:class:`RpcAuthError`); the
-reply to a signed request carries the HMAC of its id and payload, which the client checks.
-So neither the token nor anything replayed gets a request through, and nothing larger than
-a first contact is decoded before it is authenticated; ``max_message_bytes`` bounds what
-libzmq buffers for any one message.
-
-Server (:class:`RpcServer`): one daemon thread owns the ROUTER socket and calls
-``handler(call)`` for each well-formed request. The handler returns the reply body, or
-``None`` to answer later with :meth:`RpcServer.reply` (deferred replies, e.g. a ``wait`` until
-a key exists). :meth:`RpcServer.call_later` runs a callback on the server thread at a
-deadline (to expire deferred requests). Malformed messages (wrong frame count, not msgpack,
-wrong types) are dropped and counted in ``dropped``; they never stop the server. A socket
-pair wakes the loop, so ``close()`` returns at once instead of waiting out a poll timeout.
-
-Client (:class:`RpcClient`): a DEALER, never a REQ (whose send/recv state machine wedges
-after a timed-out request). One I/O thread owns the socket; any number of caller threads
-issue :meth:`RpcClient.call` concurrently, each with its own deadline. Requests carry an id;
-a reply whose id nobody waits for any more (its caller timed out) is discarded. A request
-whose deadline passed is answered by :class:`RpcTimeoutError`; note that the server may still
-have executed it (at-most-once is not knowable without an answer).
-
-Connection loss: the client watches its DEALER with a socket monitor (read by the I/O thread)
-and sends ZMTP heartbeats (a PING every second; nothing back within 4 s drops the connection;
-the TTL it announces lets the server drop a client silent for 4 s too). A server whose socket
-closes (it shut down, or its process died and the kernel closed the TCP connection) is
-noticed within milliseconds; one that went silent (a frozen or unplugged host) after 4-5 s,
-by the heartbeats. Until the first ZMTP handshake succeeds, calls wait as usual: the server
-may simply not be up yet (ranks start before rank 0 serves the store). Once a connection was
-established and drops, every pending call fails at once with :class:`RpcConnectionLost`, and
-so does every call made while it stays down (nothing is queued for later). libzmq keeps
-reconnecting in the background; when a handshake succeeds again, calls work again. The
-DEALER sets ``IMMEDIATE``, so a request is handed only to a live connection: requests of
-calls that failed are dropped with the connection, never delivered by a later reconnect. As
-with a timeout, a call that failed this way may still have been executed by the server.
+Invariants: with sessions, nothing larger than a first contact is decoded before its HMAC
+and increasing id are checked (:class:`RpcAuthError` otherwise); once a connection was up
+and drops, every pending and later call fails at once with :class:`RpcConnectionLost`
+until a handshake succeeds again (nothing queued for later, ``IMMEDIATE``); a timed-out or
+failed call may still have run on the server. Frames, sessions and connection loss:
+docs/architecture.md, section "transport/rpc.py".
 """
 
 from __future__ import annotations
@@ -496,7 +463,9 @@ class RpcServer:
         if not all(isinstance(key, str) for key in body):
             self.dropped += 1
             return None
-        if session is not None and request_id != int.from_bytes(head[NONCE_BYTES : NONCE_BYTES + 8], "little"):
+        if session is not None and request_id != int.from_bytes(
+            head[NONCE_BYTES : NONCE_BYTES + 8], "little"
+        ):
             self.dropped += 1
             return None
         return RpcCall(client_id, request_id, body, session)
@@ -779,8 +748,13 @@ class RpcClient:
                 continue
             with self._lock:
                 slot = self._pending.get(request_id)
-                if slot is not None and slot.key is not None and not hmac.compare_digest(
-                    frames[0], mac(slot.key, b"reply", request_id.to_bytes(8, "little"), frames[1])
+                if (
+                    slot is not None
+                    and slot.key is not None
+                    and not hmac.compare_digest(
+                        frames[0],
+                        mac(slot.key, b"reply", request_id.to_bytes(8, "little"), frames[1]),
+                    )
                 ):
                     # Not from the server of our session: only its refusal (which anyone
                     # could forge, and which only fails the call) is taken unsigned.

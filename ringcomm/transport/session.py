@@ -1,19 +1,16 @@
 """The job token on the wire: derived, fresh per connection, and never sent (pure; no sockets).
 
 - :func:`mint_token`: a fresh secret, for a group nobody gave one (the store's host mints it).
-- Data plane, ``handshake`` mode (ZMTP PLAIN): a receiver publishes a random *salt* through
-  the store; a sender presents the username ``r<src>.<nonce>`` (a fresh nonce per connection)
-  and the password ``HMAC(K, salt | username)``. :class:`LoginCheck` admits each nonce once,
-  so a login seen on the network and replayed fails, at the same receiver (nonce used) and at
-  any other (another salt). ``curve`` mode: key pairs derived from the token (CurveZMQ's own
-  handshake is fresh per connection).
-- Store sessions: the client's nonce ``cn``, the server's ``sn = HMAC(server secret, cn)``
-  (nothing kept per hello), a key ``HMAC(K, cn | sn)``; every later request and reply carries
-  an HMAC of its bytes under that key, request ids increasing (:class:`SessionKeys`).
-- Handing out a minted token (:func:`dh_keypair`, :func:`seal`): finite-field Diffie-Hellman
-  (RFC 3526 group 14, 256-bit exponents) on first contact, the token sealed under the shared
-  secret and both nonces. A passive observer learns nothing; the exchange is not
-  authenticated, so who may receive the token is the store's policy (store.py).
+- Data plane logins (``handshake``: ZMTP PLAIN with a per-connection nonce and an HMAC over
+  the receiver's salt; :class:`LoginCheck` admits each nonce once) and ``curve`` key pairs
+  derived from the token.
+- Store sessions (:class:`SessionKeys`): a key per client nonce; every later request and
+  reply carries an HMAC of its bytes under it, request ids increasing.
+- Handing out a minted token (:func:`dh_keypair`, :func:`seal`): Diffie-Hellman on first
+  contact, unauthenticated, so who may receive it is the store's policy (store.py).
+
+Invariant: a login or request seen on the network and replayed fails. Derivations in full:
+docs/architecture.md, section "transport/session.py".
 """
 
 from __future__ import annotations

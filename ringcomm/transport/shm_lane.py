@@ -1,30 +1,16 @@
 """Large payloads between ranks on one host through shared memory, not the socket.
 
-Over a socket every byte of a large piece is copied twice by the kernel (into the socket,
-out of it, both on libzmq's I/O threads) before the receiver reduces or copies it; here the
-sender copies the piece once into a slot of a shared segment and the receiver reduces or
-copies straight out of that slot. The zmq message still carries the header, followed by a
-16-byte reference to the slot instead of the payload, so message order, matching and
-fingerprints are exactly those of the socket path.
+The sender copies a piece once into a slot of a segment it shares with the receiver, which
+reduces or copies straight out of it; the zmq message carries the header and a 16-byte
+reference (slot, generation, length) instead of the payload, so message order, matching and
+fingerprints are those of the socket path. One anonymous ``memfd`` segment per ordered pair,
+handed over the same-host lane socket (``SCM_RIGHTS``): nothing left behind when a rank dies.
 
-Segments: one per ordered pair (sender -> receiver), an anonymous ``memfd`` the sender
-creates and hands to the receiver over the same-host lane socket at group formation
-(``SCM_RIGHTS``): no name in /dev/shm, nothing left behind when a rank dies. It holds one
-state byte per slot, then ``slots`` slots of ``slot_bytes``; pages are allocated when first
-written, and the sender takes the lowest free slot, so a pair that never has more than two
-pieces in flight touches two slots.
-
-Slot life: the sender takes a free slot (state 0), copies the piece in, sets the state to
-the piece's generation (1..254, counting up) and sends the reference (slot, generation,
-length); the receiver takes it only if the state still holds that generation, marks it
-taken (255: a duplicate or stale reference is refused), and its payload is a NumPy view of
-the slot whose finalizer sets state 0 once the last view of it is gone (received pieces may
-wait in a queue, or be held until every peer is heard from; the slot stays taken
-meanwhile). No free slot, or a
-piece larger than a slot: the piece goes through the socket as before. The state bytes are
-plain stores: the receiver's reads of a slot come before its store of 0 and the sender's
-read of 0 before its writes, an order x86-64 keeps (TSO), so the lane is only used there
-(``AVAILABLE``); the handoff of the data itself goes through a zmq message (system calls).
+Invariants: a receiver takes a slot only if its state byte still holds the reference's
+generation (a duplicate or stale reference is refused); a slot is free again only once the
+last view of the received payload is gone; no free slot, or a larger piece: the socket.
+Plain state-byte stores rely on x86-64's TSO, so the lane is used only there
+(``AVAILABLE``). Slot life: docs/architecture.md, section "transport/shm_lane.py".
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """The same-host lane: messages below 64 KiB as AF_UNIX datagrams, past libzmq's I/O threads.
 
-A libzmq message crosses two I/O threads (the sender's writes it to the socket, the
-receiver's reads it and wakes the application), so an 8-byte message between two ranks on
-one host costs four thread hand-offs; an AF_UNIX datagram costs one ``send`` into the
-receiver's socket queue and one ``recv`` out of it. Measured here (Python, 8-byte direct
-exchange, back to back): 12 µs at W=2 and ~40 µs at W=4 against 34 µs and ~100 µs for the
-same exchange over pyzmq PUSH/PULL ipc:// (benchmarks/results/local_lane.md).
+A libzmq message crosses two I/O threads; a datagram costs one ``send`` into the receiver's
+socket queue and one ``recv`` out of it (measured in benchmarks/results/local_lane.md).
+Only messages below ``LANE_MAX_PAYLOAD_BYTES`` that the layer above marks lane-safe travel
+here, to peers on the same host, never with ``RINGCOMM_SECURITY=curve``.
 
-What travels here: messages below ``LANE_MAX_PAYLOAD_BYTES`` that the layer above marks
-as lane-safe, to peers on the same host: a one-frame message (a header carrying its payload
-inline) as exactly the zmq frame's bytes, a header with its payload frame as one datagram
-``PARTS_TAG | u32 header length | header | payload`` (:meth:`UnixLane.send_parts`), which
-the transport splits again.
-
-Order. ``send`` puts the datagram in the receiver's socket queue before it returns, while
-a zmq message leaves later from the I/O thread, so a datagram sent before a zmq message is
-already queued when that zmq message can be read. The transport therefore looks at the lane
-after every zmq read and before handing that message out (datagram-then-zmq order is kept); the layer above never sends a
-lane message after a zmq message on the same stream (zmq-then-datagram could overtake).
-
-Flow control: a receiving socket queues at most ``net.unix.max_dgram_qlen`` datagrams
-(10 by default), and a sender's unreceived datagrams count against its send buffer (~200
-KiB by default: three 64 KiB ones). A send that would block returns False (counted in ``full``) and the
-message goes over zmq instead, as do the later messages of that stream (the order rule
-above), so a sender never blocks; a burst past the queue simply overflows to zmq. A peer
-whose socket is gone (it closed, or died) leaves the lane for good (``fallbacks``).
-
-Who can write here: the socket lives in this process's folder, which only this user can
-enter (endpoints.private_dir: mode 0700; a killed process's folder is removed by the
-user's next process), at a random path that peers learn only from the token-authenticated
-rendezvous store; malformed datagrams are dropped and counted above, like zmq frames.
-Jobs that ask for encryption (``RINGCOMM_SECURITY=curve``) do not use the lane.
+Invariants: the transport reads the lane after every zmq read and before handing that
+message out, and never sends a lane message after a zmq message on the same stream, so
+order holds; a sender never blocks (a full queue returns False and the stream moves to
+zmq); the socket lives in a 0700 folder at a random path peers learn only from the
+authenticated store. Order, flow control and who may write: docs/architecture.md,
+section "transport/unix_lane.py".
 """
 
 from __future__ import annotations

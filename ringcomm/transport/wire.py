@@ -1,29 +1,12 @@
 """Wire format: pure pack/unpack of message headers (no sockets).
 
-A message is a small msgpack header frame followed by one raw payload frame. The header is
-a msgpack array with fixed positions (compact and fast to parse):
+A message is a msgpack header frame, an array with fixed positions ``[version, kind, src,
+group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth, inline]``, then
+one raw payload frame; a payload below ``INLINE_MAX_BYTES`` travels inside the header
+(``inline``) and the message is that single frame.
 
-    [version, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp,
-     auth, inline]
-
-Small payloads (below ``INLINE_MAX_BYTES``) travel inside the header as ``inline`` and the
-message is that single frame: it saves a send and a receive call per message, which is most
-of the cost of an 8-byte message; larger payloads follow as their own frame (``inline`` is
-None), zero-copy when large.
-
-- ``kind``: what the message is for (point-to-point data, collective data, control).
-- ``src``: the sender's global rank. ``group``: the group id (0 = the world group).
-- ``tag``: the user tag for point-to-point; the collective's sequence number for collectives.
-- ``step``: algorithm step (collectives), 0 for point-to-point.
-- ``piece``/``npieces``: this chunk's index and the message's chunk count.
-- ``dtype``: NumPy dtype string (``"<f4"``); ``nbytes``: bytes of the whole message;
-  ``offset``: byte offset of this piece inside it; ``shape``: the array's shape (piece 0
-  only, else None) for error messages.
-- ``fp``: the collective's fingerprint (None for point-to-point), ``auth``: reserved for a
-  message authentication tag (None when the job runs without a token on the data plane).
-- ``inline``: the payload bytes of a one-frame message, else None.
-
-Messages with the same (src, group, kind, tag) are matched in the order they were sent.
+Invariant: messages with the same (src, group, kind, tag) are matched in the order they
+were sent. Field by field: docs/architecture.md, section "transport/wire.py".
 """
 
 from __future__ import annotations
@@ -211,8 +194,23 @@ def unpack_header(data: bytes | memoryview) -> tuple[Header, bytes | None]:
         raise WireError(f"header is not msgpack: {exc}") from exc
     if type(fields) is not list or len(fields) != _NFIELDS:
         raise WireError("header is not a list of the expected length")
-    (ver, kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth,
-     inline) = fields
+    (
+        ver,
+        kind,
+        src,
+        group,
+        tag,
+        step,
+        piece,
+        npieces,
+        dtype,
+        nbytes,
+        offset,
+        shape,
+        fp,
+        auth,
+        inline,
+    ) = fields
     # The common header in one test (every message of a collective, and p2p pieces after
     # the first): integers that are ints (msgpack never gives one above 2**64 - 1, the
     # upper bound; bools are not ints here), no shape, no auth. Anything else takes the
@@ -236,8 +234,14 @@ def unpack_header(data: bytes | memoryview) -> tuple[Header, bytes | None]:
     if type(kind) is not int or kind not in KIND_NAMES:
         raise WireError(f"unknown message kind {kind!r}")
     # One pass over the integer fields (msgpack gives Python ints; bools are rejected).
-    for name, v in (("src", src), ("group", group), ("tag", tag), ("step", step),
-                    ("nbytes", nbytes), ("offset", offset)):
+    for name, v in (
+        ("src", src),
+        ("group", group),
+        ("tag", tag),
+        ("step", step),
+        ("nbytes", nbytes),
+        ("offset", offset),
+    ):
         if type(v) is not int or not 0 <= v <= _MAX_U64:
             raise _bad(name, v)
     if type(npieces) is not int or not 1 <= npieces <= _MAX_U64:
@@ -254,6 +258,7 @@ def unpack_header(data: bytes | memoryview) -> tuple[Header, bytes | None]:
         raise _bad("auth", auth)
     if inline is not None and type(inline) is not bytes:
         raise _bad("inline", inline)
-    header = Header(kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape,
-                    fp, auth)
+    header = Header(
+        kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, shape, fp, auth
+    )
     return header, inline

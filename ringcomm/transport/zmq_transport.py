@@ -1,43 +1,16 @@
 """The data plane over ZeroMQ: one bound receive socket per rank, one send socket per peer.
 
-Socket pattern: each rank binds a PULL socket (on ipc:// and tcp://); it connects a PUSH
-socket to each peer the first time it sends there. ZeroMQ keeps the order of messages from
-one PUSH to one PULL, which is all the matching layer above needs.
+Each rank binds a PULL socket (ipc:// and tcp://) and connects a PUSH socket to every peer
+when the group forms; ZeroMQ keeps the order of messages from one PUSH to one PULL, which is
+all the matching layer above needs. Same-host peers also get the datagram lane
+(``unix_lane``) and shared-memory slots (``shm_lane``), both keeping that order.
 
-Not thread-safe by design: ZeroMQ sockets must be used by one thread at a time, so the
-progress engine calls everything here under its driver lock. Only :meth:`wake` may be
-called from any thread.
-
-Liveness (no thread, no wake-up on the message path): every rank connects a PUSH socket to
-every peer when the group forms (:meth:`connect_all`), with ZMTP heartbeats handled by
-libzmq's I/O thread (``heartbeat_ivl_s``/``heartbeat_timeout_s``) and a socket monitor. A
-peer that dies (its kernel closes its sockets) or goes silent (no heartbeat answer) shows
-up as a ``DISCONNECTED`` event on our socket towards it; :meth:`poll_events` hands those
-to the engine, which looks at them every few tens of milliseconds, not per message.
-
-Authentication (a job token; session.py): the receive socket is a ZMTP server whose
-connections a ZAP handler (zap.py: a thread that wakes only for connection handshakes)
-admits or refuses before any of their frames reaches the socket; refusals are counted
-(``auth_failures``) and logged once per address. Two mechanisms, chosen by ``security``:
-``"handshake"`` (ZMTP PLAIN carrying a login made for this connection: a fresh nonce and
-an HMAC over it and the receiver's salt, admitted once, so a login seen on the network
-cannot be replayed; one check per connection, nothing per message) and ``"curve"``
-(CurveZMQ with key pairs derived from the token: authenticated and encrypted, every byte
-through libsodium). No token (``"none"``, ``RINGCOMM_SECURITY=none``): anyone who reaches
-the socket is admitted. Before authentication nothing large is held: a frame may not
-exceed ``max_message_bytes`` (the largest piece plus a header: a bigger size closes the
-connection as soon as it is read), and a connection has ``handshake_s`` to authenticate.
-
-Peers on the same host get two more paths (both optional, both keeping this socket's
-message order): collective messages with payloads below 64 KiB as AF_UNIX datagrams
-(unix_lane.py, read before any zmq message sent after them, :meth:`recv_first`), and
-payloads of 64 KiB and more through shared-memory slots, the zmq message carrying a
-reference (shm_lane.py, segments exchanged by :meth:`setup_shm` when the group forms).
-
-Copies on the hot path: a large payload is sent zero-copy (libzmq reads the caller's
-buffer from its I/O thread; the returned tracker says when it is done with it), so sending
-costs one kernel copy; receiving costs one kernel copy into a libzmq message, which the
-caller consumes in place (copy or reduce straight from ``frame.buffer``).
+Invariants: not thread-safe (the progress engine calls it under its driver lock; only
+:meth:`ZmqTransport.wake` may be called from any thread); a dead or silent peer shows up as
+a ``DISCONNECTED`` event from :meth:`ZmqTransport.poll_events`, never on the message path;
+with a token, no frame of an unauthenticated connection reaches the socket and no frame
+exceeds ``max_message_bytes``. Liveness, authentication and copies: docs/architecture.md,
+section "transport/zmq_transport.py".
 """
 
 from __future__ import annotations
@@ -442,7 +415,9 @@ class ZmqTransport:
             try:
                 endpoint = self._peer_endpoints[peer]
             except KeyError:
-                raise RingcommError(f"rank {self.rank}: no endpoint known for peer {peer}") from None
+                raise RingcommError(
+                    f"rank {self.rank}: no endpoint known for peer {peer}"
+                ) from None
             sock = self._ctx.socket(zmq.PUSH)
             self._configure_tx(sock, peer)
             self._monitors[peer] = sock.get_monitor_socket(_TX_EVENTS)
@@ -485,8 +460,10 @@ class ZmqTransport:
             sock = self._tx.get(peer) or self._socket_to(peer)
             sock.send(frame, _NOBLOCK, copy=True)
             return None
-        if lane is not None and nbytes < LANE_MAX_PAYLOAD_BYTES and lane.send_parts(
-            peer, header, payload
+        if (
+            lane is not None
+            and nbytes < LANE_MAX_PAYLOAD_BYTES
+            and lane.send_parts(peer, header, payload)
         ):
             return None
         if stream is not None:
