@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -100,7 +102,16 @@ class ProcessGroup:
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self.core.timeout_s = value
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not (math.isfinite(value) and value > 0)
+        ):
+            raise ValueError(
+                f"rank {self.core.rank}: timeout_s={value!r} must be a finite number of "
+                "seconds > 0 (the default deadline of this group's calls)"
+            )
+        self.core.timeout_s = float(value)
 
     @property
     def chunk_bytes(self) -> int:
@@ -109,8 +120,14 @@ class ProcessGroup:
 
     @chunk_bytes.setter
     def chunk_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(
+                f"rank {self.core.rank}: chunk_bytes={value!r} must be an int > 0 (the piece "
+                "size of this group's pipelined transfers)"
+            )
+        value = int(value)
         limit = self.core.state.config.max_piece_bytes
-        if isinstance(value, int) and value > limit:  # other bad values: at the next call
+        if value > limit:
             raise ValueError(
                 f"rank {self.core.rank}: chunk_bytes={value} is above this group's largest "
                 f"piece ({limit} bytes; RINGCOMM_CHUNK_BYTES raises it)"
