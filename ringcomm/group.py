@@ -1,14 +1,9 @@
-"""ProcessGroup: ranks, tags, deadlines, point-to-point, sub-groups; init_process_group.
+"""ProcessGroup, the facade users call, and init_process_group, which forms the world group.
 
-Forming a group (``init_process_group``):
-  1. Resolve rank, world size and master address from arguments and the environment
-     (:mod:`ringcomm.config`).
-  2. Rank 0 hosts the rendezvous store at master_addr:master_port (unless a launcher
-     already does); every rank connects to it and joins the group's key namespace
-     (``pg<k>``), where a disagreement is refused at once (:mod:`ringcomm.rendezvous.meeting`).
-  3. Every rank binds its receive socket (ipc:// and tcp://), publishes its endpoints under
-     ``rank/<r>``, waits for everyone's, and picks ipc:// for peers on its host.
-  4. Send sockets connect lazily, on the first message to each peer.
+A :class:`ProcessGroup` holds a :class:`~ringcomm.core.group_core.GroupCore` (``core``):
+identity, tunables, point-to-point, collectives (delegated to :mod:`ringcomm.collectives`,
+hierarchically on a group spanning hosts), sub-groups, shrink and grow
+(:mod:`ringcomm.core.regroup`), closing. Forming a group: :mod:`ringcomm.core.forming`.
 
 Tag spaces: a message is matched on (source, group id, kind, tag), so point-to-point tags,
 collectives (tagged by their sequence number) and sub-groups never collide.
@@ -16,77 +11,34 @@ collectives (tagged by their sequence number) and sub-groups never collide.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import logging
-import os
-import time
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ringcomm._version import __version__
 from ringcomm.collectives import HIER_ALGO
 from ringcomm.collectives import api as _collectives
 from ringcomm.collectives.hierarchy import Hierarchy
-from ringcomm.config import DEFAULT_CHUNK_BYTES, InitConfig, binds_to_core, resolve_init_config
-from ringcomm.core import lifecycle
+from ringcomm.config import DEFAULT_CHUNK_BYTES, InitConfig, resolve_init_config
+from ringcomm.core import forming, lifecycle, regroup
 from ringcomm.core import summary as group_summary
 from ringcomm.core.buffers import check_array, check_peer, check_tag
-from ringcomm.core.group_core import (
-    CHECKOUT_MAX_S,
-    WORLD_GROUP_ID,
-    GroupCore,
-    ProcessState,
-    install_trace_signal,
-    setup_workspace,
-    workspace_possible,
-)
+from ringcomm.core.group_core import CHECKOUT_MAX_S, GroupCore, workspace_possible
 from ringcomm.core.p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
-from ringcomm.core.progress import (
-    DEPART_CLOSE,
-    DEPART_ERROR,
-    MAX_UNEXPECTED_BYTES,
-    MAX_UNEXPECTED_MESSAGES,
-    Progress,
-)
-from ringcomm.core.regroup import (
-    SHRINK_SLICE_S,
-    agree_survivors,
-    connect_store,
-    dead_view,
-    explain_store_loss,
-    failover_ports,
-    watch_members,
-)
+from ringcomm.core.progress import DEPART_CLOSE, DEPART_ERROR
 from ringcomm.core.work import Work
 from ringcomm.device.p2p import recv_op_class, send_op_class
-from ringcomm.device.xp import select_device
-from ringcomm.errors import (
-    CommTimeoutError,
-    GroupClosedError,
-    PeerFailedError,
-    RendezvousError,
-    RingcommError,
-)
+from ringcomm.errors import CommTimeoutError, GroupClosedError, PeerFailedError
 from ringcomm.ops import ReduceOp, parse_op
-from ringcomm.rendezvous import Store, StoreServer, meeting
-from ringcomm.rendezvous import security as _security
+from ringcomm.rendezvous import Store, meeting
 from ringcomm.rendezvous.hosting import ServerLease
 from ringcomm.schedule.topology import Topology
-from ringcomm.transport.endpoints import (
-    EndpointInfo,
-    choose_endpoint,
-    host_identity,
-    local_address_towards,
-)
-from ringcomm.transport.wire import WIRE_VERSION
-from ringcomm.transport.workspace import AVAILABLE as WORKSPACE_AVAILABLE
-from ringcomm.transport.zmq_transport import ZmqTransport
 from ringcomm.tuning.costmodel import ALGORITHMS as MODEL_ALGORITHMS
-from ringcomm.tuning.costmodel import CostModel, load_tune_file
+from ringcomm.tuning.costmodel import CostModel
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
 
@@ -150,7 +102,16 @@ class ProcessGroup:
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self.core.timeout_s = value
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not (math.isfinite(value) and value > 0)
+        ):
+            raise ValueError(
+                f"rank {self.core.rank}: timeout_s={value!r} must be a finite number of "
+                "seconds > 0 (the default deadline of this group's calls)"
+            )
+        self.core.timeout_s = float(value)
 
     @property
     def chunk_bytes(self) -> int:
@@ -159,8 +120,14 @@ class ProcessGroup:
 
     @chunk_bytes.setter
     def chunk_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(
+                f"rank {self.core.rank}: chunk_bytes={value!r} must be an int > 0 (the piece "
+                "size of this group's pipelined transfers)"
+            )
+        value = int(value)
         limit = self.core.state.config.max_piece_bytes
-        if isinstance(value, int) and value > limit:  # other bad values: at the next call
+        if value > limit:
             raise ValueError(
                 f"rank {self.core.rank}: chunk_bytes={value} is above this group's largest "
                 f"piece ({limit} bytes; RINGCOMM_CHUNK_BYTES raises it)"
@@ -257,8 +224,15 @@ class ProcessGroup:
         the sender's rank once done."""
         return self._p2p(self._recv_op(x, src, tag, True), "recv", src, tag, None, True)  # type: ignore[no-any-return]
 
-    def _p2p(self, op: SendOp | RecvOp, name: str, peer: Any, tag: Any,
-             timeout_s: float | None, async_op: bool) -> Any:  # fmt: skip
+    def _p2p(
+        self,
+        op: SendOp | RecvOp,
+        name: str,
+        peer: Any,
+        tag: Any,
+        timeout_s: float | None,
+        async_op: bool,
+    ) -> Any:
         """Run a point-to-point op, recorded by the flight recorder (its ``seq`` is the tag;
         ``peers``: the other rank, global, or every rank for an any-source receive)."""
         core = self.core
@@ -268,8 +242,9 @@ class ProcessGroup:
         x = op.x
         anyone = peer is None or peer is ANY_SOURCE
         peers = core.ranks if anyone else (core.ranks[int(peer)],)
-        entry: Any = recorder.start(core.group_id, int(tag), name, x.dtype, tuple(x.shape),
-                                    int(x.nbytes), "p2p", peers)  # fmt: skip
+        entry: Any = recorder.start(
+            core.group_id, int(tag), name, x.dtype, tuple(x.shape), int(x.nbytes), "p2p", peers
+        )
         try:
             result = core.run(op, timeout_s, async_op)
         except BaseException as exc:
@@ -648,55 +623,15 @@ class ProcessGroup:
         ``CommTimeoutError`` for a survivor that never calls it) within ``timeout_s``
         (default: the group's). Call it on the world group only.
         """
-        core = self.core
-        if not core.is_world:
-            raise ValueError(f"rank {core.rank}: shrink: call it on the world group (this is "
-                             "a sub-group; make sub-groups again on the result)")  # fmt: skip
-        if core.closed or core.state.closed:
-            raise GroupClosedError(f"rank {core.rank}: shrink: the process group is closed")
-        t = core.timeout(timeout_s)
-        deadline = time.monotonic() + t
-        old = core.state
-        cfg = old.config
-        epoch = old.epoch + 1
-        dead = dead_view(core)
-        me = core.global_rank
-        store_host = None if cfg.store_external else 0
-        server: StoreServer | ServerLease | None = None
-        moved = False
-        if store_host is None or store_host not in dead:
-            addr, ports = cfg.master_addr, [old.store_port]
-            server, moved = old.server, old.server is not None
-        else:  # the store died with its host: the lowest survivor serves a new one
-            leader = store_host = min(g for g in core.ranks if g not in dead)
-            addr, ports = _address_of(old.peers[leader]), failover_ports(old.store_port)
-            if leader == me:
-                server = _serve_failover(addr, ports, cfg.token, core.rank)
-                ports = [server.port]
-        store: Store | None = None
-        try:
-            try:
-                store, port = connect_store(core, addr, ports, cfg.token, deadline, store_host,
-                                            dead)  # fmt: skip
-                members = agree_survivors(core, _in(store, old.namespace), epoch, deadline,
-                                          t, dead)  # fmt: skip
-                slots = [old.slots[g] for g in members]
-                pg = self._next_epoch(store, addr, port, server, moved, epoch, slots, deadline,
-                                      watch=watch_members(core, members, dead))  # fmt: skip
-            except RendezvousError as exc:  # the store went: who else went with it?
-                raise explain_store_loss(core, exc, store_host, dead) from exc
-        except BaseException:
-            if store is not None:
-                store.close()
-            if server is not None and not moved:
-                server.close()
-            raise
-        return pg
+        return regroup.shrink(self.core, timeout_s, ProcessGroup)
 
     def grow(
-        self, *, wait: bool = False, timeout_s: float | None = None,
+        self,
+        *,
+        wait: bool = False,
+        timeout_s: float | None = None,
         on_admit: Callable[[], None] | None = None,
-    ) -> ProcessGroup:  # fmt: skip
+    ) -> ProcessGroup:
         """Admit restarted ranks (``ringcomm run --max-restarts``) that wait to rejoin: a
         collective of this world group, called at a step boundary. Returns this group if
         nobody waits, else a new world group in which every rank slot present (the
@@ -712,50 +647,7 @@ class ProcessGroup:
         so, as a peer's departure). Like any collective, it raises ``PeerFailedError``
         if a rank went meanwhile (even one that finished the last call before it
         died): shrink then, as after a failed step."""
-        core = self.core
-        if not core.is_world:
-            raise ValueError(f"rank {core.rank}: grow: call it on the world group")
-        core.check_usable("grow")
-        t = core.timeout(timeout_s)
-        deadline = time.monotonic() + t
-        state = core.state
-        root = state.root_store
-        if root is None:
-            return self  # a singleton: nobody to admit
-        slots_total = state.slots_total
-        flags = np.zeros(slots_total, np.int64)  # per slot: 1 + the restart count waiting
-        if core.rank == 0:
-            if wait:
-                job = state.job_store
-                assert job is not None
-                _wait_for_restarts(root, job, state.slots, slots_total, deadline, core.rank)
-            for slot in range(slots_total):
-                if slot in state.slots:
-                    continue
-                raw = root.try_get(f"join/{slot}")
-                if raw is not None and not root.check([f"admit/{slot}/{int(raw)}"]):
-                    flags[slot] = int(raw) + 1
-        self.broadcast(flags, 0, timeout_s=t)
-        joiners = {int(s): int(f) - 1 for s, f in enumerate(flags) if f}
-        if not joiners:
-            return self
-        if on_admit is not None:  # (before the new group's barrier: so before any close)
-            on_admit()
-        epoch = state.epoch + 1
-        slots = sorted([*state.slots, *joiners])
-        cfg = state.config
-        if core.rank == 0:
-            for slot, restart in joiners.items():
-                root.set(f"admit/{slot}/{restart}", json.dumps([epoch, slots]).encode())
-        addr, port = cfg.master_addr, state.store_port
-        store = Store(addr, port, token=cfg.token, timeout_s=max(0.1, deadline - time.monotonic()),
-                      label=f"rank {core.global_rank}", auth=cfg.token is not None)  # fmt: skip
-        try:
-            return self._next_epoch(store, addr, port, state.server, state.server is not None,
-                                    epoch, slots, deadline)  # fmt: skip
-        except BaseException:
-            store.close()
-            raise
+        return regroup.grow(self, wait, timeout_s, on_admit, ProcessGroup)
 
     @property
     def slot(self) -> int:
@@ -777,35 +669,6 @@ class ProcessGroup:
     def epoch(self) -> int:
         """How many shrinks and grows led to this world group (0: the first)."""
         return self.core.state.epoch
-
-    def _next_epoch(
-        self, store: Store, addr: str, port: int, server: StoreServer | ServerLease | None,
-        moved: bool, epoch: int, slots: list[int], deadline: float,
-        watch: Callable[[], None] | None = None,
-    ) -> ProcessGroup:  # fmt: skip
-        """Form the world group of ``slots`` (rank slots, in order) at ``epoch`` through
-        ``store`` (a connection of its own, owned by the new group), then close this one."""
-        core = self.core
-        old = core.state
-        cfg = old.config
-        me = old.slots[core.rank]
-        new_cfg = dataclasses.replace(
-            cfg, rank=slots.index(me), world_size=len(slots), master_addr=addr,
-            master_port=port, timeout_s=core.timeout_s,
-        )  # fmt: skip
-        pg = _form(new_cfg, _in(store, old.namespace, f"epoch/{epoch}"), server, port, epoch,
-                   watch=watch, namespace=old.namespace)  # fmt: skip
-        new = pg.core.state
-        new.owned_store = store  # the connection under the view (closed with the group)
-        new.recorder = old.recorder  # the flight record goes on across epochs
-        new.slots, new.slots_total = list(slots), old.slots_total
-        pg.barrier(timeout_s=max(0.1, deadline - time.monotonic()))  # all agreed and formed
-        if moved:
-            old.server = None  # the new group serves the store now
-        core.closed = True
-        old.shutdown(DEPART_CLOSE, checkout_s=0.0, linger_s=0.0)  # nobody waits on it now
-        core.close_workspace()
-        return pg
 
     # -- closing -----------------------------------------------------------------------
     def close(self) -> None:
@@ -859,184 +722,6 @@ class ProcessGroup:
             self.close()
 
 
-def _bind_to_core(local_rank: int) -> None:
-    """Run the calling thread (the one driving this rank's collectives) on one core:
-    ``local_rank`` modulo the cores it may use. Threads started before (libzmq's I/O
-    thread) keep their placement; threads started later by this one inherit it.
-
-    When: :func:`ringcomm.config.binds_to_core` (the one rule; ``ringcomm bench`` uses it
-    too). Why (``RINGCOMM_BIND``, by default when a host has more ranks than cores):
-    with 4 ranks on 2 cores the OS left 3 ranks on one core in about half the jobs (it
-    does not move tasks that ran within the last half millisecond, and ranks waiting for
-    small messages always have), and the 8-byte all_reduce took ~115 instead of ~65 us;
-    bound round-robin it stayed at 62-68 us (benchmarks/results/local_lane.md). Such
-    ranks get less than a core each anyway (torchrun, for the same reason, starts them
-    with OMP_NUM_THREADS=1). Not with as many ranks as cores: bound, large messages lost
-    ~10% there (W=2 on 2 cores), and unbound their small ones were steady.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
-
-
-def _enable_log(level: int = logging.DEBUG) -> None:
-    """RINGCOMM_LOG=debug (op start/end lines) or info (the group's summary) on stderr
-    (unless the app set up logging)."""
-    logger = logging.getLogger("ringcomm")
-    if logger.level == logging.NOTSET or logger.level > level:
-        logger.setLevel(level)
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("ringcomm %(asctime)s %(message)s"))
-        logger.addHandler(handler)
-
-
-def _in(store: Store, namespace: str, sub: str = "") -> Store:
-    """The view of ``store`` at ``namespace/sub`` (either may be empty)."""
-    prefix = "/".join(p for p in (namespace, sub) if p)
-    return store.prefixed(prefix) if prefix else store
-
-
-def _rejoin(cfg: InitConfig, conn: Store, port: int, namespace: str) -> ProcessGroup:
-    """A restarted rank (``RINGCOMM_RESTART`` > 0): ask to join the running job under
-    ``join/<slot>`` and wait until the survivors' ``grow()`` admits it
-    (``admit/<slot>/<restart>``: the epoch and its rank slots), then form that group.
-    Its keys are those of group instance ``namespace`` (the first group a restarted
-    process forms joins the survivors' first)."""
-    slot, restart = cfg.rank, cfg.restart
-    store = _in(conn, namespace)
-    store.set(f"join/{slot}", str(restart).encode())
-    key = f"admit/{slot}/{restart}"
-    try:
-        store.wait([key], timeout_s=cfg.timeout_s)
-    except CommTimeoutError:
-        raise CommTimeoutError(
-            f"rank {slot} (restart {restart}): no survivor admitted it within "
-            f"{cfg.timeout_s:g} s (the running ranks admit restarted ones when they call "
-            "pg.grow(), e.g. at a step boundary)"
-        ) from None
-    epoch, slots = json.loads(store.get(key))
-    new_cfg = dataclasses.replace(cfg, rank=slots.index(slot), world_size=len(slots))
-    pg = _form(new_cfg, _in(conn, namespace, f"epoch/{epoch}"), None, port, int(epoch),
-               namespace=namespace)  # fmt: skip
-    state = pg.core.state
-    state.owned_store = conn
-    state.slots, state.slots_total, state.rejoined = list(slots), cfg.world_size, True
-    pg.barrier()  # as the survivors' grow does
-    return pg
-
-
-def _wait_for_restarts(
-    root: Store, job: Store, present: list[int], total: int, deadline: float, rank: int
-) -> None:
-    """Until every slot the launcher is starting again (``restarting/<slot>`` = n in the
-    ``job`` store, where the launcher says it) has asked to join (``join/<slot>`` = n in
-    the group's ``root``), or ``deadline``."""
-    while True:
-        pending = []
-        for slot in range(total):
-            if slot in present:
-                continue
-            n = job.try_get(f"restarting/{slot}")
-            asked = root.try_get(f"join/{slot}")
-            if n is not None and (asked is None or int(asked) < int(n)):
-                pending.append(slot)
-        if not pending:
-            return
-        if time.monotonic() >= deadline:
-            raise CommTimeoutError(f"rank {rank}: grow: slot(s) {pending} being restarted did "
-                                   "not ask to join in time")  # fmt: skip
-        try:
-            root.wait([f"join/{pending[0]}"], timeout_s=SHRINK_SLICE_S * 5)
-        except CommTimeoutError:
-            pass
-
-
-def _wait_all(
-    store: Store, keys: list[str], timeout_s: float, watch: Callable[[], None] | None
-) -> None:
-    """``store.wait(keys)``; with ``watch``, in slices with ``watch()`` between them."""
-    if watch is None:
-        store.wait(keys, timeout_s=timeout_s)
-        return
-    give_up = time.monotonic() + timeout_s
-    while True:
-        left = give_up - time.monotonic()
-        try:
-            store.wait(keys, timeout_s=max(0.001, min(SHRINK_SLICE_S * 5, left)))
-            return
-        except CommTimeoutError:
-            if left <= SHRINK_SLICE_S * 5:
-                raise
-        watch()
-
-
-#: The store key under which rank 0 shares its cost model as the world group forms.
-COST_MODEL_KEY = "costmodel"
-
-
-def _share_cost_model(
-    cfg: InitConfig, store: Store | None, watch: Callable[[], None] | None
-) -> CostModel | None:
-    """Rank 0's cost model (RINGCOMM_TUNE_FILE), the same on every rank (so they choose
-    alike even where hosts hold different files): rank 0 reads the file and publishes it,
-    or why it is bad, and then raises; the others read that and raise too."""
-    if cfg.rank == 0:
-        error = None
-        try:
-            model = load_tune_file(cfg.tune_file, required=cfg.tune_file_required)
-        except ValueError as exc:
-            model, error = None, str(exc)
-        if store is not None:
-            shared = {"model": None if model is None else model.to_dict(), "error": error}
-            store.set(COST_MODEL_KEY, json.dumps(shared).encode())
-        if error is not None:
-            raise RendezvousError(f"rank 0: {error}")
-        return model
-    if store is None:
-        return None
-    _wait_all(store, [COST_MODEL_KEY], cfg.timeout_s, watch)
-    shared = json.loads(store.get(COST_MODEL_KEY))
-    if shared["error"] is not None:
-        raise RendezvousError(f"rank {cfg.rank}: rank 0's cost model: {shared['error']}")
-    return None if shared["model"] is None else CostModel.from_dict(shared["model"])
-
-
-def _serve_failover(addr: str, ports: list[int], token: str | None, rank: int) -> StoreServer:
-    """The shrink's new store, on the first of ``ports`` that is free (one may be any
-    socket's local port)."""
-    errors = []
-    for port in ports:
-        try:
-            return StoreServer(_bind_host(addr), port, token=token, auth=token is not None).start()
-        except RendezvousError as exc:
-            errors.append(f"{port}: {exc}")
-    raise RendezvousError(f"rank {rank}: shrink: cannot serve the new store on {addr}, "
-                          f"ports {ports[0]}..{ports[-1]}: " + "; ".join(errors))  # fmt: skip
-
-
-def _address_of(info: EndpointInfo) -> str:
-    """The host address of a peer, from its tcp:// endpoint."""
-    tcp = info.tcp or ""
-    host = tcp.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    return host or "127.0.0.1"
-
-
-def _bind_host(addr: str) -> str:
-    """Interface to bind the store on: the master address itself if it is local."""
-    import socket
-
-    try:
-        ip = socket.gethostbyname(addr)
-    except OSError as exc:
-        raise RendezvousError(f"cannot resolve master address {addr!r}: {exc}") from exc
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((ip, 0))
-        return ip
-    except OSError:
-        return "0.0.0.0"  # e.g. a NAT address: listen on every interface
-
-
 def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,
@@ -1058,9 +743,9 @@ def init_process_group(
     as ``RINGCOMM_STORE_EXTERNAL=1``), ``chunk_bytes`` (piece size of pipelined
     transfers, an int > 0; default ``RINGCOMM_CHUNK_BYTES``, else 4 MiB), ``transport``
     (``auto``, ``ipc`` or ``tcp``; default ``RINGCOMM_TRANSPORT``, else auto), ``env``
-    (where settings are read instead of ``os.environ``), ``group_name`` (the group's key
-    namespace in the store; default ``pg<k>`` for the k-th group this process forms at
-    that store: see :mod:`ringcomm.rendezvous.meeting`). Every setting is parsed by
+    (the settings to read instead of the process's environment), ``group_name`` (the
+    group's key namespace in the store; default ``pg<k>`` for the k-th group this process
+    forms at that store: see :mod:`ringcomm.rendezvous.meeting`). Every setting is parsed by
     :func:`ringcomm.config.resolve_init_config`; a bad value raises naming it.
 
     A process may form any number of groups, one after another or side by side; every
@@ -1087,23 +772,15 @@ def init_process_group(
     server: ServerLease | None = None
     store: Store | None = None
     try:
-        cfg, server = _meet(cfg, ns, label)
-        if server is not None:  # rank 0: its store's token (given, or minted there)
-            cfg = _security.effective_config(cfg, server.token)
-        rejoins = cfg.restart > 0 and cfg.store_external
-        if cfg.world_size > 1 and not rejoins:
-            join = meeting.join_request(cfg, ns, _VERSION, opens=server is not None)
-            store = meeting.connect_and_join(cfg, join, label)
-        elif cfg.world_size > 1 or cfg.store_external:
-            store = _security.connect_store(cfg, cfg.master_addr, cfg.master_port, label, ns)
-        cfg = _security.effective_config(cfg, None if store is None else store.token)
-        if rejoins and store is not None:
-            return _rejoin(cfg, store, cfg.master_port, ns)
+        cfg, server = forming.meet(cfg, ns, label)
+        cfg, store = forming.connect(cfg, ns, server, label)
+        if cfg.restart > 0 and cfg.store_external and store is not None:
+            return regroup.rejoin(cfg, store, cfg.master_port, ns, ProcessGroup)
         view = None if store is None else store.prefixed(ns)
-        pg = _form(cfg, view, server, cfg.master_port, namespace=ns)
+        pg = ProcessGroup(forming.form_world(cfg, view, server, cfg.master_port, namespace=ns))
         pg.core.state.owned_store = store
         if cfg.log_info and cfg.rank == 0:  # RINGCOMM_LOG=info: what the group runs on
-            _enable_log(logging.INFO)
+            forming.enable_log(logging.INFO)
             logging.getLogger("ringcomm").info("%s", group_summary.describe(pg.core))
         return pg
     except BaseException as exc:
@@ -1111,161 +788,4 @@ def init_process_group(
             store.close()
         if server is not None:
             meeting.close_hosted(server, exc)
-        raise
-
-
-#: What a rank's join says of its version: the package's and the wire format's.
-_VERSION = f"ringcomm {__version__} (wire format {WIRE_VERSION})"
-
-
-def _meet(cfg: InitConfig, ns: str, label: str) -> tuple[InitConfig, ServerLease | None]:
-    """Where group ``ns`` meets: ``cfg`` with the store's address and port, and rank 0's
-    lease on the server it hosts (None: a launcher or another process hosts it)."""
-    port = cfg.master_port
-    if cfg.rank != 0 or cfg.store_external or (cfg.world_size == 1 and port == 0):
-        if cfg.torch_store is not None and cfg.world_size > 1 and not cfg.store_external:
-            addr, port = meeting.read_address(cfg, ns, label)
-            return dataclasses.replace(cfg, master_addr=addr, master_port=port), None
-        return cfg, None
-    join = meeting.join_request(cfg, ns, _VERSION)
-    try:
-        server = meeting.serve_store(cfg, _bind_host(cfg.master_addr), port, join, label)
-    except RendezvousError as exc:
-        if cfg.master_port_origin is None:
-            raise RendezvousError(f"{label}: {exc}") from exc
-        how = (
-            "mpirun -x MASTER_PORT=29500"
-            if cfg.source == "mpirun"
-            else "export MASTER_PORT=29500 before srun"
-        )
-        raise RendezvousError(
-            f"{label}: {exc}. Port {port} was {cfg.master_port_origin} and is taken: "
-            f"set MASTER_PORT (or RINGCOMM_MASTER_PORT) to a free port, e.g. {how}"
-        ) from exc
-    except (RingcommError, ValueError):
-        raise
-    except Exception as exc:
-        raise RendezvousError(
-            f"{label}: cannot serve the rendezvous store on {cfg.master_addr}:{port}: {exc}"
-        ) from exc
-    if server is None:  # another rank 0 serves it: meet there (and be refused)
-        return cfg, None
-    port = server.port
-    addr = cfg.master_addr
-    if cfg.torch_store is not None:
-        addr = local_address_towards(cfg.torch_store.host, cfg.torch_store.port) or addr
-        theirs = meeting.publish_address(cfg, ns, addr, port, label)
-        if theirs is not None:  # another rank 0 published first: meet there
-            server.close()
-            addr, port = theirs
-            return dataclasses.replace(cfg, master_addr=addr, master_port=port), None
-    return dataclasses.replace(cfg, master_addr=addr, master_port=port), server
-
-
-def _form(
-    cfg: InitConfig, store: Store | None, server: StoreServer | ServerLease | None, port: int,
-    epoch: int = 0, watch: Callable[[], None] | None = None, namespace: str = "",
-) -> ProcessGroup:  # fmt: skip
-    """Form the world group of ``cfg`` meeting through ``store`` (None: a singleton),
-    whose server listens on ``port`` (``server``: here). Steps 3-4 of the module
-    docstring; the caller closes ``store`` and ``server`` if this raises. ``watch``:
-    called between slices of the wait for the others (it raises to give up).
-    ``namespace``: the group instance's keys in the store (what shrink and grow use)."""
-    mode = cfg.transport
-    label = f"rank {cfg.rank}"
-    net: ZmqTransport | None = None
-    try:
-        tcp_host = local_address_towards(cfg.master_addr, port or 9)
-        net = ZmqTransport(
-            cfg.rank,
-            tcp_host=tcp_host,
-            use_ipc=mode != "tcp",
-            token=cfg.token,
-            security=cfg.security,
-            lane=cfg.local_lane,
-            shm=cfg.shm,
-            max_message_bytes=_security.frame_limit(cfg),
-        )
-        me = EndpointInfo(
-            rank=cfg.rank,
-            host_id=cfg.host_id or host_identity(),
-            ipc=net.ipc_endpoint,
-            tcp=net.tcp_endpoint,
-            pid=os.getpid(),
-            version=__version__,
-            lane=net.lane_endpoint,
-            shm=net.shm_enabled,
-            workspace=cfg.workspace and WORKSPACE_AVAILABLE,
-            salt=net.auth_salt,
-        )
-        infos = {cfg.rank: me}
-        if store is not None:
-            store.set(f"rank/{cfg.rank}", json.dumps(me.to_dict()).encode())
-            keys = [f"rank/{r}" for r in range(cfg.world_size)]
-            try:
-                if watch is None:
-                    meeting.wait_for_ranks(store, keys, cfg, label)
-                else:
-                    _wait_all(store, keys, cfg.timeout_s, watch)
-            except CommTimeoutError as exc:  # say so if the store turned ranks away
-                if server is None or not server.refusals():
-                    raise
-                raise CommTimeoutError(f"{exc}{server.refusals()}") from exc
-        model = _share_cost_model(cfg, store, watch)
-        if store is not None:
-            for r in range(cfg.world_size):
-                infos[r] = EndpointInfo.from_dict(json.loads(store.get(keys[r])))
-        for r, info in infos.items():
-            if info.version != __version__:
-                raise RendezvousError(
-                    f"{label}: rank {r} runs ringcomm {info.version}, this rank {__version__}"
-                )
-            if r != cfg.rank:
-                try:
-                    endpoint = choose_endpoint(me, info, mode)
-                except ValueError as exc:
-                    raise RendezvousError(str(exc)) from exc
-                net.set_peer_endpoint(r, endpoint, info.salt)
-                if info.lane is not None and endpoint.startswith("ipc://"):
-                    net.set_peer_lane(r, info.lane)
-        _security.warn_across_hosts(cfg, infos.values())
-        net.connect_all()  # every peer, now: liveness is watched on these connections
-        try:
-            net.setup_shm([r for r, info in infos.items() if info.shm], cfg.timeout_s)
-        except RingcommError as exc:
-            raise RendezvousError(str(exc)) from exc  # (it names this rank)
-        if binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0))):
-            _bind_to_core(cfg.local_rank)
-        select_device(cfg.local_rank)  # with CuPy: GPU LOCAL_RANK % GPUs, unless chosen
-        if cfg.log_debug:
-            _enable_log(logging.DEBUG)
-        progress = Progress(
-            net,
-            cfg.rank,
-            max_unexpected_messages=(
-                MAX_UNEXPECTED_MESSAGES
-                if cfg.max_unexpected_messages is None
-                else cfg.max_unexpected_messages
-            ),
-            max_unexpected_bytes=(
-                MAX_UNEXPECTED_BYTES
-                if cfg.max_unexpected_bytes is None
-                else cfg.max_unexpected_bytes
-            ),
-            log_ops=cfg.log_debug,
-        )
-        state = ProcessState(cfg, progress, store, server, cfg.effective_chunk_bytes)
-        state.peers = infos
-        state.costmodel = model
-        state.epoch = epoch
-        state.store_port = port
-        state.namespace = namespace
-        lifecycle.register(state)  # however the process ends, it leaves (lifecycle.py)
-        install_trace_signal(state)  # RINGCOMM_TRACE_DIR: SIGUSR1 writes the flight record
-        core = GroupCore(state, range(cfg.world_size), WORLD_GROUP_ID)
-        core.workspace = setup_workspace(core)
-        return ProcessGroup(core)
-    except BaseException:
-        if net is not None:
-            net.close(0.0)
         raise

@@ -37,7 +37,7 @@ LAYER_NAMES = {
     1: "transport",
     2: "rendezvous",
     3: "core.progress",
-    4: "core: group_core, work, buffers, regroup, summary; device staging",
+    4: "core: group_core, forming, work, buffers, regroup, summary; device staging",
     5: "collectives + core.p2p",
     6: "group facade (group.py), collectives.hierarchy over its sub-groups",
     7: "ps, engine",
@@ -65,6 +65,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.core": 4,  # the group core and what it is made of (the __init__ imports nothing)
     "ringcomm.device": 4,  # the device side (the package's own __init__ imports nothing)
     "ringcomm.device.staging": 4,  # device staging, beside the group core
+    "ringcomm.core.forming": 4,  # forming a world group: store, transport, progress -> core
     "ringcomm.collectives": 5,
     "ringcomm.core.p2p": 5,
     "ringcomm.device.p2p": 5,  # device p2p: builds on p2p and staging

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringcomm.config import TRANSPORT_MODES  # re-exported: the modes are parsed in ringcomm.config
+from ringcomm.errors import RendezvousError
 
 __all__ = [
     "TRANSPORT_MODES",
     "EndpointInfo",
+    "bind_host",
     "choose_endpoint",
     "host_identity",
     "ipc_path",
@@ -116,6 +118,22 @@ def local_address_towards(addr: str, port: int = 9) -> str:
             return str(s.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+def bind_host(addr: str) -> str:
+    """The interface a server meant to be reached at ``addr`` listens on: ``addr``'s IP if
+    it is one of this host's, else every interface (``0.0.0.0``: e.g. a NAT address).
+    An ``addr`` that does not resolve raises :class:`RendezvousError` naming it."""
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError as exc:
+        raise RendezvousError(f"cannot resolve master address {addr!r}: {exc}") from exc
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+        return ip
+    except OSError:
+        return "0.0.0.0"
 
 
 def ipc_path(rank: int) -> str:
