@@ -75,7 +75,8 @@ class AllReduceDirect(CollectiveOp):
     plan: _Plan
     pieces: list[memoryview | None]  # received, [peer * npieces + piece]
 
-    def _plan(self) -> _Plan:
+    def shape_plan(self) -> _Plan:
+        """This call shape's plan, built by its first call and kept in the group's cache."""
         plan = self.shape_cache.plan
         if plan is None:
             x, op = self.call.x, self.call.op
@@ -93,12 +94,12 @@ class AllReduceDirect(CollectiveOp):
         n = self.n
         if n == 1:
             return False
-        self.plan = plan = self._plan()
+        self.plan = plan = self.shape_plan()
         if len(plan.spans) != 1:
             return False
         ranks, group, seq = self.comm.ranks, self.group_id, self.seq
         nbytes = x.nbytes
-        template = self._template(0, 0, 1, plan.dtype, nbytes, 0)
+        template = self.header_template(0, 0, 1, plan.dtype, nbytes, 0)
         if nbytes < INLINE_MAX_BYTES:  # one frame for every peer, framed once
             header, payload = template.pack(seq, x.tobytes()), None
         else:  # exchange copies it as it sends (it takes no zero-copy sizes)
@@ -141,7 +142,7 @@ class AllReduceDirect(CollectiveOp):
             finalize(op, x, 1)
             self.post_inboxes()
             return None
-        self.plan = plan = self._plan()
+        self.plan = plan = self.shape_plan()
         self.pieces = [None] * (self.n * len(plan.spans))
         return x
 

@@ -50,11 +50,11 @@ class AllReduceStar(AllReduceDirect):
         nbytes = x.nbytes
         if n == 1 or nbytes >= INLINE_MAX_BYTES:
             return False
-        self.plan = plan = self._plan()
+        self.plan = plan = self.shape_plan()
         if len(plan.spans) != 1:
             return False
         ranks, group, seq = self.comm.ranks, self.group_id, self.seq
-        template = self._template(0, 0, 1, plan.dtype, nbytes, 0)
+        template = self.header_template(0, 0, 1, plan.dtype, nbytes, 0)
         self._sent_early = True  # before: a hand-over starts us inside exchange
         if self.rank == ROOT:
             others = [ranks[p] for p in range(1, n)]

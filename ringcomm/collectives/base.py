@@ -500,7 +500,7 @@ class CollectiveOp(Op):
         back from ``peer``); such headers are not cached.
         """
         if shape is None:
-            template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
+            template = self.header_template(step, piece, npieces, dtype, msg_nbytes, offset)
         else:
             template = HeaderTemplate(
                 Header(KIND_COLL, self._me_global, self.group_id, 0, step, piece, npieces, dtype,
@@ -527,14 +527,14 @@ class CollectiveOp(Op):
         :meth:`send_piece`.
         """
         nbytes = len(payload)
-        header = self._template(step, 0, 1, dtype, nbytes, 0).pack(self.seq)
+        header = self.header_template(step, 0, 1, dtype, nbytes, 0).pack(self.seq)
         send, ranks, stream = self.progress.send, self.comm.ranks, self.stream
         for peer in peers:
             tracker = send(ranks[peer], stream, header, payload, nbytes)
             if track and tracker is not None:
                 self.add_tracker(tracker)
 
-    def _template(
+    def header_template(
         self, step: int, piece: int, npieces: int, dtype: str, msg_nbytes: int, offset: int
     ) -> HeaderTemplate:
         """This call shape's header of a piece, but for the sequence number (cached)."""

@@ -116,6 +116,7 @@ class _WholeStaged(CollectiveOp):
         call = self.call
         self._dev_call = call
         self._slots: list[Slot] = []
+        self._sent: list[Any] = []  # its zero-copy sends (add_tracker), for finish
         self._outputs: list[tuple[Any, Any]] = []  # (device array, host twin)
         st = self._stager = make_stager(self)
         assert isinstance(st, DeviceStager)
@@ -133,7 +134,7 @@ class _WholeStaged(CollectiveOp):
             ):
                 hout = hx[self.rank]  # the in-place form
             else:
-                slot = st._acquire(call.out.nbytes)
+                slot = st.pool.acquire(call.out.nbytes, st.deadline, st.what)
                 self._slots.append(slot)
                 hout = slot.buf[: call.out.nbytes].view(call.out.dtype).reshape(call.out.shape)
             self._outputs.append((call.out, hout))
@@ -144,6 +145,11 @@ class _WholeStaged(CollectiveOp):
             self._host_to_dev.setdefault(id(hx), call.x)
         self.call = call._replace(x=hx, out=hout)
         super().start()
+
+    def add_tracker(self, tracker: Any) -> None:
+        super().add_tracker(tracker)
+        if tracker is not None and not tracker.done:
+            self._sent.append(tracker)
 
     def _writes_x(self) -> bool:
         name, root = self._dev_call.name, self._dev_call.root
@@ -172,7 +178,7 @@ class _WholeStaged(CollectiveOp):
             else:
                 st.backend.synchronize(st.stream)
             # Sends still in libzmq's hands (only after an error) keep their buffers busy.
-            pending = tuple(self._trackers)
+            pending = tuple(t for t in self._sent if not t.done)
             for slot in self._slots:
                 st.pool.release(slot, *pending)
             self._slots = []
