@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.collectives import HIER_ALGO
 from ringcomm.collectives import api as _collectives
 from ringcomm.collectives.hierarchy import Hierarchy
 from ringcomm.config import DEFAULT_CHUNK_BYTES, InitConfig, resolve_init_config
@@ -32,25 +31,17 @@ from ringcomm.core.p2p import ANY_SOURCE, AnySource, RecvOp, SendOp
 from ringcomm.core.progress import DEPART_CLOSE, DEPART_ERROR
 from ringcomm.core.work import Work
 from ringcomm.device.p2p import recv_op_class, send_op_class
-from ringcomm.errors import CommTimeoutError, GroupClosedError, PeerFailedError
-from ringcomm.ops import ReduceOp, parse_op
+from ringcomm.errors import (
+    CommTimeoutError,
+    GroupClosedError,
+    PeerFailedError,
+)
 from ringcomm.rendezvous import Store, meeting
 from ringcomm.rendezvous.hosting import ServerLease
 from ringcomm.schedule.topology import Topology
-from ringcomm.tuning.costmodel import ALGORITHMS as MODEL_ALGORITHMS
 from ringcomm.tuning.costmodel import CostModel
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ProcessGroup", "init_process_group"]
-
-
-#: The collectives a cost model prices hierarchically.
-_MODEL_HIER = frozenset(op for op, algos in MODEL_ALGORITHMS.items() if "hierarchical" in algos)
-
-
-def _flat(algo: str | None) -> str | None:
-    """The flat algorithm asked for: ``"hier"`` where the hierarchical one does not run
-    (``async_op=True``, integer means) leaves the choice to the flat rules."""
-    return None if algo == HIER_ALGO else algo
 
 
 class ProcessGroup:
@@ -63,7 +54,7 @@ class ProcessGroup:
 
     def __init__(self, core: GroupCore) -> None:
         self.core = core
-        self._hierarchy: Hierarchy | None = None
+        core.make_hierarchy = lambda: Hierarchy(self, self.topology)
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -276,13 +267,7 @@ class ProcessGroup:
         (:mod:`ringcomm.collectives.hierarchy`: within each host, then across hosts, one inter-host
         group per local rank) unless ``algo`` (or ``RINGCOMM_ALGO``) names a flat
         algorithm; ``algo="hier"`` asks for it (an error on a group it does not fit)."""
-        if async_op is False and self._hierarchical(x, op, algo):
-            result = self._hier().all_reduce(x, parse_op(op), timeout_s,
-                                             self._hier_segment("all_reduce", x.nbytes))  # fmt: skip
-            self.core.last_algo = HIER_ALGO  # (after: its leftover may go flat)
-            return result
-        return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s,
-                                       algo=_flat(algo))  # fmt: skip
+        return _collectives.all_reduce(self.core, x, op, async_op, timeout_s=timeout_s, algo=algo)
 
     @property
     def device_windows(self) -> bool:
@@ -301,58 +286,6 @@ class ProcessGroup:
         Topology`: ranks per host, local ranks, leaders, a host-contiguous ring order)."""
         return self.core.topology
 
-    def _hierarchical(self, x: Any, op: Any, algo: str | None) -> bool:
-        """Whether this all_reduce goes hierarchically (see :meth:`all_reduce`)."""
-        if not self._hier_fits("all_reduce", algo):
-            return False
-        what = f"rank {self.rank}: all_reduce"
-        x = check_array(x, what, writeable=True, device=True)
-        rop = parse_op(op)
-        if rop is ReduceOp.AVG and x.dtype.kind in "iub":
-            return False  # integer means: flat
-        return self._model_hier("all_reduce", algo, x.nbytes)
-
-    def _hier_fits(self, name: str, algo: str | None) -> bool:
-        """Whether the blocking ``name`` may go hierarchically: a group spanning hosts
-        with several ranks on one of them, and neither ``algo`` nor ``RINGCOMM_ALGO``
-        naming a flat algorithm; ``algo="hier"`` on a group it does not fit: ValueError."""
-        if algo is not None and algo != HIER_ALGO:
-            return False
-        env = self.core.config.algo
-        if algo is None and env is not None and env != HIER_ALGO:
-            return False
-        topo = self.topology
-        fits = topo.num_hosts >= 2 and topo.max_local_size >= 2
-        if algo == HIER_ALGO and not fits:
-            raise ValueError(f"rank {self.rank}: {name}: algo {HIER_ALGO!r} needs a group "
-                             f"spanning hosts with several ranks on one ({topo.num_hosts} "
-                             f"host(s), at most {topo.max_local_size} rank(s) on one)")  # fmt: skip
-        if fits:
-            self.core.check_usable(name)
-        return fits
-
-    def _model_hier(self, name: str, algo: str | None, nbytes: int) -> bool:
-        """After :meth:`_hier_fits`: whether a call of ``nbytes`` goes hierarchically.
-        Yes when ``algo`` or ``RINGCOMM_ALGO`` says ``"hier"``, or without a cost model
-        (RINGCOMM_TUNE_FILE); with one, for the collectives it prices hierarchically
-        (all_reduce, reduce_scatter, all_gather), when it predicts hier cheapest at that
-        size (broadcast and barrier: always)."""
-        if algo is not None or self.core.config.algo is not None or name not in _MODEL_HIER:
-            return True
-        return _collectives.model_prefers_hier(self.core, nbytes, name) is not False
-
-    def _hier_segment(self, name: str, nbytes: int) -> int | None:
-        """The segment size of a hierarchical ``name`` of ``nbytes``: the cost model's
-        (one with a CPU term, RINGCOMM_TUNE_FILE), else None (the hierarchy's 8 MiB)."""
-        if self.core.state.costmodel is None:
-            return None
-        return _collectives.model_hier_segment(self.core, nbytes, name)
-
-    def _hier(self) -> Hierarchy:
-        if self._hierarchy is None:
-            self._hierarchy = Hierarchy(self, self.topology)
-        return self._hierarchy
-
     def reduce_scatter(
         self,
         x: Any,
@@ -367,18 +300,9 @@ class ProcessGroup:
 
         Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
         or ``"ring"``)."""
-        if async_op is False and self._hier_fits("reduce_scatter", algo):
-            x, out, rop = _collectives.check_reduce_scatter(self.core, x, out, op)
-            if not (rop is ReduceOp.AVG and x.dtype.kind in "iu") and self._model_hier(
-                "reduce_scatter", algo, x.nbytes
-            ):  # (integer means: flat)
-                result = self._hier().reduce_scatter(
-                    x, out, rop, timeout_s, self._hier_segment("reduce_scatter", x.nbytes)
-                )
-                self.core.last_algo = HIER_ALGO
-                return result
-        return _collectives.reduce_scatter(self.core, x, out, op, async_op, timeout_s=timeout_s,
-                                           algo=_flat(algo))  # fmt: skip
+        return _collectives.reduce_scatter(
+            self.core, x, out, op, async_op, timeout_s=timeout_s, algo=algo
+        )
 
     def all_gather(
         self,
@@ -393,16 +317,7 @@ class ProcessGroup:
 
         Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
         or ``"ring"``)."""
-        if async_op is False and self._hier_fits("all_gather", algo):
-            x, out = _collectives.check_all_gather(self.core, x, out)
-            if self._model_hier("all_gather", algo, x.nbytes):
-                result = self._hier().all_gather(
-                    x, out, timeout_s, self._hier_segment("all_gather", x.nbytes)
-                )
-                self.core.last_algo = HIER_ALGO
-                return result
-        return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s,
-                                       algo=_flat(algo))  # fmt: skip
+        return _collectives.all_gather(self.core, x, out, async_op, timeout_s=timeout_s, algo=algo)
 
     def broadcast(
         self,
@@ -417,13 +332,7 @@ class ProcessGroup:
 
         Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``,
         ``"tree"`` or ``"chain"``)."""
-        if async_op is False and self._hier_fits("broadcast", algo):
-            x, src = _collectives.check_broadcast(self.core, x, src)
-            result = self._hier().broadcast(x, src, timeout_s)
-            self.core.last_algo = HIER_ALGO
-            return result
-        return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s,
-                                      algo=_flat(algo))  # fmt: skip
+        return _collectives.broadcast(self.core, x, src, async_op, timeout_s=timeout_s, algo=algo)
 
     def reduce(
         self,
@@ -436,8 +345,7 @@ class ProcessGroup:
         algo: str | None = None,
     ) -> Any:
         """Reduction of ``x`` over the group, in place on ``dst``."""
-        return _collectives.reduce(self.core, x, dst, op, async_op, timeout_s=timeout_s,
-                                   algo=_flat(algo))  # fmt: skip
+        return _collectives.reduce(self.core, x, dst, op, async_op, timeout_s=timeout_s, algo=algo)
 
     def gather(
         self,
@@ -450,8 +358,7 @@ class ProcessGroup:
         algo: str | None = None,
     ) -> Any:
         """``(world_size, *x.shape)`` on ``dst``, None elsewhere."""
-        return _collectives.gather(self.core, x, dst, out, async_op, timeout_s=timeout_s,
-                                   algo=_flat(algo))  # fmt: skip
+        return _collectives.gather(self.core, x, dst, out, async_op, timeout_s=timeout_s, algo=algo)
 
     def scatter(
         self,
@@ -465,16 +372,16 @@ class ProcessGroup:
     ) -> Any:
         """Row ``x[rank]`` of ``src``'s ``x`` on every rank (``x`` may be None off ``src``;
         device arrays with ``algo="ipc"``: a device array on every rank)."""
-        return _collectives.scatter(self.core, x, src, out, async_op, timeout_s=timeout_s,
-                                    algo=_flat(algo))  # fmt: skip
+        return _collectives.scatter(
+            self.core, x, src, out, async_op, timeout_s=timeout_s, algo=algo
+        )
 
     def all_to_all(
         self, x: Any, out: Any = None, async_op: bool = False, *,
         timeout_s: float | None = None, algo: str | None = None,
     ) -> Any:  # fmt: skip
         """``out[j]`` is rank ``j``'s ``x[rank]``."""
-        return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s,
-                                       algo=_flat(algo))  # fmt: skip
+        return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s, algo=algo)
 
     # Uneven collectives: rows of different counts per rank (README "Uneven collectives").
     def all_gather_v(
@@ -528,11 +435,7 @@ class ProcessGroup:
 
         Hierarchical on a group spanning hosts, as :meth:`all_reduce` (``algo``: ``"hier"``
         or ``"dissemination"``)."""
-        if async_op is False and self._hier_fits("barrier", algo):
-            self._hier().barrier(timeout_s)
-            self.core.last_algo = HIER_ALGO
-            return None
-        return _collectives.barrier(self.core, async_op, timeout_s=timeout_s, algo=_flat(algo))
+        return _collectives.barrier(self.core, async_op, timeout_s=timeout_s, algo=algo)
 
     def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """A zeroed array that collectives use in place (a *symmetric buffer*, as NCCL's

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ringcomm.collectives.hierarchy import MIN_STEP_S, Budget
+from ringcomm.collectives.hierarchy import MIN_STEP_S, step_s
+from ringcomm.core.deadline import Deadline
 from ringcomm.schedule.topology import hier_plan, piece_bounds, topology
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,11 +205,13 @@ def test_hier_on_a_group_it_does_not_fit_is_a_clear_error() -> None:
 def test_the_steps_of_a_hierarchical_call_share_its_deadline() -> None:
     # Each step gets what is left of the call's timeout_s (not the whole of it again), and
     # at least MIN_STEP_S once it has passed: the call ends within its timeout_s.
-    budget = Budget(5.0)
-    left = budget()
+    deadline = Deadline(5.0)
+    left = step_s(deadline)
     assert 4.0 < left <= 5.0
-    assert budget() <= left  # what is left, never more
-    budget.deadline = time.monotonic() - 1.0  # the deadline has passed
-    assert budget() == MIN_STEP_S
+    assert step_s(deadline) <= left  # what is left, never more
+    assert not deadline.expired()
+    passed = Deadline(5.0, start=time.monotonic() - 6.0)  # the deadline has passed
+    assert passed.expired() and passed.remaining() < 0
+    assert step_s(passed) == MIN_STEP_S
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        Budget(0.0)
+        Deadline(0.0)

@@ -57,6 +57,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.tuning.hosts": 8,  # ringcomm tune --hostfile: its probe job and fit
     "ringcomm.core.lifecycle": 0,  # the one exit hook
     "ringcomm.core.flight": 0,  # the flight recorder and its report (pure but for its file)
+    "ringcomm.core.deadline": 0,  # a call's deadline, made once where it enters (pure)
     "ringcomm.transport.wire": 0,  # pure pack/unpack (in transport/, but below any socket)
     "ringcomm.transport.base": 0,  # the transport interface and path thresholds (pure)
     "ringcomm.transport": 1,  # the transport interface and its lanes; zmq lives here only
@@ -67,6 +68,8 @@ LAYERS: dict[str, int] = {
     "ringcomm.device.staging": 4,  # device staging, beside the group core
     "ringcomm.core.forming": 4,  # forming a world group: store, transport, progress -> core
     "ringcomm.collectives": 5,
+    "ringcomm.collectives.registry": 5,  # every collective's algorithms by name
+    "ringcomm.collectives.chooser": 5,  # a call's plan: algorithm, piece size, hier segments
     "ringcomm.core.p2p": 5,
     "ringcomm.device.p2p": 5,  # device p2p: builds on p2p and staging
     "ringcomm.group": 6,  # ProcessGroup, the facade: nothing below imports it

@@ -1,5 +1,5 @@
 """The registry's choices from a cost model (RINGCOMM_TUNE_FILE): the pure chooser
-(ringcomm.collectives.choice, choose_algorithm), the setting and the file, the piece size
+(ringcomm.collectives.chooser, choose_algorithm), the setting and the file, the piece size
 reaching the algorithms (in-memory world), and pretend hosts where a loaded model changes
 which algorithm runs (tests/scripts/model_choice.py) with results still right."""
 
@@ -26,7 +26,7 @@ from ringcomm.collectives import (
     BROADCAST_TREE_MAX_BYTES,
     choose_algorithm,
 )
-from ringcomm.collectives.choice import (
+from ringcomm.collectives.chooser import (
     CHUNK_CANDIDATES,
     SEGMENT_CANDIDATES,
     ModelChooser,
@@ -110,7 +110,9 @@ def test_hier_only_where_the_caller_runs_it_and_only_implemented_algorithms() ->
 BED_CPU = CpuModel(0.3e-9, 0.6e-9, 0.3e-9, 2e-3, 2.0, 0)
 
 
-def test_a_cpu_term_takes_the_flat_ring_where_the_cores_bound_and_hier_where_the_link_does() -> None:
+def test_a_cpu_term_takes_the_flat_ring_where_the_cores_bound_and_hier_where_the_link_does() -> (
+    None
+):
     fast = chooser(CostModel(net=LinkModel.from_rate(10.0, 50.0), cpu=BED_CPU), 2, 2)
     slow = chooser(CostModel(net=LinkModel.from_rate(1.0, 50.0), cpu=BED_CPU), 2, 2)
     big = 64 * MiB
@@ -167,9 +169,10 @@ def test_algo_and_ringcomm_algo_and_the_workspace_win_over_the_model() -> None:
     assert choose_algorithm("broadcast", None, "tree", big, 4, model=c) == "tree"
     assert choose_algorithm("all_reduce", None, None, big, 4, local=True, model=c) == "shm"
     # RINGCOMM_ALGO naming another collective's algorithm: this one chooses as usual (model)
-    assert choose_algorithm("broadcast", None, "rd", big, 4, model=c) == c.choose(
-        "broadcast", big
-    ).algo  # type: ignore[union-attr]
+    assert (
+        choose_algorithm("broadcast", None, "rd", big, 4, model=c)
+        == c.choose("broadcast", big).algo
+    )  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="no algorithm"):
         choose_algorithm("all_reduce", None, "bogus", big, 4, model=c)
 

@@ -192,7 +192,7 @@ def _group_choice(model: CostModel, hosts: int, ranks_per_host: int, size: int, 
     """What a group of this shape runs with ``model`` (the registry's chooser: its
     algorithms, piece sizes and, with a CPU term, hier's segment size), as a ``#`` line."""
     from ringcomm.collectives import ALGORITHMS as REGISTRY
-    from ringcomm.collectives.choice import MODELLED, ModelChooser
+    from ringcomm.collectives.chooser import MODELLED, ModelChooser
 
     n = hosts * ranks_per_host
     if op not in MODELLED or n < 2:

@@ -3,28 +3,15 @@
 Every rank sends its whole buffer to every other rank, receives theirs, and reduces all
 ``n`` buffers itself in rank order, ``((x0 op x1) op x2) op ...``: the same operations on
 the same bytes on every rank, so every rank ends with the same bits without an all-gather.
+One step instead of recursive doubling's ``log2 n``, but ``n - 1`` buffers per rank: it
+only pays below a small size (``ALL_REDUCE_DIRECT_MAX_BYTES``, measured).
 
-One step instead of recursive doubling's ``log2 n``: on a loaded host each step costs a
-round of process wake-ups, so for a few bytes one step of ``n - 1`` small messages beats
-``log2 n`` steps of one (measured: benchmarks/results/collectives_switch.md). It moves
-``n - 1`` buffers per rank, so it only pays below a small size (``ALL_REDUCE_DIRECT_MAX_BYTES``
-in the registry).
-
-Copies per byte: one private copy of ``x`` at start (``x.tobytes()``, sent to every peer;
-we overwrite ``x`` at the end, possibly before libzmq is done reading, so we never send from
-``x`` itself; below 4 KiB that copy is the inline payload itself, packed once for all
-peers), the transport's copy per peer, one frame per peer, and the rank-order reduction
-straight into ``x`` once every piece has arrived and been checked (so a mismatch or a
-failure before that leaves ``x`` untouched; ranks above 1 reduce their own operand from a
-copy, since the first step overwrites ``x``).
-
-Per-call cost: everything that depends only on the call's shape (spans, element bounds, the
-ufunc, the header templates) is built by the first call of a shape and kept in the group's
-cache (``self.shape_cache.plan``). A blocking call whose messages are one piece takes the
-engine's fast lane (:meth:`run_now`, ``Progress.exchange``): the same messages and checks
-without inboxes or rounds, handed over to the regular path (``start``, minus the sends) on
-anything unusual, so ranks on either path interoperate. There the fast lane sends from
-``x`` itself above 4 KiB (the transport copies those as it queues them).
+Invariants: ``x`` is never sent from (a private copy is, since ``x`` is overwritten while
+libzmq may still read), and written only once every piece arrived and was checked. What
+depends only on the call's shape is built once per shape (``shape_plan``). A blocking call
+of one-piece messages takes the engine's fast lane (:meth:`AllReduceDirect.run_now`), handed
+over to the regular path on anything unusual. Copies per byte: docs/architecture.md
+("Small all_reduce").
 """
 
 from __future__ import annotations
@@ -75,7 +62,8 @@ class AllReduceDirect(CollectiveOp):
     plan: _Plan
     pieces: list[memoryview | None]  # received, [peer * npieces + piece]
 
-    def _plan(self) -> _Plan:
+    def shape_plan(self) -> _Plan:
+        """This call shape's plan, built by its first call and kept in the group's cache."""
         plan = self.shape_cache.plan
         if plan is None:
             x, op = self.call.x, self.call.op
@@ -93,12 +81,12 @@ class AllReduceDirect(CollectiveOp):
         n = self.n
         if n == 1:
             return False
-        self.plan = plan = self._plan()
+        self.plan = plan = self.shape_plan()
         if len(plan.spans) != 1:
             return False
         ranks, group, seq = self.comm.ranks, self.group_id, self.seq
         nbytes = x.nbytes
-        template = self._template(0, 0, 1, plan.dtype, nbytes, 0)
+        template = self.header_template(0, 0, 1, plan.dtype, nbytes, 0)
         if nbytes < INLINE_MAX_BYTES:  # one frame for every peer, framed once
             header, payload = template.pack(seq, x.tobytes()), None
         else:  # exchange copies it as it sends (it takes no zero-copy sizes)
@@ -141,7 +129,7 @@ class AllReduceDirect(CollectiveOp):
             finalize(op, x, 1)
             self.post_inboxes()
             return None
-        self.plan = plan = self._plan()
+        self.plan = plan = self.shape_plan()
         self.pieces = [None] * (self.n * len(plan.spans))
         return x
 

@@ -1,26 +1,15 @@
 """All-reduce through one rank, for the smallest messages on more ranks than cores.
 
-Every rank but group rank 0 sends its buffer to rank 0; rank 0 reduces all ``n`` buffers
-in rank order, ``((x0 op x1) op x2) op ...`` (the direct exchange's reduction, so the same
-bits), and sends the result back to each. Two hops instead of the direct exchange's one,
-but ``2(n - 1)`` messages instead of ``n(n - 1)``: where ranks outnumber cores, each message
-costs a process wake-up and some Python on a shared core, and that, not the hop count, sets
-the time (measured: benchmarks/results/local_lane.md, 8 bytes at W=4 on two cores). Rank 0
-handles ``2(n - 1)`` messages, so it only pays for a few ranks and small sizes
-(``ALL_REDUCE_STAR_*`` in the registry).
+Every rank but group rank 0 sends its buffer to rank 0; rank 0 reduces all ``n`` buffers in
+rank order (the direct exchange's reduction, so the same bits) and sends the result back.
+Two hops instead of one, but ``2(n - 1)`` messages instead of ``n(n - 1)``: where ranks
+outnumber cores each message costs a wake-up, so it pays for a few ranks and small sizes
+(``ALL_REDUCE_STAR_*``, measured).
 
-Agreement before writing: rank 0 reduces only once every rank's message is in and its
-fingerprint checked, and a rank writes ``x`` only from rank 0's result, which rank 0 sends
-only after that check; a mismatch anywhere makes rank 0 abort every rank instead. So no
-rank writes on a mismatched call, without fingerprint messages between the others.
-
-Everything else is the direct exchange's (the plan of pieces, their checks, the sends, the
-reduction; :class:`AllReduceDirect`). Copies per byte: the senders' private copy of ``x``
-(the inline payload below 4 KiB), one transport copy per message, rank 0's reduction into
-``x`` and one private copy of the result for its replies, one copy from rank 0's message
-into ``x`` elsewhere. A blocking call below the inline size takes the engine's fast lane
-(``Progress.exchange``, rank 0 replying from inside it), handed over to the regular path
-(``start``) on anything unusual.
+Invariant: no rank writes on a mismatched call (rank 0 reduces only once every fingerprint
+checked; the others write only rank 0's result). Everything else is the direct exchange's
+(:class:`AllReduceDirect`), fast lane included (rank 0 replies inside
+``Progress.exchange``). Copies per byte: docs/architecture.md ("Small all_reduce").
 """
 
 from __future__ import annotations
@@ -50,11 +39,11 @@ class AllReduceStar(AllReduceDirect):
         nbytes = x.nbytes
         if n == 1 or nbytes >= INLINE_MAX_BYTES:
             return False
-        self.plan = plan = self._plan()
+        self.plan = plan = self.shape_plan()
         if len(plan.spans) != 1:
             return False
         ranks, group, seq = self.comm.ranks, self.group_id, self.seq
-        template = self._template(0, 0, 1, plan.dtype, nbytes, 0)
+        template = self.header_template(0, 0, 1, plan.dtype, nbytes, 0)
         self._sent_early = True  # before: a hand-over starts us inside exchange
         if self.rank == ROOT:
             others = [ranks[p] for p in range(1, n)]

@@ -2,46 +2,39 @@
 :class:`~ringcomm.core.group_core.GroupCore`).
 
 Each call: check the arguments on the calling rank (TypeError/ValueError, before anything
-is sent), choose the algorithm, take the group's next collective sequence number, build the
-algorithm's op and run it through the group (blocking, or a ``Work`` with
-``async_op=True``). Collectives of one group run one after another in the order called
-(the group's serial queue), so several outstanding async ones complete in order.
-
-Device arrays (``cupy.ndarray``, or the host stand-in ``ringcomm.device.standin.StandinArray``)
-are accepted wherever NumPy arrays are; outputs the call allocates are allocated on the
-same device. On a group with a shared workspace they take the device windows (``ipc``,
-``collectives.ipc``; ``GroupCore.device_windows``). Elsewhere the ring
-all_reduce/reduce_scatter/all_gather and the broadcast chain stage them piece by piece;
-every other algorithm stages the whole buffer (``collectives.staged``). Inputs and outputs
-of one call are all host or all on one device.
-
-Contracts: docs/contracts.md (Python API). Extensions (keyword-only): ``timeout_s`` everywhere, ``algo`` on
-every collective but the uneven ones, ``async_op`` on every call, ``out`` on gather (used
-on ``dst``).
+is sent), ask :mod:`~ringcomm.collectives.chooser` for its :class:`~ringcomm.collectives.
+chooser.Plan`, make its :class:`~ringcomm.core.deadline.Deadline` (``timeout_s`` checked
+once, here) and run the plan: hierarchically (the group's hierarchy), on the group's
+workspace or device windows, or as a registry algorithm through the progress engine
+(blocking, or a ``Work`` with ``async_op=True``). Collectives of one group run one after
+another in the order called (the group's serial queue). Device arrays are accepted wherever
+NumPy arrays are (outputs allocated on the same device); inputs and outputs of one call are
+all host or all on one device. Contracts: docs/contracts.md (Python API); the path of one
+call, file by file: docs/architecture.md ("One collective call").
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ringcomm.collectives import (
-    ALGORITHMS,
-    HIER_ALGO,
-    IPC_ALGO,
-    WORKSPACE_ALGO,
-    choose_algorithm,
-    get_algorithm,
-)
 from ringcomm.collectives.base import Call, Comm
-from ringcomm.collectives.choice import ModelChooser
+from ringcomm.collectives.chooser import (
+    hier_fits,
+    plan,
+    plan_scatter,
+    plan_uneven,
+    plan_without_workspace,
+)
 from ringcomm.collectives.ipc import IpcCollectives
+from ringcomm.collectives.registry import HIER_ALGO, IPC_ALGO, WORKSPACE_ALGO, get_algorithm
 from ringcomm.collectives.staged import PIPELINED, DeviceCall, staged_class
 from ringcomm.collectives.workspace import WorkspaceCollectives
 from ringcomm.config import ipc_small_bytes, ipc_window_bytes, mps_active
 from ringcomm.core.buffers import check_array, check_peer
+from ringcomm.core.deadline import Deadline
 from ringcomm.core.flight import E_END, FOLD_MASK, RUNNING, now
 from ringcomm.core.group_core import GroupCore, setup_workspace
 from ringcomm.core.progress import Op
@@ -70,9 +63,6 @@ __all__ = [
     "check_broadcast",
     "check_reduce_scatter",
     "gather",
-    "model_chooser",
-    "model_hier_segment",
-    "model_prefers_hier",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_v",
@@ -207,21 +197,21 @@ def _run(
         return _run_call(group, call, timeout_s, async_op, what)
     # Inline, not recorder.start()/done(): the entry pushed here, ended by storing its end
     # time (its state reads "done" then), folded into the summary when the sequence
-    # number is a multiple of FOLD_BATCH (ringcomm.core.flight.FlightRecorder). Every load
-    # here counts: this is on every collective (~0.5 us a call in a 2-rank job before).
-    # (call[i]: Call's name 0, algo 1, dtype 6, shape 7, nbytes 9; indexing a NamedTuple
-    # costs less than its properties; nbytes None: dtype times shape, when folded)
+    # number is a multiple of FOLD_BATCH (ringcomm.core.flight.FlightRecorder). This is on
+    # every collective (~0.5 us a call in a 2-rank job). nbytes None: dtype times shape.
     seq = group.collective_seq + 1
     start_s = now()
-    e = [group.group_id, seq, call[0], call[6], call[7], call[9], call[1], group.ranks,
-         start_s, None, RUNNING]  # fmt: skip
+    e = [group.group_id, seq, call.name, call.dtype, call.shape, call.nbytes, call.algo,
+         group.ranks, start_s, None, RUNNING]  # fmt: skip
     recorder.push(e)
     try:
         result = _run_call(group, call, timeout_s, async_op, what, start_s)
     except BaseException as exc:
         recorder.end(e, exc)
         if isinstance(exc, _TRACED):
-            group.state.dump_trace(f"{type(exc).__name__} in op #{group.collective_seq} {call.name}")
+            group.state.dump_trace(
+                f"{type(exc).__name__} in op #{group.collective_seq} {call.name}"
+            )
         raise
     if async_op and isinstance(result, Work):
         result.add_done_callback(lambda w: _ended(group, e, w, f"op #{seq} {call.name}"))
@@ -248,29 +238,40 @@ def _run_call(
     what: str | None = None,
     start_s: float | None = None,
 ) -> Any:
-    """Check, choose and run ``call``; its deadline counts from ``start_s`` (a
-    ``time.monotonic()`` instant: the flight recorder's start time, so that a recorded call
-    reads the clock no more often than an unrecorded one), or from now."""
+    """Check the group's piece size and ``timeout_s`` (once: the call's :class:`Deadline`
+    counts from ``start_s``, the flight recorder's start time, or from now) and run
+    ``call`` (:func:`_start`)."""
     if what is None:
         what = _what(group, call.name)
     chunk = call.chunk_bytes or group.chunk_bytes
     if type(chunk) is not int or chunk <= 0 or chunk > group.state.config.max_piece_bytes:
         chunk = _check_chunk_bytes(group, what, chunk)
+    deadline = _deadline(group, timeout_s, what, start_s)
+    group.check_usable(call.name)
+    return _start(group, call, chunk, deadline, async_op)
+
+
+def _deadline(
+    group: GroupCore, timeout_s: float | None, what: str, start_s: float | None = None
+) -> Deadline:
     try:
-        timeout = group.timeout(timeout_s)
+        return group.deadline(timeout_s, start_s)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
-    group.check_usable(call.name)
-    if start_s is None:
-        start_s = time.monotonic()
+
+
+def _start(group: GroupCore, call: Call, chunk: int, deadline: Deadline, async_op: bool) -> Any:
+    """Run a checked ``call`` with pieces of ``chunk`` bytes until ``deadline``: on the
+    group's workspace or device windows, or as its registry algorithm (device arrays
+    staged) through the engine, a blocking one by its fast lane if it has one."""
     group.last_algo = call.algo
     if call.algo == WORKSPACE_ALGO:
-        return _run_on_workspace(group, call, timeout, async_op, start_s)
+        return _run_on_workspace(group, call, chunk, deadline, async_op)
     if call.algo == IPC_ALGO:
-        return _run_on_windows(group, call, timeout, async_op, start_s)
+        return _run_on_windows(group, call, chunk, deadline, async_op)
     cls = get_algorithm(call.name, call.algo)
     if group.workspace_calls is not None:  # earlier collectives of the group go first
-        group.workspace_calls.drain(timeout)
+        group.workspace_calls.drain(deadline.timeout_s)
     arr = call.x if call.x is not None else call.out
     device = None
     if arr is not None and type(arr) is not np.ndarray and is_device_array(arr):
@@ -280,36 +281,46 @@ def _run_call(
         if (call.name, call.algo) not in PIPELINED:
             cls = staged_class(cls)
     comm = Comm(
-        group.progress,
-        group.rank,
-        group.world_size,
-        group.group_id,
-        group.ranks,
-        group.next_collective_seq(),  # after every check: only a call that will run takes a number
-        chunk,
-        timeout,
-        group.serial,
-        group.plans,
-        group.ring_order,
+        progress=group.progress,
+        rank=group.rank,
+        world_size=group.world_size,
+        group_id=group.group_id,
+        ranks=group.ranks,
+        seq=group.next_collective_seq(),  # after every check: only a call that runs takes one
+        chunk_bytes=chunk,
+        timeout_s=deadline.timeout_s,
+        serial=group.serial,
+        plans=group.plans,
+        ring_order=group.ring_order,
     )
     op = cls(comm, call, async_op=async_op)
     if device is not None:
         op.device = device  # type: ignore[attr-defined]
     if async_op:
-        return group.run(op, timeout, True)
-    deadline = start_s + timeout
+        return group.run_until(op, deadline, True)
     # The algorithm's fast lane, if it has one (not with RINGCOMM_LOG=debug: every op then
     # goes through the engine, which logs its start and end).
-    if not group.progress.log_ops and op.run_now(deadline):
+    if not group.progress.log_ops and op.run_now(deadline.at):
         result = op.result
     else:
-        result = group.run(op, timeout, False, deadline)
+        result = group.run_until(op, deadline, False)
     # One outcome: a peer may have failed this call while we consumed what it had sent.
     aborted = group.progress.aborted(group.group_id, comm.seq, op.desc)
     if aborted is not None:
         if group.failed is None:
             group.failed = aborted
         raise aborted
+    return result
+
+
+def _run_hier(
+    group: GroupCore, what: str, timeout_s: float | None, run: Callable[[Any, Deadline], Any]
+) -> Any:
+    """A call planned hierarchical: ``run(hierarchy, deadline)`` (the group's
+    :meth:`~ringcomm.core.group_core.GroupCore.hierarchy`, its calls over sub-groups)."""
+    deadline = _deadline(group, timeout_s, what)
+    result = run(group.hierarchy(), deadline)
+    group.last_algo = HIER_ALGO  # (after: its leftover may go flat)
     return result
 
 
@@ -341,7 +352,9 @@ def alloc(group: GroupCore, shape: Any, dtype: Any = np.float32) -> np.ndarray:
     what = _what(group, "alloc")
     try:
         dt = np.dtype(dtype)
-        dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        dims = (
+            (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        )
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what}: shape must be ints and dtype a NumPy dtype: {exc}") from None
     if any(d < 0 for d in dims):
@@ -356,28 +369,23 @@ def alloc(group: GroupCore, shape: Any, dtype: Any = np.float32) -> np.ndarray:
 
 
 def _run_on_workspace(
-    group: GroupCore, call: Call, timeout: float, async_op: bool, start_s: float
+    group: GroupCore, call: Call, chunk: int, deadline: Deadline, async_op: bool
 ) -> Any:
-    calls = _workspace_calls(group, timeout)
+    calls = _workspace_calls(group, deadline.timeout_s)
     if calls is None:  # a sub-group found it has no workspace after all: as elsewhere
-        arr = call.x if call.x is not None else call.out
-        nbytes = 0 if arr is None else int(arr.nbytes)
-        algo = choose_algorithm(call.name, None, _env_algo(group), nbytes, group.world_size)
-        return _run_call(group, call._replace(algo=algo), timeout, async_op, start_s=start_s)
-    return calls.run(call, group.next_collective_seq(), timeout, async_op, start_s)
+        return _start(group, _without_workspace(group, call), chunk, deadline, async_op)
+    seq = group.next_collective_seq()
+    return calls.run(call, seq, deadline.timeout_s, async_op, deadline.start)
 
 
 def _run_on_windows(
-    group: GroupCore, call: Call, timeout: float, async_op: bool, start_s: float
+    group: GroupCore, call: Call, chunk: int, deadline: Deadline, async_op: bool
 ) -> Any:
     """A device call on the group's device windows (ringcomm.collectives.ipc), run by its
     workspace; the caller's stream is taken now (an async call runs on the worker)."""
-    calls = _workspace_calls(group, timeout)
+    calls = _workspace_calls(group, deadline.timeout_s)
     if calls is None:  # a sub-group found it has no workspace: staged, as elsewhere
-        arr = call.x if call.x is not None else call.out
-        nbytes = 0 if arr is None else int(arr.nbytes)
-        algo = choose_algorithm(call.name, None, _env_algo(group), nbytes, group.world_size)
-        return _run_call(group, call._replace(algo=algo), timeout, async_op, start_s=start_s)
+        return _start(group, _without_workspace(group, call), chunk, deadline, async_op)
     ext = calls.extensions.get(IPC_ALGO)
     if ext is None:
         ext = calls.extensions[IPC_ALGO] = IpcCollectives(
@@ -385,100 +393,14 @@ def _run_on_windows(
         )
     arr = call.x if call.x is not None else call.out
     stream = None if arr is None else ipc_device_for(arr).caller_stream()
-    return calls.run(call, group.next_collective_seq(), timeout, async_op, start_s, stream)
+    seq = group.next_collective_seq()
+    return calls.run(call, seq, deadline.timeout_s, async_op, deadline.start, stream)
 
 
-def _env_algo(group: GroupCore) -> str | None:
-    return group.config.algo
-
-
-def _pick(
-    group: GroupCore, collective: str, requested: str | None, nbytes: int, host: bool, what: str
-) -> str:
-    """The algorithm of a call (``choose_algorithm``; ``host``: its arrays are NumPy's)."""
-    if requested is None and group.workspace is not None and not group.config.algo:
-        if host:  # the common case on one host, without the general rule
-            return WORKSPACE_ALGO
-        if group.device_windows:
-            return IPC_ALGO
-    same_host = group.workspace is not None or group.workspace_pending
-    local = host and same_host
-    device = not host and same_host and group.device_windows
-    try:
-        if group.state.costmodel is None:
-            return choose_algorithm(collective, requested, _env_algo(group), nbytes,
-                                    group.world_size, local=local, device=device)  # fmt: skip
-        return choose_algorithm(
-            collective, requested, _env_algo(group), nbytes, group.world_size, local=local,
-            model=group.chooser or model_chooser(group), device=device,
-        )  # fmt: skip
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
-
-
-def _model_chunk(
-    group: GroupCore, collective: str, algo: str, requested: str | None, nbytes: int
-) -> int | None:
-    """The piece size of a call whose algorithm is ``algo`` (picked by :func:`_pick`,
-    ``requested`` by ``algo=``), on a group with a cost model (``group.chooser``): the
-    model's when it chose the algorithm and no piece size was set (``chunk_bytes=`` /
-    RINGCOMM_CHUNK_BYTES / ``pg.chunk_bytes``); None: the group's."""
-    model = group.chooser
-    if requested is not None or not model.choose_chunk or group.chunk_bytes != model.chunk_bytes:
-        return None
-    env = group.config.algo
-    if env and env in ALGORITHMS[collective]:
-        return None
-    choice = model.choose(collective, nbytes)
-    return choice.chunk_bytes if choice is not None and choice.algo == algo else None
-
-
-def _chunk_of(
-    group: GroupCore, collective: str, algo: str, requested: str | None, nbytes: int
-) -> int | None:
-    """The piece size of a call: None (the group's) unless a cost model chose one
-    (:func:`_model_chunk`; all_reduce, the latency-bound one, has these lines inline)."""
-    model = group.chooser
-    if model is None or nbytes <= model.one_piece_bytes:
-        return None
-    return _model_chunk(group, collective, algo, requested, nbytes)
-
-
-def model_chooser(group: GroupCore) -> ModelChooser | None:
-    """The group's cost-model choices (:mod:`ringcomm.collectives.choice`), made at its
-    first call for its world shape (hosts from the endpoints published at rendezvous);
-    None when the process loaded no model (RINGCOMM_TUNE_FILE) or the group has one rank."""
-    chooser = group.chooser
-    model = group.state.costmodel
-    if chooser is not None or model is None or group.world_size < 2:
-        return chooser  # type: ignore[no-any-return]
-    topo = group.topology
-    chooser = group.chooser = ModelChooser(
-        model, topo.num_hosts, topo.max_local_size, group.world_size, ALGORITHMS,
-        chunk_bytes=group.chunk_bytes, choose_chunk=group.config.chunk_bytes is None,
-    )  # fmt: skip
-    return chooser
-
-
-def model_prefers_hier(group: GroupCore, nbytes: int, collective: str = "all_reduce") -> bool | None:
-    """Whether the cost model runs ``collective`` of ``nbytes`` (as ``choose_algorithm``
-    counts them) on this group, one that spans hosts with several ranks on one,
-    hierarchically; None without a model."""
-    model = model_chooser(group)
-    if model is None:
-        return None
-    algo = choose_algorithm(collective, None, None, nbytes, group.world_size, model=model,
-                            hier=True)  # fmt: skip
-    return algo == HIER_ALGO
-
-
-def model_hier_segment(group: GroupCore, nbytes: int, collective: str) -> int | None:
-    """The segment size of a hierarchical ``collective`` of ``nbytes`` (as
-    ``choose_algorithm`` counts them) on this group: the cost model's when it prices the
-    CPU (:meth:`~ringcomm.collectives.choice.ModelChooser.hier_segment`); None (the
-    hierarchy's own) otherwise."""
-    model = model_chooser(group)
-    return None if model is None else model.hier_segment(collective, nbytes)
+def _without_workspace(group: GroupCore, call: Call) -> Call:
+    arr = call.x if call.x is not None else call.out
+    nbytes = 0 if arr is None else int(arr.nbytes)
+    return call._replace(algo=plan_without_workspace(group, call.name, nbytes))
 
 
 # -- checks of the calls that also run hierarchically (ringcomm.collectives.hierarchy, above) --------
@@ -521,7 +443,13 @@ def all_reduce(
     timeout_s: float | None = None,
     algo: str | None = None,
 ) -> Any:
-    """Reduce ``x`` over all ranks, in place on every rank; return ``x`` (or a Work)."""
+    """Reduce ``x`` over all ranks, in place on every rank; return ``x`` (or a Work).
+
+    A group that spans hosts, with several ranks on one of them, reduces hierarchically
+    (:mod:`ringcomm.collectives.hierarchy`) unless ``algo`` (or ``RINGCOMM_ALGO``) names a
+    flat algorithm, the call is asynchronous or an integer mean; ``algo="hier"`` asks for
+    it (an error on a group it does not fit)."""
+    hier = async_op is False and hier_fits(group, "all_reduce", algo)
     what = _what(group, "all_reduce")
     x = check_array(x, what, writeable=True, device=True)
     dtype = x.dtype
@@ -529,11 +457,14 @@ def all_reduce(
     if async_op is not False:
         async_op = _check_flag(async_op, what)
     nbytes = x.nbytes
-    chosen = _pick(group, "all_reduce", algo, nbytes, type(x) is np.ndarray, what)
-    chunk = None  # the group's piece size, unless a cost model chose one
-    if group.chooser is not None and nbytes > group.chooser.one_piece_bytes:
-        chunk = _model_chunk(group, "all_reduce", chosen, algo, nbytes)
-    call = Call("all_reduce", chosen, x, None, rop, None, dtype, x.shape, chunk, nbytes)
+    if hier and rop is ReduceOp.AVG and dtype.kind in "iub":
+        hier = False  # integer means: flat
+    p = plan(group, "all_reduce", algo, nbytes, type(x) is np.ndarray, what, hier)
+    if p.algo == HIER_ALGO:
+        return _run_hier(
+            group, what, timeout_s, lambda h, d: h.all_reduce(x, rop, d, p.segment_bytes)
+        )
+    call = Call("all_reduce", p.algo, x, None, rop, None, dtype, x.shape, p.chunk_bytes, nbytes)
     return _run(group, call, timeout_s, async_op, what)
 
 
@@ -548,14 +479,21 @@ def reduce_scatter(
     algo: str | None = None,
 ) -> Any:
     """Reduce ``x`` (``x.shape[0] == world_size``) and return this rank's row ``x[rank]``
-    of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified."""
+    of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified.
+    Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
+    hier = async_op is False and hier_fits(group, "reduce_scatter", algo)
     what = _what(group, "reduce_scatter")
     x, out, rop = check_reduce_scatter(group, x, out, op)
     async_op = _check_flag(async_op, what)
-    chosen = _pick(group, "reduce_scatter", algo, x.nbytes, type(x) is np.ndarray, what)
-    chunk = _chunk_of(group, "reduce_scatter", chosen, algo, x.nbytes)
-    call = Call("reduce_scatter", chosen, x=x, out=out, op=rop, dtype=x.dtype,
-                shape=tuple(x.shape), chunk_bytes=chunk)  # fmt: skip
+    if hier and rop is ReduceOp.AVG and x.dtype.kind in "iu":
+        hier = False  # integer means: flat
+    p = plan(group, "reduce_scatter", algo, x.nbytes, type(x) is np.ndarray, what, hier)
+    if p.algo == HIER_ALGO:
+        return _run_hier(
+            group, what, timeout_s, lambda h, d: h.reduce_scatter(x, out, rop, d, p.segment_bytes)
+        )
+    call = Call("reduce_scatter", p.algo, x=x, out=out, op=rop, dtype=x.dtype,
+                shape=tuple(x.shape), chunk_bytes=p.chunk_bytes)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
 
@@ -568,14 +506,19 @@ def all_gather(
     timeout_s: float | None = None,
     algo: str | None = None,
 ) -> Any:
-    """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order."""
+    """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order.
+    Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
+    hier = async_op is False and hier_fits(group, "all_gather", algo)
     what = _what(group, "all_gather")
     x, out = check_all_gather(group, x, out)
     async_op = _check_flag(async_op, what)
-    chosen = _pick(group, "all_gather", algo, x.nbytes, type(x) is np.ndarray, what)
-    chunk = _chunk_of(group, "all_gather", chosen, algo, x.nbytes)
-    call = Call("all_gather", chosen, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
-                chunk_bytes=chunk)  # fmt: skip
+    p = plan(group, "all_gather", algo, x.nbytes, type(x) is np.ndarray, what, hier)
+    if p.algo == HIER_ALGO:
+        return _run_hier(
+            group, what, timeout_s, lambda h, d: h.all_gather(x, out, d, p.segment_bytes)
+        )
+    call = Call("all_gather", p.algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
+                chunk_bytes=p.chunk_bytes)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
 
@@ -588,14 +531,17 @@ def broadcast(
     timeout_s: float | None = None,
     algo: str | None = None,
 ) -> Any:
-    """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work)."""
+    """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work).
+    Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
+    hier = async_op is False and hier_fits(group, "broadcast", algo)
     what = _what(group, "broadcast")
     x, src = check_broadcast(group, x, src)
     async_op = _check_flag(async_op, what)
-    chosen = _pick(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what)
-    chunk = _chunk_of(group, "broadcast", chosen, algo, x.nbytes)
-    call = Call("broadcast", chosen, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape),
-                chunk_bytes=chunk)  # fmt: skip
+    p = plan(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what, hier)
+    if p.algo == HIER_ALGO:
+        return _run_hier(group, what, timeout_s, lambda h, d: h.broadcast(x, src, d))
+    call = Call("broadcast", p.algo, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape),
+                chunk_bytes=p.chunk_bytes)  # fmt: skip
     return _run(group, call, timeout_s, async_op)
 
 
@@ -616,7 +562,7 @@ def reduce(
     x = check_array(x, what, writeable=group.rank == dst, device=True)
     rop = _check_op(op, x.dtype, what)
     async_op = _check_flag(async_op, what)
-    algo = _pick(group, "reduce", algo, x.nbytes, type(x) is np.ndarray, what)
+    algo = plan(group, "reduce", algo, x.nbytes, type(x) is np.ndarray, what).algo
     call = Call("reduce", algo, x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -642,7 +588,7 @@ def gather(
         out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
     else:
         out = None
-    algo = _pick(group, "gather", algo, x.nbytes, type(x) is np.ndarray, what)
+    algo = plan(group, "gather", algo, x.nbytes, type(x) is np.ndarray, what).algo
     call = Call("gather", algo, x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -688,21 +634,11 @@ def scatter(
     elif dtype is not None and shape is not None:  # src, or a rank that passed x
         out = _empty(x, shape[1:])
     host = (x is None or type(x) is np.ndarray) and (out is None or type(out) is np.ndarray)
-    same_host = group.workspace is not None or group.workspace_pending
-    env_ipc = algo is None and _env_algo(group) == IPC_ALGO and group.device_windows
-    if same_host and (algo == IPC_ALGO or (env_ipc and not host)):
-        if host or (x is None and out is None):
-            raise ValueError(
-                f"{what}: algo {IPC_ALGO!r} needs a device array on every rank (x on src, "
-                "x or out elsewhere)"
-            )
-        call = Call("scatter", IPC_ALGO, x=x, out=out, root=src, dtype=dtype, shape=shape)
-        return _run(group, call, timeout_s, async_op)
-    if not host and same_host:
+    algo = plan_scatter(group, algo, host, x is None and out is None, what).algo
+    if algo == WORKSPACE_ALGO and not host:
         # A rank that passed x=None cannot know the source's kind of array: on a group with
         # a workspace every rank takes it, device arrays copied through the host.
         return _scatter_device_on_workspace(group, x, src, out, dtype, shape, timeout_s, async_op)
-    algo = _pick(group, "scatter", algo, 0, host, what)
     call = Call("scatter", algo, x=x, out=out, root=src, dtype=dtype, shape=shape)
     return _run(group, call, timeout_s, async_op)
 
@@ -749,7 +685,7 @@ def all_to_all(
         out = _check_out(out, tuple(x.shape), x.dtype, what, x)
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
-    algo = _pick(group, "all_to_all", algo, x.nbytes, type(x) is np.ndarray, what)
+    algo = plan(group, "all_to_all", algo, x.nbytes, type(x) is np.ndarray, what).algo
     call = Call("all_to_all", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
 
@@ -761,11 +697,15 @@ def barrier(
     timeout_s: float | None = None,
     algo: str | None = None,
 ) -> Any:
-    """Return once every rank of the group has entered the barrier."""
+    """Return once every rank of the group has entered the barrier (hierarchically on a
+    group spanning hosts, as :func:`all_reduce`)."""
+    hier = async_op is False and hier_fits(group, "barrier", algo)
     what = _what(group, "barrier")
     async_op = _check_flag(async_op, what)
-    algo = _pick(group, "barrier", algo, 0, True, what)
-    return _run(group, Call("barrier", algo), timeout_s, async_op)
+    p = plan(group, "barrier", algo, 0, True, what, hier)
+    if p.algo == HIER_ALGO:
+        return _run_hier(group, what, timeout_s, lambda h, d: h.barrier(d))
+    return _run(group, Call("barrier", p.algo), timeout_s, async_op)
 
 
 # -- uneven collectives (rows of different counts per rank) ------------------------------
@@ -773,17 +713,25 @@ def _check_counts(value: Any, n: int, what: str, name: str) -> tuple[int, ...]:
     """``n`` row counts (ints >= 0) from a sequence (list, tuple, 1-d integer array)."""
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or value.dtype.kind not in "iu":
-            raise TypeError(f"{what}: {name} must be a sequence of ints, got an array {value.dtype}[{value.shape}]")
+            raise TypeError(
+                f"{what}: {name} must be a sequence of ints, got an array {value.dtype}[{value.shape}]"
+            )
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-        raise TypeError(f"{what}: {name} must be a sequence of {n} ints, got {type(value).__name__}")
+        raise TypeError(
+            f"{what}: {name} must be a sequence of {n} ints, got {type(value).__name__}"
+        )
     counts = []
     for c in value:
         if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
-            raise TypeError(f"{what}: {name} must hold ints, got {type(c).__name__} in {list(value)!r}")
+            raise TypeError(
+                f"{what}: {name} must hold ints, got {type(c).__name__} in {list(value)!r}"
+            )
         counts.append(int(c))
     if len(counts) != n:
-        raise ValueError(f"{what}: {name} must have one count per rank ({n}), got {len(counts)}: {counts}")
+        raise ValueError(
+            f"{what}: {name} must have one count per rank ({n}), got {len(counts)}: {counts}"
+        )
     if any(c < 0 for c in counts):
         raise ValueError(f"{what}: {name} must be >= 0, got {counts}")
     return tuple(counts)
@@ -794,22 +742,6 @@ def _check_row_array(x: Any, what: str, *, writeable: bool = False) -> Any:
     if x.ndim == 0:
         raise ValueError(f"{what}: x must have at least one dimension (rows), got a 0-d array")
     return x
-
-
-def _pick_v(group: GroupCore, collective: str, nbytes: int, what: str, x: Any = None) -> str:
-    """The algorithm of an uneven collective (no ``shm`` for host arrays; device arrays
-    on a group with a workspace take ``ipc``)."""
-    device = (
-        type(x) is not np.ndarray
-        and x is not None
-        and group.device_windows
-        and (group.workspace is not None or group.workspace_pending)
-    )
-    try:
-        return choose_algorithm(collective, None, _env_algo(group), nbytes, group.world_size,
-                                device=device)  # fmt: skip
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
 
 
 def all_gather_v(
@@ -845,7 +777,7 @@ def all_gather_v(
             )
     shape = (sum(sizes), *x.shape[1:])
     out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    algo = _pick_v(group, "all_gather_v", out.nbytes, what, x)
+    algo = plan_uneven(group, "all_gather_v", out.nbytes, type(x) is np.ndarray, what).algo
     call = Call("all_gather_v", algo, x=x, out=out, dtype=x.dtype, shape=(*sizes, *x.shape[1:]))
     return _run(group, call, timeout_s, async_op)
 
@@ -881,7 +813,7 @@ def reduce_scatter_v(
         out = _check_out(out, shape, x.dtype, what, x)
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (reduce_scatter_v is not in place)")
-    algo = _pick_v(group, "reduce_scatter_v", x.nbytes, what, x)
+    algo = plan_uneven(group, "reduce_scatter_v", x.nbytes, type(x) is np.ndarray, what).algo
     call = Call("reduce_scatter_v", algo, x=x, out=out, op=rop, dtype=x.dtype,
                 shape=(*splits, *x.shape[1:]))  # fmt: skip
     return _run(group, call, timeout_s, async_op)
@@ -926,7 +858,7 @@ def all_to_all_v(
         out = _check_out(out, shape, x.dtype, what, x)
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all_v is not in place)")
-    algo = _pick_v(group, "all_to_all_v", x.nbytes, what, x)
+    algo = plan_uneven(group, "all_to_all_v", x.nbytes, type(x) is np.ndarray, what).algo
     call = Call("all_to_all_v", algo, x=x, out=out, dtype=x.dtype,
                 shape=(*ins, *outs, *x.shape[1:]))  # fmt: skip
     return _run(group, call, timeout_s, async_op)

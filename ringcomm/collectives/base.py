@@ -1,67 +1,17 @@
 """What every collective algorithm shares: the call, its fingerprint, inboxes and sends.
 
 An algorithm is a :class:`CollectiveOp` (a progress-engine :class:`~ringcomm.core.progress.Op`)
-built from two frozen descriptions, the same for every algorithm (the registry's one
-signature)::
+built from two frozen descriptions, the same for every algorithm:
+``AlgorithmClass(comm: Comm, call: Call, *, async_op: bool = False)``. :class:`Comm` is the
+group as the algorithm sees it (engine, ranks, this collective's sequence number, piece size,
+time limit, serial queue); :class:`Call` the checked arguments.
 
-    AlgorithmClass(comm: Comm, call: Call, *, async_op: bool = False)
-
-* :class:`Comm` -- the group as the algorithm sees it: engine, rank, world size, group id,
-  the group-rank -> global-rank table, this collective's sequence number, ``chunk_bytes``,
-  the deadline, and the group's serial queue (collectives of one group run one after
-  another, in the order called).
-* :class:`Call` -- the checked arguments: arrays, reduce op, root, dtype, shape, algorithm.
-
-Messages. Every collective message is ``Header(KIND_COLL, src, group, seq, step, piece,
-npieces, ...)``: it is matched on ``(src, group, KIND_COLL, seq)``, so one collective's
-stream from one peer is its own ordered channel. ``step`` says which step of the algorithm
-the message belongs to, ``piece``/``npieces`` which ``chunk_bytes`` piece of that step's
-message it is, ``offset`` its byte offset inside the message. Each peer's stream is
-consumed by one :class:`Inbox`, posted once per collective; it knows how many messages
-(not pieces) to expect and returns True from ``on_piece`` only after the last piece of the
-last message.
-
-Fingerprint. Every piece carries ``fp = [name, dtype, shape, op, root, algo, chunk_bytes]``
-of the sender's call. An inbox compares it with its own call's before the piece reaches the
-algorithm, so a mismatching rank fails with :class:`CollectiveMismatchError` naming both
-calls, before anything is reduced or copied into the user's buffers. The failing rank then
-sends an *abort* message (``fp = ["!abort", rank, kind, text]``) with this collective's key
-to every other rank of the group (not only its partners in this algorithm: a rank that
-called another collective, or chose another algorithm, may be waiting on anyone). A rank
-with an inbox for us fails at once with the same story and passes the abort on, so every
-rank still inside this collective fails promptly instead of waiting for its deadline. An
-abort that reaches a rank with no inbox for us stays in its unexpected queue (a few bytes,
-only after a failure). Inboxes of a failed collective stay posted and keep swallowing the
-rest of their streams, so no stale piece ever reaches another call.
-
-Agreement before any write (``gate_writes``). A pairwise check is not enough for user
-buffers: in a ring, rank 1 hears only from rank 0 and would reduce rank 0's data into its
-buffer before anyone noticed that rank 2 called something else. So an op holds every
-matching piece back (payloads stay in their received frames) until it has heard from
-*every* other rank of the group, and only then hands them to the algorithm in arrival
-order. Algorithms in which some rank does not hear from every peer at start also send a
-*fingerprint message* (``step == FP_STEP``, no payload) when they start (``fp_messages``)
-to every other rank but those they send data to at start anyway (``start_peers``: the
-ring's right neighbour, the first partner of recursive doubling, a broadcast source's
-first receivers; so none at all in a ring of two): at most n - 1 one-frame messages per
-rank per call, sent at once, never waited for before the first send, so the pipeline
-keeps its shape and only the first write waits for the slowest fingerprint (one one-way
-latency). With it, any disagreement (shape, dtype,
-op, root, algorithm, or the order of calls: the sequence numbers then pair different
-calls) raises on every rank, with every rank's user buffers untouched, and even two ranks
-that both believe they are a broadcast's source find out. No extra round trip: nothing is
-sent in reply. Exceptions: the direct all_reduce (its fast lane is the 8-byte path; it
-reduces only once every peer's whole buffer arrived, so it needs no gate) and barrier (no
-buffers). Scatter gates too, comparing only what its ranks legitimately share (non-roots
-may pass ``x=None``: see its ``accepts``).
-
-Zero-copy sends. Pieces go out through the engine (``send_piece``: their headers packed
-from templates kept per call shape, :class:`ShapeCache`); large ones are zero-copy, i.e.
-libzmq's I/O thread may read our memory until the piece's tracker is done. Algorithms
-either never write a region after sending it, or (a causal argument in their docstring)
-only after a message that could not exist before the peer had the whole piece, or they
-call :meth:`CollectiveOp.wait_released` first. Every op ends with ``settle()``: it
-completes only once libzmq has released every buffer it sent from.
+Invariants: one collective's stream from one peer is its own ordered channel (matched on
+``(src, group, KIND_COLL, seq)``, consumed by one :class:`Inbox`); every piece carries the
+sender's call :func:`fingerprint`, and a mismatch fails every rank of the call with the user
+buffers untouched (gated ops hold pieces until every peer was heard from); a zero-copy piece's
+memory is not written before libzmq released it, and an op completes only then. The protocol
+in full: docs/architecture.md ("Collective messages").
 """
 
 from __future__ import annotations
@@ -500,7 +450,7 @@ class CollectiveOp(Op):
         back from ``peer``); such headers are not cached.
         """
         if shape is None:
-            template = self._template(step, piece, npieces, dtype, msg_nbytes, offset)
+            template = self.header_template(step, piece, npieces, dtype, msg_nbytes, offset)
         else:
             template = HeaderTemplate(
                 Header(KIND_COLL, self._me_global, self.group_id, 0, step, piece, npieces, dtype,
@@ -527,14 +477,14 @@ class CollectiveOp(Op):
         :meth:`send_piece`.
         """
         nbytes = len(payload)
-        header = self._template(step, 0, 1, dtype, nbytes, 0).pack(self.seq)
+        header = self.header_template(step, 0, 1, dtype, nbytes, 0).pack(self.seq)
         send, ranks, stream = self.progress.send, self.comm.ranks, self.stream
         for peer in peers:
             tracker = send(ranks[peer], stream, header, payload, nbytes)
             if track and tracker is not None:
                 self.add_tracker(tracker)
 
-    def _template(
+    def header_template(
         self, step: int, piece: int, npieces: int, dtype: str, msg_nbytes: int, offset: int
     ) -> HeaderTemplate:
         """This call shape's header of a piece, but for the sequence number (cached)."""

@@ -1,55 +1,29 @@
 """Hierarchical collectives for a group that spans hosts (``algo="hier"``).
 
-The plan is pure (:mod:`ringcomm.schedule.topology`): the buffer is cut into M pieces
-(M = the most ranks any host has); each piece is reduced onto its owner on every host
-(over the host's own sub-group: its shared workspace), all-reduced among the owners of
-that piece across the hosts (one sub-group per piece, one rank per host: every local rank
-drives its own inter-host ring), and sent back from the owner to its host. With the same
-number of ranks on every host the first and last steps are the host's reduce_scatter and
-all_gather (its shared workspace; the ``count % M`` elements left over go flat over the
-whole group); otherwise one reduce and one broadcast per piece.
-
-The other collectives use the same groups (``L`` ranks on every host, ``H`` hosts, one
-inter-host group per local rank index; every host's uplink carries ``(H-1)/H * S`` of an
-S-byte reduce_scatter or all_gather, as the all_reduce's halves):
-
-* all_gather: every local rank all-gathers its ``x`` with the ranks of its local index on
-  the other hosts, then the host all-gathers those (its workspace). Hosts of different
-  sizes: the host all-gathers its block first; piece j of each host's block travels
-  between the owners of piece j (``all_gather_v``) and is broadcast on each host by its
-  owner there.
-* reduce_scatter: the mirror. Local rank i reduce-scatters (over the host) the rows of the
-  ranks with local index i on every host, then reduce-scatters them with its inter-host
-  group. Hosts of different sizes: piece j of every host's block of rows is reduced onto
-  its owner on each host, reduce-scattered among the owners of piece j
-  (``reduce_scatter_v``: each gets its own host's piece), broadcast on the host.
-* broadcast: among the ranks of the source's local index (one per host: the source is its
-  host's), then on every host from that rank.
-* barrier: the host's, its leaders' (local rank 0 of every host), the host's again.
-
-Large all_reduce, all_gather, reduce_scatter and broadcast calls on hosts of one size go
-in segments of ``segment_bytes`` bytes of the buffer as nccl-tests counts it (default
-:data:`SEGMENT_BYTES`; a cost model with a CPU term chooses it per call,
-:meth:`ringcomm.collectives.choice.ModelChooser.hier_segment`): the inter-host step of a
-segment is asynchronous and overlaps the host's step of the one before.
-
-:class:`Hierarchy` makes its sub-groups once (every rank of the group makes all of them,
-in one order, as ``new_group`` requires) and runs the calls. It uses only the public
-calls of the groups it is given (ringcomm.group's ProcessGroup), so it imports no group.
+:class:`Hierarchy` makes its sub-groups once (one per host, then one per piece across the
+hosts: every rank of the group makes all of them, in one order, as ``new_group`` requires)
+and runs all_reduce, all_gather, reduce_scatter, broadcast and barrier over them; large
+calls go in segments whose inter-host step overlaps the host's step of the next. Its plan
+is pure (:mod:`ringcomm.schedule.topology`). Every step of a call asks the call's one
+:class:`~ringcomm.core.deadline.Deadline` what is left (:func:`step_s`), so the call ends
+within its ``timeout_s``. It uses only the public calls of the groups it is given
+(ringcomm.group's ProcessGroup), so it imports no group. The algorithms step by step:
+docs/architecture.md ("Hierarchical collectives").
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+from ringcomm.core.deadline import Deadline
 from ringcomm.device.xp import get_xp
 from ringcomm.ops import ReduceOp
 from ringcomm.schedule.topology import Topology, hier_plan, piece_bounds
 from ringcomm.tuning.costmodel import HIER_SEGMENT_BYTES
 
-__all__ = ["FLAT_ALGO", "MIN_STEP_S", "Budget", "Hierarchy"]
+__all__ = ["FLAT_ALGO", "MIN_STEP_S", "Hierarchy", "step_s"]
 
 #: The flat all_reduce a few leftover elements take (fewer than the pieces).
 FLAT_ALGO = "ring"
@@ -63,20 +37,10 @@ SEGMENT_BYTES = HIER_SEGMENT_BYTES
 MIN_STEP_S = 1e-3
 
 
-class Budget:
-    """One hierarchical call's deadline, shared by its steps: ``t()`` is the time left
-    (at least :data:`MIN_STEP_S`), so the whole call ends within its ``timeout_s``, not
-    each step."""
-
-    __slots__ = ("deadline",)
-
-    def __init__(self, timeout_s: float) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.deadline = time.monotonic() + timeout_s
-
-    def __call__(self) -> float:
-        return max(self.deadline - time.monotonic(), MIN_STEP_S)
+def step_s(deadline: Deadline) -> float:
+    """The time limit of the next step of a hierarchical call: what is left of the call's
+    ``deadline``, at least :data:`MIN_STEP_S`."""
+    return max(deadline.remaining(), MIN_STEP_S)
 
 
 class Hierarchy:
@@ -108,6 +72,11 @@ class Hierarchy:
         self.offsets = [sum(len(h) for h in topo.hosts[:k]) for k in range(topo.num_hosts)]
 
     # -- helpers ------------------------------------------------------------------------
+    def _steps(self, deadline: Deadline | None) -> Callable[[], float]:
+        """The time limit of each next step (:func:`step_s`) of a call ending at
+        ``deadline`` (None: the group's default ``timeout_s`` from now)."""
+        return partial(step_s, Deadline(self.pg.timeout_s) if deadline is None else deadline)
+
     @staticmethod
     def _segments(
         count: int, itemsize: int, rows: int, segment_bytes: int | None = None
@@ -143,11 +112,11 @@ class Hierarchy:
         return out
 
     def all_reduce(
-        self, x: Any, op: ReduceOp, timeout_s: float | None, segment_bytes: int | None = None
+        self, x: Any, op: ReduceOp, deadline: Deadline | None, segment_bytes: int | None = None
     ) -> Any:
         """``x`` reduced over the whole group, in place (``op`` not AVG on integers), in
         segments of ``segment_bytes`` (None: :data:`SEGMENT_BYTES`)."""
-        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
+        t = self._steps(deadline)
         flat = x.reshape(-1)
         if flat.size == 0:
             return x
@@ -161,7 +130,9 @@ class Hierarchy:
             flat /= self.topo.world_size
         return x
 
-    def _even(self, flat: Any, op: ReduceOp, t: Budget, segment_bytes: int | None) -> None:
+    def _even(
+        self, flat: Any, op: ReduceOp, t: Callable[[], float], segment_bytes: int | None
+    ) -> None:
         """One piece per local rank: the host's reduce_scatter and all_gather (on its
         shared workspace, in place) over the first ``M * (count // M)`` elements, in
         segments: the host's steps of one overlap the inter-host all_reduce of the one
@@ -185,7 +156,7 @@ class Hierarchy:
         if r:
             self.pg.all_reduce(flat[q * m :], op=op, timeout_s=t(), algo=FLAT_ALGO)
 
-    def _uneven(self, flat: Any, op: ReduceOp, t: Budget) -> None:
+    def _uneven(self, flat: Any, op: ReduceOp, t: Callable[[], float]) -> None:
         """Hosts of different sizes: piece j reduced onto local rank ``j % L``, all-reduced
         across the hosts by its owners, broadcast back from the owner."""
         size, local = self.local_size, self.local
@@ -202,11 +173,11 @@ class Hierarchy:
 
     # -- all_gather ---------------------------------------------------------------------
     def all_gather(
-        self, x: Any, out: Any, timeout_s: float | None, segment_bytes: int | None = None
+        self, x: Any, out: Any, deadline: Deadline | None, segment_bytes: int | None = None
     ) -> Any:
         """Every rank's ``x`` into ``out`` (``(world_size, *x.shape)``, rank order), in
         segments of ``segment_bytes`` of ``out`` (None: :data:`SEGMENT_BYTES`)."""
-        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
+        t = self._steps(deadline)
         count = int(x.size)
         if count == 0:
             return out
@@ -219,7 +190,7 @@ class Hierarchy:
         return out
 
     def _all_gather_even(
-        self, flat_x: Any, rows: Any, t: Budget, segment_bytes: int | None
+        self, flat_x: Any, rows: Any, t: Callable[[], float], segment_bytes: int | None
     ) -> None:
         """Across the hosts among the ranks of my local index, then over the host."""
         cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
@@ -239,7 +210,7 @@ class Hierarchy:
                                         self.topo.world_size, segment_bytes),
                          start, finish)  # fmt: skip
 
-    def _all_gather_uneven(self, flat_x: Any, rows: Any, t: Budget) -> None:
+    def _all_gather_uneven(self, flat_x: Any, rows: Any, t: Callable[[], float]) -> None:
         """The host's block first, then piece j of every host's block among piece j's
         owners, broadcast on each host from its owner there."""
         count, local, h = int(flat_x.size), self.local, self.host
@@ -274,13 +245,13 @@ class Hierarchy:
         x: Any,
         out: Any,
         op: ReduceOp,
-        timeout_s: float | None,
+        deadline: Deadline | None,
         segment_bytes: int | None = None,
     ) -> Any:
         """Row ``x[rank]`` of the reduction of ``x`` over the group, into ``out``
         (``op`` not AVG on integers), in segments of ``segment_bytes`` of ``x`` (None:
         :data:`SEGMENT_BYTES`)."""
-        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
+        t = self._steps(deadline)
         n = self.topo.world_size
         count = int(x.size) // n
         if count == 0:
@@ -297,7 +268,7 @@ class Hierarchy:
             flat_out /= n
         return out
 
-    def _reduce_scatter_even(self, rows: Any, flat_out: Any, op: ReduceOp, t: Budget,
+    def _reduce_scatter_even(self, rows: Any, flat_out: Any, op: ReduceOp, t: Callable[[], float],
                              segment_bytes: int | None) -> None:  # fmt: skip
         """Over the host, the rows of each local index's ranks onto that local rank;
         then across the hosts among the ranks of my local index."""
@@ -323,7 +294,7 @@ class Hierarchy:
         self._overlapped(spans, start, finish)
 
     def _reduce_scatter_uneven(self, rows: Any, flat_out: Any, op: ReduceOp,
-                               t: Budget) -> None:  # fmt: skip
+                               t: Callable[[], float]) -> None:  # fmt: skip
         """Piece j of every host's block of rows reduced onto its owner on each host,
         reduce-scattered among piece j's owners, broadcast on the host from the owner."""
         count, local, h = int(rows.shape[1]), self.local, self.host
@@ -354,10 +325,10 @@ class Hierarchy:
         flat_out[...] = block[me * count : (me + 1) * count]
 
     # -- broadcast and barrier ----------------------------------------------------------
-    def broadcast(self, x: Any, src: int, timeout_s: float | None) -> Any:
+    def broadcast(self, x: Any, src: int, deadline: Deadline | None) -> Any:
         """``src``'s ``x`` into every rank's ``x``: across the hosts among the ranks of
         ``src``'s local index, then on each host from that rank."""
-        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
+        t = self._steps(deadline)
         flat = x.reshape(-1)
         if flat.size == 0:
             return x
@@ -382,9 +353,9 @@ class Hierarchy:
         self._overlapped(self._segments(int(flat.size), flat.itemsize, 1), start, finish)
         return x
 
-    def barrier(self, timeout_s: float | None) -> None:
+    def barrier(self, deadline: Deadline | None) -> None:
         """The host's barrier, its leaders' across the hosts, the host's again."""
-        t = Budget(self.pg.timeout_s if timeout_s is None else timeout_s)
+        t = self._steps(deadline)
         if self.local_size > 1:
             self.local.barrier(timeout_s=t())
         if self.local_rank == 0:

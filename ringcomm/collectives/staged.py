@@ -1,24 +1,15 @@
 """Collectives on device arrays: how algorithms reach their data (``ringcomm.device.staging``).
 
-Two ways, chosen per algorithm:
+* **Piece-level pipeline** (:data:`PIPELINED`: ring all_reduce, reduce_scatter, all_gather,
+  broadcast chain): the algorithm goes through a *stager* (:func:`make_stager`):
+  :data:`~ringcomm.device.staging.HOST_STAGER` (zero-copy) for NumPy arrays, a
+  ``DeviceStager`` overlapping the copies of one piece with the send of the next otherwise.
+* **Whole-buffer staging** (every other algorithm): :func:`staged_class` wraps it; the device
+  inputs are copied whole into pinned host buffers at start and the outputs back before the
+  op reports completion.
 
-* **Piece-level pipeline** (ring all_reduce, reduce_scatter, all_gather, broadcast chain):
-  the algorithm itself goes through a *stager* (``self.stager``, from :func:`make_stager`
-  in ``start``): ``send`` a slice of ``bytes_of(array)``, ``forward`` a received piece, ``reduce_into``/
-  ``reduce_out``/``copy_in`` a received payload, ``finalize``, ``pump`` queued sends,
-  ``sync`` at the end. For NumPy arrays the stager is :data:`~ringcomm.device.staging.HOST_STAGER`
-  and every call is today's zero-copy operation; for device arrays every piece is staged,
-  with the device->host copy of piece k+1 running while piece k is sent and the
-  host->device copy and kernel of a received piece running while the next is received.
-* **Whole-buffer staging** (every other algorithm: the small-message all_reduce paths,
-  the broadcast tree, reduce, gather, scatter, all_to_all): :func:`staged_class` wraps the
-  algorithm; at start the device inputs are copied whole into pinned host buffers, the
-  host algorithm runs on them, and at the end the outputs are copied back to the device
-  (before the op reports completion). These are latency-bound or rooted; the extra copy
-  of the whole buffer is the price of reusing the host algorithm unchanged.
-
-``api`` marks a call on device arrays by setting ``op.device`` (a :class:`DeviceCall`:
-the backend, and the event on the caller's stream taken at the call).
+``api`` marks a call on device arrays by setting ``op.device`` (a :class:`DeviceCall`: the
+backend, and the event on the caller's stream taken at the call).
 """
 
 from __future__ import annotations
@@ -116,6 +107,7 @@ class _WholeStaged(CollectiveOp):
         call = self.call
         self._dev_call = call
         self._slots: list[Slot] = []
+        self._sent: list[Any] = []  # its zero-copy sends (add_tracker), for finish
         self._outputs: list[tuple[Any, Any]] = []  # (device array, host twin)
         st = self._stager = make_stager(self)
         assert isinstance(st, DeviceStager)
@@ -133,7 +125,7 @@ class _WholeStaged(CollectiveOp):
             ):
                 hout = hx[self.rank]  # the in-place form
             else:
-                slot = st._acquire(call.out.nbytes)
+                slot = st.pool.acquire(call.out.nbytes, st.deadline, st.what)
                 self._slots.append(slot)
                 hout = slot.buf[: call.out.nbytes].view(call.out.dtype).reshape(call.out.shape)
             self._outputs.append((call.out, hout))
@@ -144,6 +136,11 @@ class _WholeStaged(CollectiveOp):
             self._host_to_dev.setdefault(id(hx), call.x)
         self.call = call._replace(x=hx, out=hout)
         super().start()
+
+    def add_tracker(self, tracker: Any) -> None:
+        super().add_tracker(tracker)
+        if tracker is not None and not tracker.done:
+            self._sent.append(tracker)
 
     def _writes_x(self) -> bool:
         name, root = self._dev_call.name, self._dev_call.root
@@ -172,7 +169,7 @@ class _WholeStaged(CollectiveOp):
             else:
                 st.backend.synchronize(st.stream)
             # Sends still in libzmq's hands (only after an error) keep their buffers busy.
-            pending = tuple(self._trackers)
+            pending = tuple(t for t in self._sent if not t.done)
             for slot in self._slots:
                 st.pool.release(slot, *pending)
             self._slots = []

@@ -21,12 +21,13 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ringcomm.config import InitConfig, ipc_enabled
 from ringcomm.core import lifecycle
+from ringcomm.core.deadline import Deadline
 from ringcomm.core.flight import FlightRecorder
 from ringcomm.core.progress import DEPART_ERROR, Op, Progress, SerialQueue
 from ringcomm.core.work import Work
@@ -144,8 +145,10 @@ class ProcessState:
         """The process ends without ``close()`` (lifecycle.py): leave within ``budget_s``."""
         if not self.closed and kind != DEPART_ERROR:  # (shutdown dumps an error's itself)
             earlier = self.first_dump_reason
-            self.dump_trace("the process ended without close()"
-                            + (f" (first written for: {earlier})" if earlier else ""))
+            self.dump_trace(
+                "the process ended without close()"
+                + (f" (first written for: {earlier})" if earlier else "")
+            )
         self.shutdown(kind, why, checkout_s=budget_s / 3, linger_s=budget_s / 3)
 
     def farewell(self, why: str) -> None:
@@ -170,9 +173,7 @@ class ProcessState:
         return False
 
     # -- leaving -------------------------------------------------------------------------
-    def shutdown(
-        self, kind: str, why: str = "", *, checkout_s: float, linger_s: float
-    ) -> None:
+    def shutdown(self, kind: str, why: str = "", *, checkout_s: float, linger_s: float) -> None:
         """Leave every group of this process; idempotent.
 
         ``kind``: ``DEPART_CLOSE`` (``close()``), ``DEPART_EXIT`` (the process ends
@@ -326,7 +327,7 @@ class GroupCore:
         self.workspace: ws_mod.Workspace | None = None
         self.workspace_calls: Any = None
         #: The choices of the cost model for this group's world shape
-        #: (ringcomm.collectives.choice.ModelChooser, made at its first call), if any.
+        #: (ringcomm.collectives.chooser.ModelChooser, made at its first call), if any.
         self.chooser: Any = None
         #: The algorithm of this group's latest collective (``ringcomm bench``'s "algo").
         self.last_algo = ""
@@ -338,6 +339,10 @@ class GroupCore:
         self.workspace_pending = False
         self._topology: Topology | None = None
         self._ring_order: tuple[int, ...] | None = None
+        #: Makes the hierarchical collectives of a group spanning hosts (set by the facade:
+        #: ringcomm.collectives.hierarchy over its sub-groups); :meth:`hierarchy` keeps one.
+        self.make_hierarchy: Callable[[], Any] | None = None
+        self._hierarchy: Any = None
 
     @property
     def topology(self) -> Topology:
@@ -391,7 +396,11 @@ class GroupCore:
         if progress.failure is not None:  # a peer failed: this and every later call raise
             raise progress.failed_error(what)
         aborts = progress.group_aborts
-        if aborts and self.group_id in aborts and aborts[self.group_id][0] <= self.collective_seq + 1:
+        if (
+            aborts
+            and self.group_id in aborts
+            and aborts[self.group_id][0] <= self.collective_seq + 1
+        ):
             # A peer failed a collective this rank has reached: it fails here too.
             raise progress.abort_error(self.group_id, what)
         if self.failed is not None:
@@ -401,29 +410,45 @@ class GroupCore:
             ) from self.failed
 
     def timeout(self, timeout_s: float | None) -> float:
-        """The deadline of a call: ``timeout_s``, or the group's default."""
+        """The time limit of a call: ``timeout_s``, or the group's default."""
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         if not t > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         return t
 
-    def run(
-        self, op: Op, timeout_s: float | None, async_op: bool, deadline: float | None = None
-    ) -> Any:
+    def deadline(self, timeout_s: float | None, start: float | None = None) -> Deadline:
+        """The deadline of a call (``timeout_s``, or the group's default) from ``start``
+        (a ``time.monotonic()`` instant; None: now): made once, where the call enters."""
+        return Deadline(self.timeout_s if timeout_s is None else float(timeout_s), start)
+
+    def run(self, op: Op, timeout_s: float | None, async_op: bool) -> Any:
+        """:meth:`run_until` the deadline ``timeout_s`` (or the group's default) from now."""
+        return self.run_until(op, self.deadline(timeout_s), async_op)
+
+    def run_until(self, op: Op, deadline: Deadline, async_op: bool) -> Any:
         """Submit ``op`` (unless a fast lane started it already); wait for it (blocking,
-        until ``deadline`` if given, a ``time.monotonic()`` instant) or return its Work.
-        A failed op whose class says so (``Op.fails_group``: collectives) fails the group."""
-        t = self.timeout(timeout_s)
+        until ``deadline``) or return its Work (which waits ``deadline.timeout_s`` from its
+        ``wait()``). A failed op whose class says so (``Op.fails_group``: collectives)
+        fails the group."""
         if not op.started:
             self.progress.submit(op)
         if async_op:
-            return Work(self.progress, op, t)
+            return Work(self.progress, op, deadline.timeout_s)
         try:
-            return self.progress.wait(op, t, deadline)
+            return self.progress.wait(op, deadline.timeout_s, deadline.at)
         except RingcommError as exc:
             if op.fails_group and self.failed is None:
                 self.failed = exc
             raise
+
+    def hierarchy(self) -> Any:
+        """The hierarchical collectives of this group (``make_hierarchy``'s), made at
+        their first call (every rank of the group makes their sub-groups then)."""
+        if self._hierarchy is None:
+            if self.make_hierarchy is None:
+                raise RingcommError(f"{self.describe()}: no hierarchy (a group without its facade)")
+            self._hierarchy = self.make_hierarchy()
+        return self._hierarchy
 
     def next_collective_seq(self) -> int:
         """Sequence number tagging the next collective (all ranks call them in one order)."""
@@ -491,7 +516,9 @@ _GOODBYE_WAIT_S = 0.5
 _SETUP_SLICE_S = 0.05
 
 
-def _peer_trouble(core: GroupCore, what: str, store_host_only: bool = False) -> RingcommError | None:
+def _peer_trouble(
+    core: GroupCore, what: str, store_host_only: bool = False
+) -> RingcommError | None:
     """The error a call of ``core`` raises now because a peer failed or left (None: none
     did). ``store_host_only``: only the store's host leaving counts (it took the store)."""
     progress = core.progress

@@ -40,7 +40,7 @@ def main() -> None:
         nonlocal bad
         bad += not ok
         print(f"rank {me} {label}: {'ok' if ok else 'BAD'}", flush=True)
-        hier = pg._hier() if hasattr(pg, "_hier") else None
+        hier = pg.core.hierarchy()
         if hier is not None and hier.local is not None and hier.local.world_size > 1:
             local_algos.add(hier.local.core.last_algo)
 
