@@ -71,7 +71,7 @@ def broadcast(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> 
     return g.issue([w], [t], post, "broadcast", opts)
 
 
-def all_gather_into(
+def _all_gather_into(
     g: BackendCore, out: torch.Tensor, inp: torch.Tensor, what: str, opts: Any
 ) -> tuple[RcWork, Post | None]:
     n = g.rc.world_size
@@ -102,7 +102,7 @@ def allgather_base(
     what = g.start("all_gather_into_tensor")
     opts = opts if opts is not None else AllgatherOptions()
     out, inp = check_tensor(output, what), check_tensor(input, what)
-    w, post = all_gather_into(g, out, inp, what, opts)
+    w, post = _all_gather_into(g, out, inp, what, opts)
     return g.issue([w], [out], post, "all_gather_into_tensor", opts)
 
 
@@ -127,14 +127,14 @@ def allgather_into_tensor_coalesced(
     if len(ins) == 1 or not all(o.is_contiguous() for o in outs):
         works, posts = [], []
         for o, i in zip(outs, ins, strict=True):
-            w, p = all_gather_into(g, o, i, what, opts)
+            w, p = _all_gather_into(g, o, i, what, opts)
             works.append(w)
             if p is not None:
                 posts.append(p)
         return g.issue(works, outs, run_all(posts), "allgather_coalesced", opts)
     # rank r's copy of input i goes to the r-th 1/n of (contiguous) output i
     dests = [list(o.detach().view(n, -1)) for o in outs]
-    works, post = gather_batched(g, ins, dests, what, opts)
+    works, post = _gather_batched(g, ins, dests, what, opts)
     return g.issue(works, outs, post, "allgather_coalesced", opts)
 
 
@@ -151,9 +151,9 @@ def allgather(
         if o.dtype != inp.dtype:
             raise ValueError(f"{what}: every output must have the input's dtype")
     if any(o.numel() != inp.numel() for o in outs):
-        return allgather_uneven(g, outs, inp, what, opts)
+        return _allgather_uneven(g, outs, inp, what, opts)
     gathered = torch.empty((g.rc.world_size, *inp.shape), dtype=inp.dtype, device=inp.device)
-    w, _ = all_gather_into(g, gathered, inp, what, opts)
+    w, _ = _all_gather_into(g, gathered, inp, what, opts)
 
     def post() -> None:
         for o, row in zip(outs, gathered, strict=True):
@@ -162,7 +162,7 @@ def allgather(
     return g.issue([w], outs, post, "allgather", opts)
 
 
-def allgather_uneven(
+def _allgather_uneven(
     g: BackendCore, outs: list[torch.Tensor], inp: torch.Tensor, what: str, opts: Any
 ) -> RingcommWork:
     """``dist.all_gather`` into outputs of different sizes (NCCL's uneven all_gather;
@@ -220,12 +220,12 @@ def allgather_coalesced(
                 )
     # per input i: the n tensors that receive it, in rank order
     dests = [[outputs[r][i] for r in range(n)] for i in range(len(ins))]
-    works, post = gather_batched(g, ins, dests, what, opts)
+    works, post = _gather_batched(g, ins, dests, what, opts)
     flat = [o for outs in outputs for o in outs]
     return g.issue(works, flat, post, "allgather_coalesced", opts)
 
 
-def gather_batched(
+def _gather_batched(
     g: BackendCore,
     inputs: list[torch.Tensor],
     dests: list[list[torch.Tensor]],
@@ -242,7 +242,7 @@ def gather_batched(
         parts = [inputs[i].detach().reshape(-1) for i in idx]
         flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
         gathered = torch.empty((n, flat.numel()), dtype=flat.dtype, device=flat.device)
-        w, _ = all_gather_into(g, gathered, flat, what, opts)
+        w, _ = _all_gather_into(g, gathered, flat, what, opts)
         works.append(w)
 
         def unpack(idx: list[int] = idx, gathered: torch.Tensor = gathered) -> None:

@@ -55,7 +55,7 @@ def allreduce(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> 
         op = opts.reduceOp
     ts = [tensors] if isinstance(tensors, torch.Tensor) else tensors
     if len(ts) == 1 and isinstance(ts[0], torch.Tensor) and ts[0].is_sparse:
-        return sparse_allreduce(g, ts[0], op, what, opts)
+        return _sparse_allreduce(g, ts[0], op, what, opts)
     t = g.one(ts, what)
     red = Reduction(t, op, what, in_place=True)
     w = g.call(
@@ -68,7 +68,7 @@ def allreduce(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> 
     return g.issue([w], [t], red.copy_back if red.post else None, "allreduce", opts)
 
 
-def sparse_allreduce(
+def _sparse_allreduce(
     g: BackendCore, t: torch.Tensor, op: Any, what: str, opts: Any
 ) -> RingcommWork:
     """SUM of sparse COO tensors, Gloo's way: every rank's (coalesced) indices and
@@ -98,22 +98,22 @@ def sparse_allreduce(
             )
     counts = [int(c) for c in metas[:, 0]]
     top = max(counts)
-    g_idx = torch.zeros((n, x.sparse_dim(), top), dtype=torch.int64)
-    g_vals = torch.zeros((n, top, *vals.shape[1:]), dtype=vals.dtype)
+    got_idx = torch.zeros((n, x.sparse_dim(), top), dtype=torch.int64)
+    got_vals = torch.zeros((n, top, *vals.shape[1:]), dtype=vals.dtype)
     if top > 0:
         pad_idx = torch.zeros((x.sparse_dim(), top), dtype=torch.int64)
         pad_idx[:, :nnz] = idx
         pad_vals = torch.zeros((top, *vals.shape[1:]), dtype=vals.dtype)
         pad_vals[:nnz] = vals
-        g.call(g.rc.all_gather, pad_idx.numpy(), out=g_idx.numpy(), timeout_s=timeout_s)
+        g.call(g.rc.all_gather, pad_idx.numpy(), out=got_idx.numpy(), timeout_s=timeout_s)
         g.call(
             g.rc.all_gather,
             move_view(pad_vals).reshape(-1),
-            out=move_view(g_vals).reshape(n, -1),
+            out=move_view(got_vals).reshape(n, -1),
             timeout_s=timeout_s,
         )
-    all_idx = torch.cat([g_idx[r, :, : counts[r]] for r in range(n)], dim=1)
-    all_vals = torch.cat([g_vals[r, : counts[r]] for r in range(n)])
+    all_idx = torch.cat([got_idx[r, :, : counts[r]] for r in range(n)], dim=1)
+    all_vals = torch.cat([got_vals[r, : counts[r]] for r in range(n)])
     total = torch.sparse_coo_tensor(all_idx, all_vals, x.shape).coalesce()
     with torch.no_grad():
         t.copy_(total)
@@ -177,7 +177,7 @@ def reduce(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> Rin
     return g.issue([w], [t], post, "reduce", opts)
 
 
-def reduce_scatter_into(
+def _reduce_scatter_into(
     g: BackendCore, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str, opts: Any
 ) -> tuple[RcWork, Post | None]:
     n = g.rc.world_size
@@ -213,7 +213,7 @@ def reduce_scatter_single(
     what = g.start("reduce_scatter_tensor")
     opts = opts if opts is not None else ReduceScatterOptions()
     out, inp = check_tensor(output, what), check_tensor(input, what)
-    w, post = reduce_scatter_into(g, out, inp, opts.reduceOp, what, opts)
+    w, post = _reduce_scatter_into(g, out, inp, opts.reduceOp, what, opts)
     return g.issue([w], [out], post, "reduce_scatter_tensor", opts)
 
 
@@ -224,7 +224,7 @@ def reduce_scatter_tensor_coalesced(
     opts = opts if opts is not None else ReduceScatterOptions()
     works, posts = [], []
     for out, inp in zip(outputs, inputs, strict=True):
-        w, p = reduce_scatter_into(
+        w, p = _reduce_scatter_into(
             g, check_tensor(out, what), check_tensor(inp, what), opts.reduceOp, what, opts
         )
         works.append(w)
@@ -246,13 +246,13 @@ def reduce_scatter(
         if p.dtype != out.dtype:
             raise ValueError(f"{what}: every input must have the output's dtype")
     if any(p.shape != out.shape for p in parts):
-        return reduce_scatter_uneven(g, out, parts, opts.reduceOp, what, opts)
+        return _reduce_scatter_uneven(g, out, parts, opts.reduceOp, what, opts)
     stacked = torch.stack([p.detach() for p in parts])  # one copy: a contiguous (n, ...)
-    w, post = reduce_scatter_into(g, out, stacked, opts.reduceOp, what, opts)
+    w, post = _reduce_scatter_into(g, out, stacked, opts.reduceOp, what, opts)
     return g.issue([w], [out], post, "reduce_scatter", opts)
 
 
-def reduce_scatter_uneven(
+def _reduce_scatter_uneven(
     g: BackendCore, out: torch.Tensor, parts: list[torch.Tensor], op: Any, what: str, opts: Any
 ) -> RingcommWork:
     """``dist.reduce_scatter`` with inputs of different sizes (input ``j`` is rank
