@@ -81,6 +81,14 @@ LAYERS: dict[str, int] = {
     "ringcomm.bench": 8,
     "ringcomm.launch": 8,
     "ringcomm.torch_backend": 8,  # the torch backend and its device tensors and streams
+    "ringcomm.torch_backend.tensors": 8,  # torch tensors as ringcomm arrays: checks, views, reduce ops
+    "ringcomm.torch_backend.work": 8,  # the backend's Work and the threads that complete its futures
+    "ringcomm.torch_backend.core": 8,  # what every call of one torch group needs: its ringcomm group, issue/call steps
+    "ringcomm.torch_backend.reductions": 8,  # all-reduce, reduce, reduce-scatter over a BackendCore
+    "ringcomm.torch_backend.movement": 8,  # broadcast, gathers, scatter, all-to-all, barrier over a BackendCore
+    "ringcomm.torch_backend.p2p": 8,  # send, recv, the monitored barrier over a BackendCore
+    "ringcomm.torch_backend.store": 8,  # forming the ringcomm group from torch's store; check-out at shutdown
+    "ringcomm.torch_backend.process_group": 8,  # torch's ProcessGroup and creator
     "ringcomm.cli": 8,  # every subcommand's parser and driver
     "ringcomm.__main__": 8,
     "ringcomm": 8,  # ringcomm/__init__.py re-exports the public API (group, launch, ...)

@@ -667,8 +667,8 @@ def test_single_rank_group_in_process() -> None:
     """World size 1 (no store, no peers) and registration, in this process."""
     import ringcomm.torch_backend as tb
 
-    assert dist.Backend._plugins["RINGCOMM"].creator_fn is tb._create
-    tb._register()  # idempotent
+    assert dist.Backend._plugins["RINGCOMM"].creator_fn is tb.create_process_group
+    tb.register()  # idempotent
     dist.init_process_group("ringcomm", store=dist.HashStore(), rank=0, world_size=1)
     try:
         pg = dist.group.WORLD
@@ -693,16 +693,33 @@ def test_torchrun_job_ends_when_a_rank_goes_down(
     """The crash-safety matrix's reduced set under torchrun: the last of 3 ranks goes down
     without destroy_process_group while the others wait in an all_reduce with it; torchrun
     ends the job (its own status, 1) within seconds, and peers that noticed say why."""
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        OMP_NUM_THREADS="1",
+    )
     for k in list(env):
         if k.startswith("RINGCOMM_"):
             env.pop(k)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "3", "--monitor-interval", "0.1",
-         str(REPO / "tests" / "scripts" / "torch_exit_torchrun.py"), cause, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=100, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--monitor-interval",
+            "0.1",
+            str(REPO / "tests" / "scripts" / "torch_exit_torchrun.py"),
+            cause,
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
     )
     t_end = time.time()
     out = proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -26,7 +26,7 @@ def _rank(rank: int, store_path: str, results: Any) -> None:
     try:
         t = torch.full((4,), float(rank + 1))
         dist.all_reduce(t)
-        rc_group = dist.group.WORLD._rc  # type: ignore[union-attr]  # the ringcomm group
+        rc_group = dist.group.WORLD.ringcomm_group  # type: ignore[union-attr]
         token = rc_group.core.state.config.token
         security = rc_group.core.progress.transport.security
         with open(store_path, "rb") as f:  # what anyone who can read torch's store sees
