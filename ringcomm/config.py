@@ -67,20 +67,24 @@ __all__ = [
     "InitConfig",
     "TorchAgentStore",
     "UsageError",
+    "bench_mpi_interfaces",
     "bind_mode",
     "binds_to_core",
     "check_output_path",
     "default_of",
+    "env_chunk_bytes",
     "env_master_addr",
     "env_token",
     "env_trace_dir",
     "environ_changed",
+    "environment",
     "format_size",
     "ipc_enabled",
     "ipc_small_bytes",
     "ipc_window_bytes",
     "mpirun_job_id",
     "mpirun_master_port",
+    "mps_active",
     "parse_size",
     "parse_slurm_nodelist",
     "ps_log_level",
@@ -451,6 +455,24 @@ def env_master_addr(env: Mapping[str, str] | None = None) -> str:
     ``MASTER_ADDR``, else 127.0.0.1 (no Slurm derivation: see :func:`resolve_init_config`)."""
     found = lookup(_environ(env), "master_addr")
     return DEFAULT_MASTER_ADDR if found is None else str(found.value)
+
+
+def env_chunk_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``RINGCOMM_CHUNK_BYTES`` as ``ringcomm tune`` reads it (K/M/G suffixes):
+    :data:`DEFAULT_CHUNK_BYTES` when unset or empty; a bad size raises naming it."""
+    text = _environ(env).get("RINGCOMM_CHUNK_BYTES")
+    if not text:
+        return DEFAULT_CHUNK_BYTES
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"RINGCOMM_CHUNK_BYTES: {exc}") from None
+
+
+def bench_mpi_interfaces(env: Mapping[str, str] | None = None) -> str | None:
+    """``RINGCOMM_BENCH_MPI_IF``: the interfaces (names or CIDRs) ``ringcomm bench
+    --compare mpi`` across hosts gives mpirun's TCP transports; None when unset."""
+    return _environ(env).get("RINGCOMM_BENCH_MPI_IF")
 
 
 def resolve_init_config(
