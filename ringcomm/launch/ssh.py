@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringcomm._version import __version__
-from ringcomm.config import UsageError
+from ringcomm.config import UsageError, environment
 from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, is_var_name, parse_env_options
 from ringcomm.launch.hostfile import (
     HostfileError,
@@ -216,7 +216,7 @@ def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None, cwd: str | None = None
 ) -> SshRunConfig:
     """Validate parsed ``ringcomm run`` arguments for multi-host mode; raise UsageError."""
-    environ = os.environ if environ is None else environ
+    environ = environment() if environ is None else environ
     cwd = os.getcwd() if cwd is None else cwd
     try:
         hosts: list[HostSlots] = (
@@ -645,7 +645,10 @@ def _serve_store(master_addr: str, port: int, token: str | None) -> Any:
 
 
 def _restarter(
-    config: SshRunConfig, master_addr: str, port: int, token: str | None,
+    config: SshRunConfig,
+    master_addr: str,
+    port: int,
+    token: str | None,
     ranks: list[RankProcess],
 ) -> Callable[[RankProcess, int], RankProcess | None]:
     """``--max-restarts``: a rank that failed is started again on its host, in its slot
