@@ -1,46 +1,17 @@
 """Process-group configuration: explicit arguments and environment variables -> ``InitConfig``.
 
-Pure: reads only the mapping it is given (``os.environ`` by default), opens no sockets.
+Pure: reads only the mapping it is given (``os.environ`` by default, through
+:func:`environment`, the one place ringcomm reaches the process's environment), opens no
+sockets. Each setting is resolved on its own, the first source that has it wins: the
+explicit argument of :func:`resolve_init_config`, then ``RINGCOMM_*``, torchrun, mpirun,
+PMI and Slurm variables (:mod:`ringcomm._conventions`); nothing set: a singleton, rank 0
+of 1. Every invalid value raises :class:`RendezvousError` naming the variable, its value
+and the convention it came from. The order, the derived store ports and every tunable:
+docs/architecture.md, "Resolving a group's configuration".
 
-Each setting is resolved on its own, the first source that has it wins (docs/contracts.md, Python API):
-
-1. the explicit argument of :func:`resolve_init_config`;
-2. ``RINGCOMM_RANK`` / ``RINGCOMM_WORLD_SIZE`` / ``RINGCOMM_MASTER_ADDR`` /
-   ``RINGCOMM_MASTER_PORT`` / ``RINGCOMM_LOCAL_RANK`` (``ringcomm run``);
-3. ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` / ``LOCAL_RANK`` (torchrun;
-   also what ``mpirun -x MASTER_ADDR -x MASTER_PORT`` exports);
-4. ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_LOCAL_RANK`` (mpirun);
-5. ``PMI_RANK`` / ``PMI_SIZE`` / ``MPI_LOCALRANKID`` (MPICH, Intel MPI);
-6. ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` (srun).
-
-Under srun with no store address or port, the first host of ``SLURM_JOB_NODELIST`` and a
-port derived from ``SLURM_JOB_ID`` serve (:func:`slurm_master_port`). Under mpirun with
-every rank on one host (``OMPI_COMM_WORLD_LOCAL_SIZE == OMPI_COMM_WORLD_SIZE``) and no
-port, 127.0.0.1 and a port derived from Open MPI's job id serve (:func:`mpirun_job_id`,
-:func:`mpirun_master_port`); across hosts mpirun needs ``MASTER_ADDR``/``MASTER_PORT``.
-
-With nothing set the process is a singleton: rank 0 of 1, store on 127.0.0.1 at port 0
-("pick a free one"). Tunables: ``RINGCOMM_TIMEOUT_S``, ``RINGCOMM_TOKEN``,
-``RINGCOMM_CHUNK_BYTES`` (suffixes K/M/G), ``RINGCOMM_ALGO``, ``RINGCOMM_LOG``,
-``RINGCOMM_STORE_EXTERNAL``, ``RINGCOMM_TRANSPORT``, ``RINGCOMM_SECURITY``,
-``RINGCOMM_MAX_UNEXPECTED_MESSAGES``/``_BYTES``, ``RINGCOMM_LOCAL_LANE``, ``RINGCOMM_SHM``,
-``RINGCOMM_BIND``, ``RINGCOMM_TRACE_DIR``/``RINGCOMM_TRACE``/``RINGCOMM_TRACE_ENTRIES``
-(the flight recorder, ringcomm.core.flight), ``RINGCOMM_HOST_ID`` (pretend hosts), ``RINGCOMM_RESTART`` (set by the launcher for a
-restarted rank), ``RINGCOMM_TUNE_FILE`` (the cost model the group chooses algorithms
-with: :attr:`InitConfig.tune_file`; only its name is resolved here, the group reads it).
-Every invalid value raises :class:`RendezvousError` naming the variable, its value and the
-convention it came from.
-
-Settings that belong to no group are small pure functions of the same mapping, each
-raising :class:`ValueError` naming the variable: :func:`bind_mode` (``RINGCOMM_BIND``,
-with :func:`binds_to_core`, the one core-binding rule), :func:`staging_max_bytes`
-(``RINGCOMM_STAGING_MAX_BYTES``), :func:`ipc_enabled`, :func:`ipc_window_bytes` and
-:func:`ipc_small_bytes` (``RINGCOMM_IPC``, ``RINGCOMM_IPC_WINDOW_BYTES``,
-``RINGCOMM_IPC_SMALL_BYTES``: the device windows), :func:`ps_log_level` (``RINGCOMM_PS_LOG``),
-:func:`env_token` (``RINGCOMM_TOKEN``), :func:`security_mode` (``RINGCOMM_SECURITY``),
-:func:`env_trace_dir` (``RINGCOMM_TRACE_DIR``) and :func:`env_master_addr`
-(``RINGCOMM_MASTER_ADDR``, then ``MASTER_ADDR``). No other module reads a ``RINGCOMM_*``
-variable: they take these values as arguments.
+Settings that belong to no group (:func:`bind_mode`, :func:`staging_max_bytes`,
+:func:`security_mode`, ...) are small functions of the same mapping, each raising
+:class:`ValueError` naming the variable. No other module reads a variable: they ask here.
 """
 
 from __future__ import annotations
@@ -52,12 +23,29 @@ import math
 import numbers
 import os
 import re
-import zlib
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ringcomm._conventions import (
+    DEFAULT_MASTER_ADDR,
+    MPIRUN_JOB_ID_VARS,
+    SOURCE_ORDER,
+    Found,
+    as_int,
+    env_setting,
+    explicit,
+    lookup,
+    mpirun_defaults,
+    mpirun_job_id,
+    mpirun_master_port,
+    origin,
+    parse_bool,
+    parse_slurm_nodelist,
+    slurm_defaults,
+    slurm_master_port,
+)
 from ringcomm.errors import RendezvousError
 
 __all__ = [
@@ -79,20 +67,24 @@ __all__ = [
     "InitConfig",
     "TorchAgentStore",
     "UsageError",
+    "bench_mpi_interfaces",
     "bind_mode",
     "binds_to_core",
     "check_output_path",
     "default_of",
+    "env_chunk_bytes",
     "env_master_addr",
     "env_token",
     "env_trace_dir",
     "environ_changed",
+    "environment",
     "format_size",
     "ipc_enabled",
     "ipc_small_bytes",
     "ipc_window_bytes",
     "mpirun_job_id",
     "mpirun_master_port",
+    "mps_active",
     "parse_size",
     "parse_slurm_nodelist",
     "ps_log_level",
@@ -137,85 +129,6 @@ DEFAULT_PS_LOG_LEVEL = "WARNING"
 DEFAULT_TUNE_FILE = "ringcomm-model.json"
 #: RINGCOMM_TUNE_FILE values (any case) that turn the cost model off.
 TUNE_FILE_OFF = ("none", "off", "0")
-#: Where a group of more than one process looks for the store when no address is given.
-DEFAULT_MASTER_ADDR = "127.0.0.1"
-
-# The launcher conventions in precedence order: (source name, human label, variable names).
-# A variable name of None means the convention does not define that setting.
-_CONVENTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
-    (
-        "ringcomm",
-        "RINGCOMM_* variables",
-        {
-            "rank": "RINGCOMM_RANK",
-            "world_size": "RINGCOMM_WORLD_SIZE",
-            "local_rank": "RINGCOMM_LOCAL_RANK",
-            "local_world_size": "RINGCOMM_LOCAL_WORLD_SIZE",
-            "master_addr": "RINGCOMM_MASTER_ADDR",
-            "master_port": "RINGCOMM_MASTER_PORT",
-        },
-    ),
-    (
-        "torchrun",
-        "torchrun variables",
-        {
-            "rank": "RANK",
-            "world_size": "WORLD_SIZE",
-            "local_rank": "LOCAL_RANK",
-            "local_world_size": "LOCAL_WORLD_SIZE",
-            "master_addr": "MASTER_ADDR",
-            "master_port": "MASTER_PORT",
-        },
-    ),
-    (
-        "mpirun",
-        "mpirun variables",
-        {
-            "rank": "OMPI_COMM_WORLD_RANK",
-            "world_size": "OMPI_COMM_WORLD_SIZE",
-            "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
-            "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
-            "master_addr": None,
-            "master_port": None,
-        },
-    ),
-    (
-        "pmi",
-        "PMI variables",
-        {
-            "rank": "PMI_RANK",
-            "world_size": "PMI_SIZE",
-            "local_rank": "MPI_LOCALRANKID",
-            "local_world_size": "MPI_LOCALNRANKS",
-            "master_addr": None,
-            "master_port": None,
-        },
-    ),
-    (
-        "slurm",
-        "Slurm variables",
-        {
-            "rank": "SLURM_PROCID",
-            "world_size": "SLURM_NTASKS",
-            "local_rank": "SLURM_LOCALID",
-            "local_world_size": None,
-            "master_addr": None,
-            "master_port": None,
-        },
-    ),
-)
-_SOURCE_ORDER = ("explicit",) + tuple(c[0] for c in _CONVENTIONS) + ("singleton",)
-
-_SLURM_PORT_BASE = 20000
-_SLURM_PORT_SPAN = 40000  # derived ports fall in 20000..59999
-# mpirun's derived ports fall in 61000..65535: above Linux's default ephemeral range
-# (32768..60999), so no outgoing connection holds one by chance.
-_MPIRUN_PORT_BASE = 61000
-_MPIRUN_PORT_SPAN = 4536
-#: Where Open MPI names its job, read in this order (the first set one wins): PMIx's
-#: namespace (Open MPI 4 and 5), then the ORTE job id (4.x: ``ess_base_jobid``; older
-#: releases ``orte_ess_jobid``). Every rank of one ``mpirun`` sees the same value.
-MPIRUN_JOB_ID_VARS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid")
 
 
 @dataclass(frozen=True)
@@ -330,20 +243,6 @@ class InitConfig:
         return self.log in ("info", "debug")
 
 
-@dataclass(frozen=True)
-class _Found:
-    """One resolved setting and where it came from (for error messages)."""
-
-    value: str | int | float | bool
-    name: str  # variable or argument name, e.g. "RANK" or "rank"
-    source: str  # "explicit", "ringcomm", "torchrun", ..., or "default"
-    label: str  # e.g. "torchrun variables"
-
-    def describe(self) -> str:
-        """``RANK=5``: the name and the value as the user wrote it."""
-        return f"{self.name}={self.value}"
-
-
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30}
 
@@ -427,145 +326,6 @@ def default_of(cls: Any, name: str) -> Any:
     raise ValueError(f"{cls.__name__} has no field {name!r}")
 
 
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
-    parts: list[str] = []
-    depth = 0
-    start = 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-            if depth > 1:
-                raise ValueError(f"invalid Slurm host list {text!r}: nested '['")
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"invalid Slurm host list {text!r}: unbalanced ']'")
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError(f"invalid Slurm host list {text!r}: unbalanced '['")
-    parts.append(text[start:])
-    return parts
-
-
-def _expand_bracket(body: str, whole: str) -> list[str]:
-    """Expand the inside of one ``[...]``: ``"01-03,07"`` -> ``["01", "02", "03", "07"]``."""
-    out: list[str] = []
-    for item in body.split(","):
-        item = item.strip()
-        lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"invalid Slurm host list {whole!r}: bad range {item!r}")
-        if not sep:
-            out.append(lo)
-            continue
-        first, last = int(lo), int(hi)
-        if last < first:
-            raise ValueError(f"invalid Slurm host list {whole!r}: descending range {item!r}")
-        width = len(lo)  # Slurm keeps the zero padding of the range's first bound
-        out.extend(f"{n:0{width}d}" for n in range(first, last + 1))
-    return out
-
-
-def parse_slurm_nodelist(text: str) -> list[str]:
-    """Expand a Slurm compressed host list, in Slurm's order, zero padding kept.
-
-    ``"node[01-03,07],gpu5,a[1-2]b"`` ->
-    ``["node01", "node02", "node03", "node07", "gpu5", "a1b", "a2b"]``; several bracket
-    groups in one name expand as a product (``"r[1-2]n[1-2]"`` -> r1n1, r1n2, r2n1, r2n2).
-    Malformed lists raise :class:`ValueError`.
-    """
-    hosts: list[str] = []
-    for part in _split_top_level(text.strip()):
-        part = part.strip()
-        if not part:
-            continue
-        names = [""]
-        for piece in re.split(r"(\[[^\]]*\])", part):
-            if piece.startswith("["):
-                choices = _expand_bracket(piece[1:-1], text)
-            else:
-                choices = [piece]
-            names = [name + choice for name in names for choice in choices]
-        hosts.extend(names)
-    return hosts
-
-
-def slurm_master_port(job_id: int) -> int:
-    """The store port every rank of Slurm job ``job_id`` agrees on: 20000 + id % 40000."""
-    return _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
-
-
-def mpirun_job_id(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """``(variable, value)`` naming this Open MPI job (:data:`MPIRUN_JOB_ID_VARS`), or None."""
-    for name in MPIRUN_JOB_ID_VARS:
-        value = (env.get(name) or "").strip()
-        if value:
-            return name, value
-    return None
-
-
-def mpirun_master_port(job_id: str) -> int:
-    """The store port every rank of Open MPI job ``job_id`` agrees on:
-    61000 + crc32(job_id) % 4536 (61000..65535; a stable hash, the same in every process)."""
-    return _MPIRUN_PORT_BASE + zlib.crc32(job_id.encode()) % _MPIRUN_PORT_SPAN
-
-
-def _lookup(env: Mapping[str, str], setting: str) -> _Found | None:
-    """The first launcher convention that sets ``setting`` (empty values count as unset)."""
-    for source, label, names in _CONVENTIONS:
-        name = names[setting]
-        if name is None:
-            continue
-        raw = env.get(name)
-        if raw is not None and raw.strip():
-            return _Found(raw.strip(), name, source, label)
-    return None
-
-
-def _as_int(found: _Found) -> int:
-    """The setting as an int; strings must be plain decimal integers."""
-    value = found.value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value):
-        return int(value)
-    raise RendezvousError(f"{found.name}={value!r} is not an integer (from {found.label})")
-
-
-def _explicit(name: str, value: str | float | None) -> _Found | None:
-    if value is None:
-        return None
-    return _Found(value, name, "explicit", "explicit argument")
-
-
-def _env_setting(env: Mapping[str, str], name: str) -> _Found | None:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return None
-    return _Found(raw.strip(), name, "ringcomm", "environment")
-
-
-def _parse_bool(found: _Found) -> bool:
-    text = str(found.value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise RendezvousError(f"{found.describe()} is not a boolean (use 1/0, true/false)")
-
-
-def _origin(*found: _Found | None) -> str:
-    """``"(from torchrun variables)"``, or one clause per setting when sources differ."""
-    present = [f for f in found if f is not None]
-    labels = {f.label for f in present}
-    if len(labels) == 1:
-        return f"(from {labels.pop()})"
-    return "(" + ", ".join(f"{f.name} from {f.label}" for f in present) + ")"
-
-
 def environment() -> MutableMapping[str, str]:
     """The process's environment. The one place ringcomm reaches it: other modules ask
     here (a launcher copies it for the ranks it starts, a setting is parsed below)."""
@@ -578,7 +338,7 @@ def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
 
 def bind_mode(env: Mapping[str, str] | None = None) -> str:
     """``RINGCOMM_BIND``: one of :data:`BIND_MODES` (any case); ``"auto"`` when unset."""
-    found = _env_setting(_environ(env), "RINGCOMM_BIND")
+    found = env_setting(_environ(env), "RINGCOMM_BIND")
     if found is None:
         return "auto"
     mode = str(found.value).lower()
@@ -604,7 +364,7 @@ def binds_to_core(bind: str, local_world_size: int | None, ncores: int) -> bool:
 def staging_max_bytes(env: Mapping[str, str] | None = None) -> int:
     """``RINGCOMM_STAGING_MAX_BYTES``: most pinned bytes one staging pool keeps (suffixes
     K/M/G, powers of 1024); :data:`DEFAULT_STAGING_MAX_BYTES` (1 GiB) when unset."""
-    found = _env_setting(_environ(env), "RINGCOMM_STAGING_MAX_BYTES")
+    found = env_setting(_environ(env), "RINGCOMM_STAGING_MAX_BYTES")
     if found is None:
         return DEFAULT_STAGING_MAX_BYTES
     try:
@@ -614,7 +374,7 @@ def staging_max_bytes(env: Mapping[str, str] | None = None) -> int:
 
 
 def _size_setting(env: Mapping[str, str] | None, name: str, default: int, least: int) -> int:
-    found = _env_setting(_environ(env), name)
+    found = env_setting(_environ(env), name)
     if found is None:
         return default
     try:
@@ -630,8 +390,8 @@ def ipc_enabled(env: Mapping[str, str] | None = None) -> bool:
     """``RINGCOMM_IPC``: whether device arrays on a group of one host use device windows
     (``algo="ipc"``, the default); ``0`` sends them through host staging as across hosts
     (what ``--device host-staged`` measures and trains with)."""
-    found = _env_setting(_environ(env), "RINGCOMM_IPC")
-    return True if found is None else _parse_bool(found)
+    found = env_setting(_environ(env), "RINGCOMM_IPC")
+    return True if found is None else parse_bool(found)
 
 
 def ipc_window_bytes(env: Mapping[str, str] | None = None) -> int:
@@ -651,7 +411,7 @@ def ipc_small_bytes(env: Mapping[str, str] | None = None) -> int:
 def ps_log_level(env: Mapping[str, str] | None = None) -> str:
     """``RINGCOMM_PS_LOG``: the ``ringcomm ps-server`` log level, one of
     :data:`PS_LOG_LEVELS` (any case, returned upper case); ``"WARNING"`` when unset."""
-    found = _env_setting(_environ(env), "RINGCOMM_PS_LOG")
+    found = env_setting(_environ(env), "RINGCOMM_PS_LOG")
     if found is None:
         return DEFAULT_PS_LOG_LEVEL
     level = str(found.value).upper()
@@ -693,8 +453,26 @@ def env_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
 def env_master_addr(env: Mapping[str, str] | None = None) -> str:
     """The store address of the environment: ``RINGCOMM_MASTER_ADDR``, else
     ``MASTER_ADDR``, else 127.0.0.1 (no Slurm derivation: see :func:`resolve_init_config`)."""
-    found = _lookup(_environ(env), "master_addr")
+    found = lookup(_environ(env), "master_addr")
     return DEFAULT_MASTER_ADDR if found is None else str(found.value)
+
+
+def env_chunk_bytes(env: Mapping[str, str] | None = None) -> int:
+    """``RINGCOMM_CHUNK_BYTES`` as ``ringcomm tune`` reads it (K/M/G suffixes):
+    :data:`DEFAULT_CHUNK_BYTES` when unset or empty; a bad size raises naming it."""
+    text = _environ(env).get("RINGCOMM_CHUNK_BYTES")
+    if not text:
+        return DEFAULT_CHUNK_BYTES
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"RINGCOMM_CHUNK_BYTES: {exc}") from None
+
+
+def bench_mpi_interfaces(env: Mapping[str, str] | None = None) -> str | None:
+    """``RINGCOMM_BENCH_MPI_IF``: the interfaces (names or CIDRs) ``ringcomm bench
+    --compare mpi`` across hosts gives mpirun's TCP transports; None when unset."""
+    return _environ(env).get("RINGCOMM_BENCH_MPI_IF")
 
 
 def resolve_init_config(
@@ -710,7 +488,8 @@ def resolve_init_config(
     transport: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> InitConfig:
-    """Resolve a process's group configuration; see the module docstring for the order.
+    """Resolve a process's group configuration (the order: docs/architecture.md,
+    "Resolving a group's configuration").
 
     ``env`` defaults to ``os.environ``. ``host_store`` overrides RINGCOMM_STORE_EXTERNAL:
     True makes rank 0 host the store, False means an external one serves it.
@@ -720,53 +499,141 @@ def resolve_init_config(
     for an invalid ``chunk_bytes`` argument).
     """
     env = _environ(env)
+    # Resolved in this order, so that of several bad settings the same one is reported.
+    place = _resolve_placement(env, rank, world_size)
+    store = _resolve_store(env, place, master_addr, master_port)
+    timeout = _resolve_timeout(env, timeout_s)
+    chunk = _resolve_chunk_bytes(env, chunk_bytes)
+    mode = _resolve_transport(env, transport)
+    security, token = _resolve_security(env, token)
+    max_messages, max_bytes = _unexpected_caps(env)
+    try:
+        bind = bind_mode(env)
+    except ValueError as exc:
+        raise RendezvousError(str(exc)) from None
+    local_lane = _flag(env, "RINGCOMM_LOCAL_LANE", True)
+    shm = _flag(env, "RINGCOMM_SHM", True)
+    workspace = _flag(env, "RINGCOMM_WORKSPACE", True)
+    trace_entries = _trace_entries(env)
+    restart = _restart_count(env)
+    tune_file, tune_file_required = _tune_file(env)
+    trace_at_close = _flag(env, "RINGCOMM_TRACE", False)
+    if host_store is not None:
+        store_external = not host_store
+    else:
+        store_external = _flag(env, "RINGCOMM_STORE_EXTERNAL", False)
 
-    rank_f = _explicit("rank", rank) or _lookup(env, "rank")
-    world_f = _explicit("world_size", world_size) or _lookup(env, "world_size")
-    local_f = _lookup(env, "local_rank")
-    addr_f = _explicit("master_addr", master_addr) or _lookup(env, "master_addr")
-    port_f = _explicit("master_port", master_port) or _lookup(env, "master_port")
+    return InitConfig(
+        rank=place.rank,
+        world_size=place.world,
+        local_rank=place.local_rank,
+        master_addr=store.addr,
+        master_port=store.port,
+        timeout_s=timeout,
+        token=token,
+        chunk_bytes=chunk,
+        algo=(env.get("RINGCOMM_ALGO") or "").strip() or None,
+        host_id=(env.get("RINGCOMM_HOST_ID") or "").strip() or None,
+        log=_log_level(env),
+        store_external=store_external,
+        source=place.source,
+        security=security,
+        max_unexpected_messages=max_messages,
+        max_unexpected_bytes=max_bytes,
+        local_lane=local_lane,
+        shm=shm,
+        workspace=workspace,
+        bind=bind,
+        local_world_size=place.local_world_size,
+        transport=mode,
+        trace_entries=trace_entries,
+        trace_dir=(env.get("RINGCOMM_TRACE_DIR") or "").strip() or None,
+        trace_at_close=trace_at_close,
+        restart=restart,
+        tune_file=tune_file,
+        tune_file_required=tune_file_required,
+        master_port_origin=store.port_origin,
+        torch_store=store.torch_store,
+    )
 
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where this process sits in the job, and the settings that said so."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world_size: int | None
+    source: str  # the convention that placed it: InitConfig.source
+    world_f: Found | None
+
+
+@dataclass(frozen=True)
+class _Store:
+    """Where the ranks meet: the store's address and port, and where the port came from."""
+
+    addr: str
+    port: int
+    port_origin: str | None
+    torch_store: TorchAgentStore | None
+
+
+def _at_least(found: Found, least: int) -> int:
+    """The setting as an int, refused naming its variable when below ``least``."""
+    value = as_int(found)
+    if value < least:
+        raise RendezvousError(f"{found.describe()} must be >= {least} {origin(found)}")
+    return value
+
+
+def _resolve_placement(
+    env: Mapping[str, str], rank: int | None, world_size: int | None
+) -> _Placement:
+    """Rank, world size and the host's share: explicit arguments, else the first launcher
+    convention that sets each; none: rank 0 of 1 (a singleton)."""
+    rank_f = explicit("rank", rank) or lookup(env, "rank")
+    world_f = explicit("world_size", world_size) or lookup(env, "world_size")
     # The convention that placed this process: the highest-precedence one among rank/world.
     used = [f.source for f in (rank_f, world_f) if f is not None]
-    source = min(used, key=_SOURCE_ORDER.index) if used else "singleton"
+    source = min(used, key=SOURCE_ORDER.index) if used else "singleton"
 
-    world = 1
-    if world_f is not None:
-        world = _as_int(world_f)
-        if world < 1:
-            raise RendezvousError(f"{world_f.describe()} must be >= 1 {_origin(world_f)}")
+    world = 1 if world_f is None else _at_least(world_f, 1)
     rank_value = 0
     if rank_f is not None:
-        rank_value = _as_int(rank_f)
-        if rank_value < 0:
-            raise RendezvousError(f"{rank_f.describe()} must be >= 0 {_origin(rank_f)}")
+        rank_value = _at_least(rank_f, 0)
         if rank_value >= world:
             world_text = (
                 world_f.describe() if world_f is not None else "world size 1 (none was set)"
             )
-            raise RendezvousError(f"{rank_f.describe()} >= {world_text} {_origin(rank_f, world_f)}")
+            raise RendezvousError(f"{rank_f.describe()} >= {world_text} {origin(rank_f, world_f)}")
     elif world > 1:
         assert world_f is not None
         raise RendezvousError(
-            f"{world_f.describe()} {_origin(world_f)} but no rank is set: pass rank= or set "
+            f"{world_f.describe()} {origin(world_f)} but no rank is set: pass rank= or set "
             "RINGCOMM_RANK (or RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID)"
         )
 
-    local_rank = 0
-    if local_f is not None:
-        local_rank = _as_int(local_f)
-        if local_rank < 0:
-            raise RendezvousError(f"{local_f.describe()} must be >= 0 {_origin(local_f)}")
-    local_world_size = None
-    local_ws_f = _lookup(env, "local_world_size")
-    if local_ws_f is not None:
-        local_world_size = _as_int(local_ws_f)
-        if local_world_size < 1:
-            raise RendezvousError(f"{local_ws_f.describe()} must be >= 1 {_origin(local_ws_f)}")
+    local_f = lookup(env, "local_rank")
+    local_rank = 0 if local_f is None else _at_least(local_f, 0)
+    local_ws_f = lookup(env, "local_world_size")
+    local_world_size = None if local_ws_f is None else _at_least(local_ws_f, 1)
+    return _Placement(rank_value, world, local_rank, local_world_size, source, world_f)
 
+
+def _resolve_store(
+    env: Mapping[str, str],
+    place: _Placement,
+    master_addr: str | None,
+    master_port: int | None,
+) -> _Store:
+    """The store's address and port: explicit, else a convention's variables, else derived
+    from the Slurm or Open MPI job; a group of more than one process must have a port."""
+    addr_f = explicit("master_addr", master_addr) or lookup(env, "master_addr")
+    port_f = explicit("master_port", master_port) or lookup(env, "master_port")
+    world, world_f = place.world, place.world_f
     addr = str(addr_f.value) if addr_f is not None else None
-    port = _as_int(port_f) if port_f is not None else None
+    port = as_int(port_f) if port_f is not None else None
     torch_store = _torch_agent_store(env, addr_f, port_f)
     if torch_store is not None:
         # torchrun's elastic agent serves its own TCPStore on MASTER_PORT (the workers
@@ -774,44 +641,55 @@ def resolve_init_config(
         # port from the OS and publishes it there (ringcomm.rendezvous.torchstore).
         port = 0
     if port_f is not None and port is not None and not 0 <= port <= 65535:
-        raise RendezvousError(f"{port_f.describe()} is not in 0..65535 {_origin(port_f)}")
+        raise RendezvousError(f"{port_f.describe()} is not in 0..65535 {origin(port_f)}")
     _check_launcher_world(env, world_f, world, port_f)
     port_origin: str | None = None
-    if source == "slurm" and world > 1 and (addr is None or port is None):
-        addr, port, port_origin = _slurm_defaults(env, addr, port)
+    if place.source == "slurm" and world > 1 and (addr is None or port is None):
+        addr, port, port_origin = slurm_defaults(env, addr, port)
     spans_hosts = ""
-    if source == "mpirun" and world > 1 and port is None:
-        port, port_origin, spans_hosts = _mpirun_defaults(env, world)
+    if place.source == "mpirun" and world > 1 and port is None:
+        port, port_origin, spans_hosts = mpirun_defaults(env, world)
 
-    if world > 1:
-        if addr is None:
-            addr = DEFAULT_MASTER_ADDR
-        if (port is None or port == 0) and torch_store is None:
-            given = f" ({port_f.describe()} means 'pick a free port')" if port_f else ""
-            raise RendezvousError(
-                f"world_size={world} {_origin(world_f)} but no store port to meet at{given}: "
-                "pass master_port= or set RINGCOMM_MASTER_PORT (or MASTER_PORT); "
-                f"port 0 only works for a single process{spans_hosts}"
-            )
-        port = port or 0  # (0 under torchrun's agent store: ringcomm's comes from the OS)
-    else:
-        addr = addr if addr is not None else DEFAULT_MASTER_ADDR
-        port = port if port is not None else 0
+    if world == 1:
+        return _Store(
+            addr if addr is not None else DEFAULT_MASTER_ADDR,
+            port if port is not None else 0,
+            port_origin,
+            torch_store,
+        )
+    if (port is None or port == 0) and torch_store is None:
+        given = f" ({port_f.describe()} means 'pick a free port')" if port_f else ""
+        raise RendezvousError(
+            f"world_size={world} {origin(world_f)} but no store port to meet at{given}: "
+            "pass master_port= or set RINGCOMM_MASTER_PORT (or MASTER_PORT); "
+            f"port 0 only works for a single process{spans_hosts}"
+        )
+    # (port 0 under torchrun's agent store: ringcomm's comes from the OS)
+    addr = addr if addr is not None else DEFAULT_MASTER_ADDR
+    return _Store(addr, port or 0, port_origin, torch_store)
 
-    timeout_f = _explicit("timeout_s", timeout_s) or _env_setting(env, "RINGCOMM_TIMEOUT_S")
-    timeout = DEFAULT_TIMEOUT_S
-    if timeout_f is not None:
-        try:
-            timeout = float(timeout_f.value)
-        except (TypeError, ValueError):
-            raise RendezvousError(
-                f"{timeout_f.describe()} is not a number of seconds ({timeout_f.label})"
-            ) from None
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise RendezvousError(
-                f"{timeout_f.describe()} must be a finite number of seconds > 0 ({timeout_f.label})"
-            )
 
+def _resolve_timeout(env: Mapping[str, str], timeout_s: float | None) -> float:
+    """``timeout_s=``, else ``RINGCOMM_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`."""
+    timeout_f = explicit("timeout_s", timeout_s) or env_setting(env, "RINGCOMM_TIMEOUT_S")
+    if timeout_f is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        timeout = float(timeout_f.value)
+    except (TypeError, ValueError):
+        raise RendezvousError(
+            f"{timeout_f.describe()} is not a number of seconds ({timeout_f.label})"
+        ) from None
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise RendezvousError(
+            f"{timeout_f.describe()} must be a finite number of seconds > 0 ({timeout_f.label})"
+        )
+    return timeout
+
+
+def _resolve_chunk_bytes(env: Mapping[str, str], chunk_bytes: int | None) -> int | None:
+    """``chunk_bytes=`` (ValueError unless an int > 0), else ``RINGCOMM_CHUNK_BYTES``, else
+    None (the default)."""
     if chunk_bytes is not None:
         if (
             isinstance(chunk_bytes, bool)
@@ -822,21 +700,23 @@ def resolve_init_config(
                 f"chunk_bytes={chunk_bytes!r} must be an int > 0 (the piece size of pipelined "
                 f"transfers; None: RINGCOMM_CHUNK_BYTES, else {DEFAULT_CHUNK_BYTES >> 20} MiB)"
             )
-        chunk_bytes = int(chunk_bytes)
-    else:
-        chunk_f = _env_setting(env, "RINGCOMM_CHUNK_BYTES")
-        if chunk_f is not None:
-            try:
-                chunk_bytes = parse_size(str(chunk_f.value))
-            except ValueError as exc:
-                raise RendezvousError(f"{chunk_f.describe()}: {exc}") from None
-            if chunk_bytes <= 0:
-                raise RendezvousError(f"{chunk_f.describe()} must be > 0")
+        return int(chunk_bytes)
+    chunk_f = env_setting(env, "RINGCOMM_CHUNK_BYTES")
+    if chunk_f is None:
+        return None
+    try:
+        value = parse_size(str(chunk_f.value))
+    except ValueError as exc:
+        raise RendezvousError(f"{chunk_f.describe()}: {exc}") from None
+    if value <= 0:
+        raise RendezvousError(f"{chunk_f.describe()} must be > 0")
+    return value
 
-    # An empty transport= means "not given", as it always has.
-    transport_f = _explicit("transport", transport or None) or _env_setting(
-        env, "RINGCOMM_TRANSPORT"
-    )
+
+def _resolve_transport(env: Mapping[str, str], transport: str | None) -> str:
+    """``transport=`` (empty: not given, as it always was), else ``RINGCOMM_TRANSPORT``,
+    else ``"auto"``; one of :data:`TRANSPORT_MODES`."""
+    transport_f = explicit("transport", transport or None) or env_setting(env, "RINGCOMM_TRANSPORT")
     mode = "auto" if transport_f is None else str(transport_f.value)
     if mode not in TRANSPORT_MODES:
         assert transport_f is not None
@@ -844,7 +724,12 @@ def resolve_init_config(
         if transport_f.source == "explicit":
             name = "transport= (as RINGCOMM_TRANSPORT)"
         raise RendezvousError(f"{name} must be one of {TRANSPORT_MODES}, got {mode!r}")
+    return mode
 
+
+def _resolve_security(env: Mapping[str, str], token: str | None) -> tuple[str, str | None]:
+    """``(RINGCOMM_SECURITY, the token)``: ``token=``, else ``RINGCOMM_TOKEN``; none at
+    all under ``RINGCOMM_SECURITY=none`` (a token given with it is an error)."""
     try:
         security = security_mode(env)
     except ValueError as exc:
@@ -854,9 +739,12 @@ def resolve_init_config(
             raise RendezvousError(
                 "token= was given but RINGCOMM_SECURITY=none (no token): choose one"
             )
-        token = None
-    elif token is None:
-        token = env_token(env)
+        return security, None
+    return security, (env_token(env) if token is None else token)
+
+
+def _unexpected_caps(env: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """``RINGCOMM_MAX_UNEXPECTED_MESSAGES`` and ``_BYTES`` (> 0, K/M/G); None: unset."""
     caps: list[int | None] = []
     for name in ("RINGCOMM_MAX_UNEXPECTED_MESSAGES", "RINGCOMM_MAX_UNEXPECTED_BYTES"):
         text = (env.get(name) or "").strip()
@@ -870,72 +758,34 @@ def resolve_init_config(
         if value <= 0:
             raise RendezvousError(f"{name} must be > 0, got {text!r}")
         caps.append(value)
+    return caps[0], caps[1]
 
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """Boolean variable ``name`` (1/0, true/false, yes/no, on/off); ``default`` when unset."""
+    found = env_setting(env, name)
+    return default if found is None else parse_bool(found)
+
+
+def _trace_entries(env: Mapping[str, str]) -> int:
+    """``RINGCOMM_TRACE_ENTRIES``: operations the flight recorder keeps (4096 when unset)."""
+    text = (env.get("RINGCOMM_TRACE_ENTRIES") or "").strip()
     try:
-        bind = bind_mode(env)
+        return parse_size(text) if text else 4096
     except ValueError as exc:
-        raise RendezvousError(str(exc)) from None
-    lane_f = _env_setting(env, "RINGCOMM_LOCAL_LANE")
-    local_lane = _parse_bool(lane_f) if lane_f is not None else True
-    shm_f = _env_setting(env, "RINGCOMM_SHM")
-    shm = _parse_bool(shm_f) if shm_f is not None else True
-    workspace_f = _env_setting(env, "RINGCOMM_WORKSPACE")
-    workspace = _parse_bool(workspace_f) if workspace_f is not None else True
+        raise RendezvousError(f"RINGCOMM_TRACE_ENTRIES={text!r}: {exc}") from None
 
-    entries_text = (env.get("RINGCOMM_TRACE_ENTRIES") or "").strip()
-    try:
-        trace_entries = parse_size(entries_text) if entries_text else 4096
-    except ValueError as exc:
-        raise RendezvousError(f"RINGCOMM_TRACE_ENTRIES={entries_text!r}: {exc}") from None
-    restart_text = (env.get("RINGCOMM_RESTART") or "").strip()
-    if restart_text and not restart_text.isdigit():
-        raise RendezvousError(f"RINGCOMM_RESTART must be a count >= 0, got {restart_text!r}")
-    tune_file, tune_file_required = _tune_file(env)
-    trace_f = _env_setting(env, "RINGCOMM_TRACE")
-    trace_at_close = _parse_bool(trace_f) if trace_f is not None else False
 
-    if host_store is not None:
-        store_external = not host_store
-    else:
-        external_f = _env_setting(env, "RINGCOMM_STORE_EXTERNAL")
-        store_external = _parse_bool(external_f) if external_f is not None else False
-
-    return InitConfig(
-        rank=rank_value,
-        world_size=world,
-        local_rank=local_rank,
-        master_addr=addr,
-        master_port=port,
-        timeout_s=timeout,
-        token=token,
-        chunk_bytes=chunk_bytes,
-        algo=(env.get("RINGCOMM_ALGO") or "").strip() or None,
-        host_id=(env.get("RINGCOMM_HOST_ID") or "").strip() or None,
-        log=_log_level(env),
-        store_external=store_external,
-        source=source,
-        security=security,
-        max_unexpected_messages=caps[0],
-        max_unexpected_bytes=caps[1],
-        local_lane=local_lane,
-        shm=shm,
-        workspace=workspace,
-        bind=bind,
-        local_world_size=local_world_size,
-        transport=mode,
-        trace_entries=trace_entries,
-        trace_dir=(env.get("RINGCOMM_TRACE_DIR") or "").strip() or None,
-        trace_at_close=trace_at_close,
-        restart=int(restart_text or 0),
-        tune_file=tune_file,
-        tune_file_required=tune_file_required,
-        master_port_origin=port_origin,
-        torch_store=torch_store,
-    )
+def _restart_count(env: Mapping[str, str]) -> int:
+    """``RINGCOMM_RESTART``: how many times the launcher restarted this rank (0 when unset)."""
+    text = (env.get("RINGCOMM_RESTART") or "").strip()
+    if text and not text.isdigit():
+        raise RendezvousError(f"RINGCOMM_RESTART must be a count >= 0, got {text!r}")
+    return int(text or 0)
 
 
 def _torch_agent_store(
-    env: Mapping[str, str], addr_f: _Found | None, port_f: _Found | None
+    env: Mapping[str, str], addr_f: Found | None, port_f: Found | None
 ) -> TorchAgentStore | None:
     """torchrun's agent store, when the workers use it (``TORCHELASTIC_USE_AGENT_STORE``)
     and MASTER_PORT names it; None otherwise."""
@@ -944,9 +794,9 @@ def _torch_agent_store(
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
     if agent not in ("true", "1"):
         return None
-    port = _as_int(port_f)
+    port = as_int(port_f)
     if not 0 < port <= 65535:
-        raise RendezvousError(f"{port_f.describe()} is not in 1..65535 {_origin(port_f)}")
+        raise RendezvousError(f"{port_f.describe()} is not in 1..65535 {origin(port_f)}")
     host = str(addr_f.value) if addr_f is not None else DEFAULT_MASTER_ADDR
     run_id = (env.get("TORCHELASTIC_RUN_ID") or "none").strip()
     attempt = (env.get("TORCHELASTIC_RESTART_COUNT") or "0").strip()
@@ -954,7 +804,7 @@ def _torch_agent_store(
 
 
 def _check_launcher_world(
-    env: Mapping[str, str], world_f: _Found | None, world: int, port_f: _Found | None
+    env: Mapping[str, str], world_f: Found | None, world: int, port_f: Found | None
 ) -> None:
     """A world size passed by hand that disagrees with the launcher's, while the ranks
     meet at the launcher's store address: every rank would wait for ranks that were never
@@ -964,14 +814,14 @@ def _check_launcher_world(
         return
     if port_f is not None and port_f.source == "explicit":
         return
-    launched_f = _lookup(env, "world_size")
+    launched_f = lookup(env, "world_size")
     if launched_f is None:
         return
-    launched = _as_int(launched_f)
+    launched = as_int(launched_f)
     if launched != world:
         raise RendezvousError(
             f"world_size={world} (explicit argument) disagrees with the launcher: "
-            f"{launched_f.describe()} {_origin(launched_f)} started {launched} rank(s); pass "
+            f"{launched_f.describe()} {origin(launched_f)} started {launched} rank(s); pass "
             "the same world size (or none), or a store address of your own (master_port=)"
         )
 
@@ -1000,56 +850,6 @@ def _tune_file(env: Mapping[str, str]) -> tuple[str | None, bool]:
     if text.lower() in TUNE_FILE_OFF:
         return None, False
     return text, True
-
-
-def _mpirun_defaults(env: Mapping[str, str], world: int) -> tuple[int | None, str | None, str]:
-    """A port for an mpirun job whose ranks all run on this host: ``(port, origin, "")``;
-    else ``(None, None, why)``, ``why`` completing the "no store port" error."""
-    local = (env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "").strip()
-    if local != str(world):
-        why = (
-            f"The ranks span hosts (OMPI_COMM_WORLD_LOCAL_SIZE={local}, "
-            f"OMPI_COMM_WORLD_SIZE={world})"
-            if local
-            else "Without OMPI_COMM_WORLD_LOCAL_SIZE the ranks may span hosts"
-        )
-        return (
-            None,
-            None,
-            (
-                f". {why}: export rank 0's host and a free port to every rank, "
-                "mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>"
-            ),
-        )
-    job = mpirun_job_id(env)
-    if job is None:
-        names = ", ".join(MPIRUN_JOB_ID_VARS)
-        return None, None, f" (mpirun set none of {names} to derive one from)"
-    name, value = job
-    return mpirun_master_port(value), f"derived from Open MPI's job id ({name}={value})", ""
-
-
-def _slurm_defaults(
-    env: Mapping[str, str], addr: str | None, port: int | None
-) -> tuple[str | None, int | None, str | None]:
-    """Fill a missing address/port from the Slurm job: first node, port from the job id."""
-    if addr is None:
-        nodelist = (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "").strip()
-        if nodelist:
-            try:
-                hosts = parse_slurm_nodelist(nodelist)
-            except ValueError as exc:
-                raise RendezvousError(f"SLURM_JOB_NODELIST: {exc}") from None
-            addr = hosts[0] if hosts else None
-    origin = None
-    if port is None:
-        job_id = (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip()
-        if job_id:
-            if not job_id.isdigit():
-                raise RendezvousError(f"SLURM_JOB_ID={job_id!r} is not an integer")
-            port = slurm_master_port(int(job_id))
-            origin = f"derived from the Slurm job id (SLURM_JOB_ID={job_id})"
-    return addr, port, origin
 
 
 @contextmanager

@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "ringcomm._version": 0,
     "ringcomm.errors": 0,
     "ringcomm.config": 0,
+    "ringcomm._conventions": 0,  # the launchers' variables, Slurm host lists, derived ports (pure)
     "ringcomm.ops": 0,  # reducers
     "ringcomm.schedule": 0,  # pure schedules
     "ringcomm.device.xp": 0,  # the only module that imports cupy

@@ -20,7 +20,6 @@ the operation's, as ringcomm's CuPy steps end with a stream synchronize.
 from __future__ import annotations
 
 import datetime
-import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from ringcomm.bench.spec import GLOO_DTYPES, BenchConfig, SizeSpec
 from ringcomm.bench.sweep import Record, Step, run_sweep
+from ringcomm.config import environment
 
 if TYPE_CHECKING:
     from ringcomm.group import ProcessGroup
@@ -97,7 +97,7 @@ class GlooImpl:
 
             host = env_master_addr()
         else:
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            environment()["GLOO_SOCKET_IFNAME"] = "lo"
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore", module=r"torch\.distributed")
         rank, n = pg.rank, pg.world_size

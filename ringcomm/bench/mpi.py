@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.bench.spec import BenchConfig, SizeSpec
-from ringcomm.bench.sweep import Record, Step, run_sweep
+from ringcomm.bench.sweep import MARK, Record, Step, run_sweep
 
 __all__ = ["MpiImpl", "bench", "mpi_missing", "mpirun_command", "run_mpi"]
 
@@ -210,8 +210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     gathered = comm.gather(records, root=0)
     if comm.Get_rank() == 0:
         if args[1] == "-":
-            from ringcomm.bench.multihost import MARK
-
             sys.stdout.write(MARK + json.dumps(gathered) + "\n")
             sys.stdout.flush()
         else:

@@ -36,9 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ringcomm.bench.report import Result
+from ringcomm.bench.mpi import mpirun_command
+from ringcomm.bench.report import Result, aggregate, merge_rounds
 from ringcomm.bench.spec import BenchConfig
-from ringcomm.bench.sweep import Record
+from ringcomm.bench.sweep import MARK, Record
+from ringcomm.config import bench_mpi_interfaces, env_master_addr, environment
 
 if TYPE_CHECKING:
     from ringcomm.group import ProcessGroup
@@ -55,9 +57,6 @@ __all__ = [
     "run",
     "run_collecting",
 ]
-
-#: Prefix of the line each remote rank prints with its records.
-MARK = "RINGCOMM-BENCH-RECORDS "
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def launcher_argv(config: BenchConfig, hosts: HostsSpec) -> list[str]:
     argv += ["-n", str(hosts.world_size)]
     if config.bind is not None:
         argv += ["--env", f"RINGCOMM_BIND={config.bind}"]
-    if "GLOO_SOCKET_IFNAME" in os.environ:
+    if "GLOO_SOCKET_IFNAME" in environment():
         argv += ["--env", "GLOO_SOCKET_IFNAME"]
     argv += ["-m", "ringcomm.bench.multihost", json.dumps(dataclasses.asdict(config))]
     return argv
@@ -186,7 +185,7 @@ def mpi_hosts_args(hosts: HostsSpec, if_include: str | None = None) -> list[str]
     /32s do not work: Open MPI's TCP BTL then mismatches peers.) None found: MPI chooses.
     """
     if if_include is None:
-        if_include = os.environ.get("RINGCOMM_BENCH_MPI_IF")
+        if_include = bench_mpi_interfaces()
     if if_include is None:
         if_include = network_towards(_host_address(hosts, hosts.placement[0][0]))
     if_args = []
@@ -209,8 +208,6 @@ def mpi_hosts_args(hosts: HostsSpec, if_include: str | None = None) -> list[str]
 
 def mpi_job(config: BenchConfig, hosts: HostsSpec) -> list[list[Record]]:
     """One MPI sweep on ``hosts`` under mpirun; rank 0 prints every rank's records."""
-    from ringcomm.bench.mpi import mpirun_command
-
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-mpi-") as tmp:
         config_path = os.path.join(tmp, "config.json")
         with open(config_path, "w") as f:
@@ -229,8 +226,6 @@ def mpi_job(config: BenchConfig, hosts: HostsSpec) -> list[list[Record]]:
 def run(config: BenchConfig, hosts: HostsSpec) -> tuple[list[Result], list[str]]:
     """The benchmark on ``hosts``: results (as :func:`ringcomm.bench.runner.run`) and the
     hostname every ringcomm rank reported (rank order)."""
-    from ringcomm.bench.runner import aggregate, merge_rounds
-
     if config.compare != "mpi":
         per_rank, names = ringcomm_job(config, hosts)
         return aggregate(config, per_rank), names
@@ -311,12 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ringcomm as rc
     from ringcomm.bench.collectives import rank_main
 
-    if config.compare == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-        from ringcomm.config import env_master_addr
-
+    if config.compare == "gloo" and "GLOO_SOCKET_IFNAME" not in environment():
         ifname = interface_towards(env_master_addr())
         if ifname is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+            environment()["GLOO_SOCKET_IFNAME"] = ifname
     with rc.init_process_group() as pg:
         report(pg, rank_main(pg, config))
     return 0

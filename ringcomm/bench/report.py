@@ -22,17 +22,20 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.bench.spec import SizeSpec
+from ringcomm.bench.spec import BenchConfig, SizeSpec
+from ringcomm.bench.sweep import Record
 
 __all__ = [
     "JSON_KEYS",
     "Result",
+    "aggregate",
     "format_footer",
     "format_header",
     "format_markdown",
     "format_row",
     "format_table",
     "json_row",
+    "merge_rounds",
     "ratio",
     "summarize",
 ]
@@ -107,6 +110,46 @@ def summarize(
         iters=min(len(t) for t in per_rank_times_s),
         algo=algo,
     )
+
+
+def merge_rounds(rounds: Sequence[Sequence[Sequence[Record]]]) -> list[list[Record]]:
+    """Pool per-rank records of several jobs: times of the same (impl, size) concatenated,
+    the first checked error count kept."""
+    world = len(rounds[0])
+    merged: list[dict[tuple[str, int], Record]] = [{} for _ in range(world)]
+    for job in rounds:
+        if len(job) != world:
+            raise ValueError("merge_rounds: jobs of different world sizes")
+        for rank, records in enumerate(job):
+            for rec in records:
+                key = (rec["impl"], rec["count"])
+                have = merged[rank].get(key)
+                if have is None:
+                    merged[rank][key] = {**rec, "times_s": list(rec["times_s"])}
+                else:
+                    have["times_s"].extend(rec["times_s"])
+                    if have["errors"] is None:
+                        have["errors"] = rec["errors"]
+    return [list(m.values()) for m in merged]
+
+
+def aggregate(config: BenchConfig, per_rank: Sequence[Sequence[Record]]) -> list[Result]:
+    """Results in sweep order, each size's implementations in ``config.impls`` order."""
+    specs = {s.count: s for s in config.sizes()}
+    keyed: list[dict[tuple[str, int], Record]] = [
+        {(r["impl"], r["count"]): r for r in records} for records in per_rank
+    ]
+    results = []
+    for count, spec in specs.items():
+        for impl in config.impls:
+            recs = [k[(impl, count)] for k in keyed if (impl, count) in k]
+            if not recs:
+                continue
+            if len(recs) != len(per_rank):
+                raise ValueError(f"{impl} {spec.nbytes} B: records from only some ranks")
+            times, errors = [r["times_s"] for r in recs], [r["errors"] for r in recs]
+            results.append(summarize(impl, spec, times, errors, str(recs[0].get("algo") or "")))
+    return results
 
 
 def ratio(ours: Result, theirs: Result) -> tuple[float, float]:

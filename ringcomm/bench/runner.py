@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Sequence
 
-from ringcomm.bench.report import Result, summarize
+from ringcomm.bench.report import Result, aggregate, merge_rounds
 from ringcomm.bench.spec import BenchConfig
 from ringcomm.bench.sweep import Record
+from ringcomm.config import environment
 
 __all__ = ["aggregate", "merge_rounds", "run"]
 
@@ -26,7 +25,7 @@ def run(config: BenchConfig) -> list[Result]:
     from ringcomm.launch import spawn
 
     if config.bind is not None:  # the ranks read it in init_process_group
-        os.environ["RINGCOMM_BIND"] = config.bind
+        environment()["RINGCOMM_BIND"] = config.bind
 
     if config.compare != "mpi":
         per_rank = spawn(rank_main, config.world_size, args=(config,), timeout_s=config.timeout_s)
@@ -40,43 +39,3 @@ def run(config: BenchConfig) -> list[Result]:
         rounds.append(spawn(rank_main, config.world_size, args=(one,), timeout_s=config.timeout_s))
         rounds.append(run_mpi(one))
     return aggregate(config, merge_rounds(rounds))
-
-
-def merge_rounds(rounds: Sequence[Sequence[Sequence[Record]]]) -> list[list[Record]]:
-    """Pool per-rank records of several jobs: times of the same (impl, size) concatenated,
-    the first checked error count kept."""
-    world = len(rounds[0])
-    merged: list[dict[tuple[str, int], Record]] = [{} for _ in range(world)]
-    for job in rounds:
-        if len(job) != world:
-            raise ValueError("merge_rounds: jobs of different world sizes")
-        for rank, records in enumerate(job):
-            for rec in records:
-                key = (rec["impl"], rec["count"])
-                have = merged[rank].get(key)
-                if have is None:
-                    merged[rank][key] = {**rec, "times_s": list(rec["times_s"])}
-                else:
-                    have["times_s"].extend(rec["times_s"])
-                    if have["errors"] is None:
-                        have["errors"] = rec["errors"]
-    return [list(m.values()) for m in merged]
-
-
-def aggregate(config: BenchConfig, per_rank: Sequence[Sequence[Record]]) -> list[Result]:
-    """Results in sweep order, each size's implementations in ``config.impls`` order."""
-    specs = {s.count: s for s in config.sizes()}
-    keyed: list[dict[tuple[str, int], Record]] = [
-        {(r["impl"], r["count"]): r for r in records} for records in per_rank
-    ]
-    results = []
-    for count, spec in specs.items():
-        for impl in config.impls:
-            recs = [k[(impl, count)] for k in keyed if (impl, count) in k]
-            if not recs:
-                continue
-            if len(recs) != len(per_rank):
-                raise ValueError(f"{impl} {spec.nbytes} B: records from only some ranks")
-            times, errors = [r["times_s"] for r in recs], [r["errors"] for r in recs]
-            results.append(summarize(impl, spec, times, errors, str(recs[0].get("algo") or "")))
-    return results

@@ -30,9 +30,12 @@ import numpy as np
 from ringcomm.bench.inputs import count_wrong, expected_output, rank_input
 from ringcomm.bench.spec import BenchConfig, SizeSpec
 
-__all__ = ["Impl", "Record", "run_sweep"]
+__all__ = ["MARK", "Impl", "Record", "run_sweep"]
 
 Record = dict[str, Any]
+#: Prefix of the line a rank (or MPI's rank 0) prints with its records, for the parent to
+#: pick out of everything else the job prints (a multi-host job's records travel so).
+MARK = "RINGCOMM-BENCH-RECORDS "
 Step = Callable[[], np.ndarray]
 
 #: Progress lines start once a sweep has run this long (short sweeps stay silent).

@@ -48,8 +48,6 @@ _REDOPS = ("sum", "avg", "max", "min", "prod")
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
-    from ringcomm.core.buffers import SUPPORTED_DTYPE_NAMES
-
     p: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
         help="nccl-tests-style bandwidth/latency sweep of a collective",
@@ -59,6 +57,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "With --compare, the same sweep through Gloo, MPI or NCCL in the same invocation, "
         "alternating implementations per size, with ratios.",
     )
+    # Its arguments, in the order --help lists them.
+    _add_sweep_args(p)
+    _add_op_args(p)
+    _add_compare_args(p)
+    _add_job_args(p)
+    p.set_defaults(main=main)
+    return p
+
+
+def _add_sweep_args(p: argparse.ArgumentParser) -> None:
+    """``bench``'s operation, ranks and sizes, and its iterations per size."""
     p.add_argument("op", choices=OPS, metavar="OP", help=f"one of: {', '.join(OPS)}")
     p.add_argument(
         "-n",
@@ -105,6 +114,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=BenchConfig.warmup,
         help="untimed iterations first (default %(default)s)",
     )
+
+
+def _add_op_args(p: argparse.ArgumentParser) -> None:
+    """``bench``'s element type, reduce op and root, checking, and ``--json``."""
+    from ringcomm.core.buffers import SUPPORTED_DTYPE_NAMES
+
     p.add_argument(
         "-d",
         "--dtype",
@@ -149,6 +164,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "bytes, count, dtype, time_us, algbw_GBps, busbw_GBps, errors, algo (the docs' "
         "Contracts page)",
     )
+
+
+def _add_compare_args(p: argparse.ArgumentParser) -> None:
+    """``bench``'s peer implementation (``--compare``), devices and core binding."""
     p.add_argument(
         "--compare",
         choices=("gloo", "mpi", "nccl"),
@@ -189,6 +208,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "threads, started later, inherit it); auto: so when ranks > cores; default: "
         "RINGCOMM_BIND, else auto",
     )
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """``bench``'s ``--plot``, hosts (multi-host over ssh), time bound and quiet mode."""
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw and time vs size")
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument(
@@ -208,8 +231,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="bound on the whole job (default %(default)s)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(main=main)
-    return p
 
 
 def config_from_args(
@@ -217,8 +238,8 @@ def config_from_args(
 ) -> BenchConfig:
     """Validate parsed arguments into a :class:`BenchConfig`; raise :class:`UsageError`.
 
-    Without ``--bind`` the ranks inherit ``RINGCOMM_BIND`` from ``environ`` (default
-    ``os.environ``): that setting, checked here, is the config's ``bind``.
+    Without ``--bind`` the ranks inherit ``RINGCOMM_BIND`` from ``environ`` (default: the
+    process's environment): that setting, checked here, is the config's ``bind``.
     """
     hosts = hosts_from_args(args)
     if hosts is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from typing import Any
 
@@ -154,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
     """``ringcomm ps-server``: 0 done, 1 failed; :class:`UsageError` for what cannot run."""
     config = config_from_args(args)
     try:
-        level = ps_log_level(os.environ)
+        level = ps_log_level()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     logging.basicConfig(level=level, format=f"[ps-server {args.index}] %(message)s")
@@ -167,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
             args.index,
             args.ps_servers,
             config,
-            token=env_token(os.environ),
+            token=env_token(),
             join_timeout_s=args.join_timeout,
             host=args.host,
         )

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -29,6 +28,7 @@ from ringcomm.config import (
     UsageError,
     check_output_path,
     environ_changed,
+    environment,
     format_size,
     size_arg,
 )
@@ -60,7 +60,7 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             raise ValueError(f"strategy single runs on one process; got -n {cfg.world_size}")
         return [train_rank(None, cfg)]
     # (one thread pool per rank: ranks share the cores; a value the user set stays)
-    with environ_changed({k: os.environ.get(k, "1") for k in _THREAD_VARS}):
+    with environ_changed({k: environment().get(k, "1") for k in _THREAD_VARS}):
         return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s,
                           elastic=cfg.elastic, max_restarts=cfg.max_restarts))  # fmt: skip
 
@@ -100,6 +100,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline only")
     p.add_argument("--json", metavar="FILE", help="write the result object to FILE")
+    # The argument groups, in the order --help lists them.
+    _add_model_args(p)
+    _add_mesh_args(p)
+    _add_bucket_args(p)
+    _add_ps_args(p)
+    _add_elastic_args(p)
+    p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="bound on the whole job")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
+    p.add_argument(
+        "--comm-summary",
+        action="store_true",
+        help="print rank 0's collectives per op and size bucket (count, bytes, "
+        "times, busbw); the JSON gets every rank's",
+    )
+    p.set_defaults(main=main)
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """``train``'s "model and optimizer" and "transformer" argument groups."""
+    d = TrainConfig
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--dtype", choices=("float32", "float64"), default=d.dtype)
     g.add_argument("--seed", type=int, default=d.seed)
@@ -126,6 +147,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=d.seq_len)
     t.add_argument("--d-model", type=int, default=d.d_model)
     t.add_argument("--heads", type=int, default=d.heads)
+
+
+def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    """``train``'s "mesh" argument group (--strategy tp | 3d)."""
     m = p.add_argument_group("mesh (--strategy tp | 3d): dp x pp x tp = -n")
     m.add_argument("--tp", type=int, default=None, metavar="T", help="tensor-parallel ranks")
     m.add_argument("--pp", type=int, default=None, metavar="P", help="pipeline stages (3d)")
@@ -136,45 +161,70 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="LayerNorm regions on sequence shards (all_gather / reduce_scatter for f / g)",
     )
     m.add_argument("--zero", type=int, choices=(1, 2), default=None, help="ZeRO over dp (3d)")
+
+
+def _add_bucket_args(p: argparse.ArgumentParser) -> None:
+    """``train``'s "gradient buckets" argument group (dp, zero1, zero2)."""
     b = p.add_argument_group("gradient buckets (dp, zero1, zero2)")
     bx = b.add_mutually_exclusive_group()
     bx.add_argument(
         "--bucket-mb",
         type=float,
         default=None,
-        help=f"bucket size in MiB ({d.bucket_bytes / 2**20:g})",
+        help=f"bucket size in MiB ({TrainConfig.bucket_bytes / 2**20:g})",
     )
     bx.add_argument("--bucket-bytes", type=size_arg, default=None, help="bucket size, e.g. 1M")
+
+
+def _add_ps_args(p: argparse.ArgumentParser) -> None:
+    """``train``'s "parameter server" argument group (--strategy ps)."""
+    d = TrainConfig
     s = p.add_argument_group("parameter server (--strategy ps)")
     s.add_argument("--ps-servers", type=int, default=d.ps_servers, metavar="S")
     s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default=d.consistency)
     s.add_argument("--staleness", type=int, default=d.staleness, metavar="K")
     s.add_argument("--ps-update", choices=("server", "worker"), default=d.ps_update)
     s.add_argument("--checkpoint-dir", metavar="DIR", help="servers checkpoint here (and resume)")
-    s.add_argument("--checkpoint-interval", type=int, default=d.ps_checkpoint_interval,
-                   metavar="STEPS",
-                   help="steps between server checkpoints (0: only at the end)")  # fmt: skip
-    s.add_argument("--ps-split-min-bytes", type=size_arg, default=d.ps_split_min_bytes,
-                   metavar="SIZE",
-                   help="layers this big are split over every server "
-                   f"({format_size(d.ps_split_min_bytes)})")  # fmt: skip
+    s.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=d.ps_checkpoint_interval,
+        metavar="STEPS",
+        help="steps between server checkpoints (0: only at the end)",
+    )
+    s.add_argument(
+        "--ps-split-min-bytes",
+        type=size_arg,
+        default=d.ps_split_min_bytes,
+        metavar="SIZE",
+        help=f"layers this big are split over every server ({format_size(d.ps_split_min_bytes)})",
+    )
+
+
+def _add_elastic_args(p: argparse.ArgumentParser) -> None:
+    """``train``'s "elastic training" argument group (--strategy dp|ps --elastic)."""
     e = p.add_argument_group("elastic training (--strategy dp|ps --elastic)")
-    e.add_argument("--elastic", action="store_true",
-                   help="survive lost ranks (ps: lost workers, under bsp): the survivors "
-                   "shrink and re-split the batch")
-    e.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="start a lost rank again up to K times; it rejoins (grow)")
-    e.add_argument("--fail-at", default="", metavar="SLOT:STEP[:BUCKET][,...]",
-                   help="fault injection: that rank's first process dies (SIGKILL) at that "
-                   "step, or mid-step once its BUCKET-th gradient all-reduce (ps: push_pull) "
-                   "is done")
-    p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="bound on the whole job")
-    p.add_argument("-q", "--quiet", action="store_true", help="no per-step lines")
-    p.add_argument("--comm-summary", action="store_true",
-                   help="print rank 0's collectives per op and size bucket (count, bytes, "
-                   "times, busbw); the JSON gets every rank's")  # fmt: skip
-    p.set_defaults(main=main)
-    return p
+    e.add_argument(
+        "--elastic",
+        action="store_true",
+        help="survive lost ranks (ps: lost workers, under bsp): the survivors "
+        "shrink and re-split the batch",
+    )
+    e.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="start a lost rank again up to K times; it rejoins (grow)",
+    )
+    e.add_argument(
+        "--fail-at",
+        default="",
+        metavar="SLOT:STEP[:BUCKET][,...]",
+        help="fault injection: that rank's first process dies (SIGKILL) at that "
+        "step, or mid-step once its BUCKET-th gradient all-reduce (ps: push_pull) "
+        "is done",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -303,7 +353,9 @@ def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, ...], ..
             raise UsageError(f"--fail-at takes SLOT:STEP or SLOT:STEP:BUCKET, got {part!r}")
         slot, step = int(fields[0]), int(fields[1])
         if not 0 <= slot < n or step >= args.steps:
-            raise UsageError(f"--fail-at {part}: rank must be < -n {n}, step < --steps {args.steps}")
+            raise UsageError(
+                f"--fail-at {part}: rank must be < -n {n}, step < --steps {args.steps}"
+            )
         pairs.append(tuple(int(f) for f in fields))
     if len({p[0] for p in pairs}) >= n:
         raise UsageError("--fail-at: at least one rank must survive")
@@ -441,9 +493,11 @@ def format_summary(result: dict[str, Any]) -> str:
 def format_elastic(result: dict[str, Any]) -> str:
     ps = result.get("ps")
     roles = f" ({ps['servers']} server(s), update on the {ps['update']})" if ps else ""
-    head = (f"strategy {result['strategy']} (elastic), {result['world_size']} rank slot(s)"
-            f"{roles}; step time "
-            f"{result['step_time_s'] * 1e3:.1f} ms (median); final loss {result['losses'][-1]:.6f}")
+    head = (
+        f"strategy {result['strategy']} (elastic), {result['world_size']} rank slot(s)"
+        f"{roles}; step time "
+        f"{result['step_time_s'] * 1e3:.1f} ms (median); final loss {result['losses'][-1]:.6f}"
+    )
     lines = [head]
     for c in result["membership"]:
         lines.append(f"step {c['step']}: {c['event']} -> ranks (slots) {c['slots']}, "
@@ -470,7 +524,10 @@ def main(args: argparse.Namespace) -> int:
         if cfg.comm_summary:
             result["comm_summary"] = [r.get("comm_summary") for r in per_rank]
             rows = per_rank[0].get("comm_summary") or []
-            print("collectives of rank 0 (ringcomm.core.flight.summary_table):\n" + summary_table(rows))
+            print(
+                "collectives of rank 0 (ringcomm.core.flight.summary_table):\n"
+                + summary_table(rows)
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ringcomm.config import (
-    DEFAULT_CHUNK_BYTES,
     DEFAULT_TUNE_FILE,
     UsageError,
     check_output_path,
+    env_chunk_bytes,
     environ_changed,
     format_size,
     parse_size,
@@ -76,12 +76,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="ranks of the probe (default 2 on one host; every slot with "
                    "--hostfile/-H)")  # fmt: skip
     hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("--hostfile", metavar="FILE",
-                       help="probe across these hosts over ssh ('host slots=N' a line)")
+    hosts.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="probe across these hosts over ssh ('host slots=N' a line)",
+    )
     hosts.add_argument("-H", "--hosts", metavar="h1:2,h2:2", help="probe across these hosts")
     p.add_argument("--ssh-config", default=None, metavar="F", help="ssh config for the hosts")
-    p.add_argument("--size", type=size_arg, default=None, metavar="S",
-                   help="across hosts: bytes per rank of the large probes (default 32M)")
+    p.add_argument(
+        "--size",
+        type=size_arg,
+        default=None,
+        metavar="S",
+        help="across hosts: bytes per rank of the large probes (default 32M)",
+    )
     p.add_argument("--base", metavar="FILE.json",
                    help="across hosts: the same-host link, reduction and overhead from this "
                    "file (ringcomm tune on one host; default: the model's defaults)")  # fmt: skip
@@ -109,13 +117,10 @@ def probe_rank(pg: ProcessGroup, specs: Sequence[Any], config: Any) -> list[Reco
 
 
 def _chunk_bytes() -> int:
-    text = os.environ.get("RINGCOMM_CHUNK_BYTES")
-    if not text:
-        return DEFAULT_CHUNK_BYTES
     try:
-        return parse_size(text)
+        return env_chunk_bytes()
     except ValueError as exc:
-        raise UsageError(f"RINGCOMM_CHUNK_BYTES: {exc}") from None
+        raise UsageError(str(exc)) from None
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -265,8 +270,10 @@ def _main_hosts(args: argparse.Namespace) -> int:
         raise UsageError(f"--size must be at least 1M, got {format_size(size)}")
     hosts = hosts_from_args(args)
     assert hosts is not None
-    if len(hosts.placement) < 2 or len({n for _, n in hosts.placement}) != 1 or (
-        hosts.placement[0][1] < 2
+    if (
+        len(hosts.placement) < 2
+        or len({n for _, n in hosts.placement}) != 1
+        or (hosts.placement[0][1] < 2)
     ):
         raise UsageError(
             f"--hostfile/-H: the probe needs >= 2 hosts with the same number (>= 2) of ranks "

@@ -51,8 +51,9 @@ def parse_env_options(
         if name in RESERVED_VARS:
             raise UsageError(f"--env {name}: set by the launcher for every rank; cannot override")
         if not sep:
-            if name not in environ:
+            copied = environ.get(name)
+            if copied is None:
                 raise UsageError(f"--env {name}: not set in the launcher's environment")
-            value = environ[name]
+            value = copied
         out[name] = value
     return tuple(out.items())

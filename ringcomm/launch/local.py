@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ringcomm.config import UsageError, env_trace_dir
+from ringcomm.config import UsageError, env_trace_dir, environment
 from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options
 from ringcomm.launch.supervise import (
     DEFAULT_GRACE_S,
@@ -98,7 +98,7 @@ def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> RunConfig:
     """Validate parsed arguments into a :class:`RunConfig`; raise :class:`UsageError`."""
-    environ = os.environ if environ is None else environ
+    environ = environment() if environ is None else environ
     if args.hostfile is not None or args.hosts is not None:
         raise UsageError(
             "--hostfile / -H: multi-host launch is configured by "
@@ -257,7 +257,7 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
             if config.max_restarts > 0:
                 restart = _restarter(config, store, token, ranks, torch_port)
             return supervise(ranks, signals, config.grace_s, poll_s, restart=restart,
-                             trace_dir=env_trace_dir({**os.environ, **dict(config.env)}))  # fmt: skip
+                             trace_dir=env_trace_dir({**environment(), **dict(config.env)}))  # fmt: skip
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
         store.close()
@@ -278,7 +278,7 @@ def _free_port(addr: str) -> int:
 def _start_rank(
     config: RunConfig, rank: int, port: int, token: str | None, torch_port: int, restart: int = 0
 ) -> RankProcess:
-    env = dict(os.environ)
+    env = dict(environment())
     env.update(rank_env(config, rank, port, token, torch_port))
     if restart:
         env["RINGCOMM_RESTART"] = str(restart)

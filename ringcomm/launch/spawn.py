@@ -38,6 +38,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from ringcomm.config import environment
 from ringcomm.errors import RankFailedError
 from ringcomm.launch.supervise import (
     DEFAULT_GRACE_S,
@@ -145,7 +146,8 @@ class _GroupEntry:
         # the job's size the host's (what RINGCOMM_BIND goes by), as torchrun says them.
         # The job's other variables too, as `ringcomm run` sets them: `fn` may form more
         # groups (rc.init_process_group() after pg.close(), or beside pg) at the same store.
-        os.environ.update(
+        env = environment()
+        env.update(
             RINGCOMM_RANK=str(rank),
             RINGCOMM_WORLD_SIZE=str(world_size),
             RINGCOMM_LOCAL_RANK=str(rank),
@@ -155,7 +157,7 @@ class _GroupEntry:
             RINGCOMM_STORE_EXTERNAL="1",
         )
         if self.token is not None:  # (none under RINGCOMM_SECURITY=none)
-            os.environ["RINGCOMM_TOKEN"] = self.token
+            env["RINGCOMM_TOKEN"] = self.token
         pg = init_process_group(
             rank,
             world_size,
@@ -232,7 +234,7 @@ def _child_main(
     restart: int = 0,
 ) -> None:
     if restart:  # a slot started again (elastic): init_process_group joins the running job
-        os.environ["RINGCOMM_RESTART"] = str(restart)
+        environment()["RINGCOMM_RESTART"] = str(restart)
     threading.Thread(
         target=_exit_when_parent_dies, args=(watch,), name="ringcomm-parent-watch", daemon=True
     ).start()

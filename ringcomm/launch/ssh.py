@@ -1,43 +1,16 @@
 """``ringcomm run --hostfile FILE`` / ``-H h1:2,h2:2``: launch ranks on other hosts over ssh.
 
 Pipeline, as in local mode: ``ringcomm run``'s parser (:mod:`ringcomm.cli.run`) ->
-:func:`config_from_args` (a frozen :class:`SshRunConfig`) -> :func:`run`.
+:func:`config_from_args` (a frozen :class:`SshRunConfig`) -> :func:`run`, which places the
+ranks contiguously per host (``MASTER_ADDR``: the first host as ``ssh -G`` names it),
+preflights every host in parallel (no rank starts unless all pass), starts one ssh per rank
+under :mod:`ringcomm.launch.watchdog` and supervises them: the first rank to exit non-zero
+stops the others (255: ssh failed or the connection was lost).
 
-What :func:`run` does:
-
-1. **Placement.** Ranks go contiguously per host, hosts in hostfile order
-   (:mod:`ringcomm.launch.hostfile`). ``MASTER_ADDR`` is the first host as the others
-   reach it: its ``HostName`` from ``ssh -G`` (so ssh_config aliases work), unless
-   ``--master-addr`` says otherwise. Rank 0 serves the rendezvous store there (with
-   ``--max-restarts``, the launcher serves it at ``--master-addr``, its own address, and
-   starts a failed rank again on its host: :func:`_restarter`).
-2. **Preflight**, every host in parallel, ``BatchMode``: the host is reachable, the working
-   directory exists, the interpreter imports ringcomm of the launcher's version, the
-   script is there; the first host also reports a free port for the store (unless
-   ``--master-port``). Any failure: one line per failed host, exit 1, no rank started.
-3. **Start** one ssh per rank. The remote command is built from an argv list, every part
-   through ``shlex.quote``::
-
-       cd CWD && exec env K=V... PYTHON -m ringcomm.launch.watchdog --grace-s S
-           --env-stdin -- PYTHON -u script.py args...
-
-   ``env K=V`` carries the rank variables, ``RINGCOMM_*``, ``PYTHONPATH``, ``--env`` and
-   ``.ringcomm_env`` (SendEnv/AcceptEnv are not relied on: sshd drops names it does not
-   accept). The job token is **not** among them: values on a command line are visible in
-   ``ps`` on both hosts, so the launcher writes ``{"RINGCOMM_TOKEN": ...}`` as the first
-   line of the ssh's stdin and the watchdog adds it to the rank's environment.
-4. **Supervise.** Output lines are copied prefixed ``[rank]`` (``[rank host]`` with
-   ``-v``). The launcher holds every ssh's stdin open; closing it is how a rank is
-   stopped (the watchdog sees EOF, SIGTERMs the rank's process group, SIGKILLs it after
-   the grace period). If the launcher is SIGKILLed, its ssh clients die with it
-   (``PR_SET_PDEATHSIG``), sshd closes the channels and every watchdog sees EOF. The first
-   rank to exit non-zero stops all others and sets the launcher's status (255: ssh
-   itself failed or the connection was lost).
-
-``.ringcomm_env``: ``VAR=VALUE`` lines (``#`` comments, blank lines, an optional
-``export``), read from the home directory and then the working directory (later wins),
-values taken literally. Precedence, lowest first: ``.ringcomm_env``, the launcher's
-``RINGCOMM_*``/``PYTHONPATH``, ``--env``, the rank variables.
+Guarantees: the job token never appears on a command line (it travels on the ssh's stdin);
+every part of a remote command goes through ``shlex.quote``; closing a rank's stdin stops
+it, and a SIGKILLed launcher takes its ssh clients with it. The steps, the remote command
+and ``.ringcomm_env``'s precedence: docs/architecture.md, "The ssh launcher".
 """
 
 from __future__ import annotations
@@ -56,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringcomm._version import __version__
-from ringcomm.config import UsageError
+from ringcomm.config import UsageError, environment
 from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, is_var_name, parse_env_options
 from ringcomm.launch.hostfile import (
     HostfileError,
@@ -216,7 +189,7 @@ def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None, cwd: str | None = None
 ) -> SshRunConfig:
     """Validate parsed ``ringcomm run`` arguments for multi-host mode; raise UsageError."""
-    environ = os.environ if environ is None else environ
+    environ = environment() if environ is None else environ
     cwd = os.getcwd() if cwd is None else cwd
     try:
         hosts: list[HostSlots] = (
@@ -645,7 +618,10 @@ def _serve_store(master_addr: str, port: int, token: str | None) -> Any:
 
 
 def _restarter(
-    config: SshRunConfig, master_addr: str, port: int, token: str | None,
+    config: SshRunConfig,
+    master_addr: str,
+    port: int,
+    token: str | None,
     ranks: list[RankProcess],
 ) -> Callable[[RankProcess, int], RankProcess | None]:
     """``--max-restarts``: a rank that failed is started again on its host, in its slot

@@ -292,7 +292,7 @@ def job_token() -> str | None:
     or None under ``RINGCOMM_SECURITY=none`` (no token anywhere)."""
     from ringcomm.config import security_mode
 
-    return None if security_mode(os.environ) == "none" else secrets.token_hex(32)
+    return None if security_mode() == "none" else secrets.token_hex(32)
 
 
 def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, str], None]:

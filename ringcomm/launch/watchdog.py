@@ -117,6 +117,8 @@ def watch(
     poll_s: float = 0.05,
 ) -> int:
     """Run ``command`` as described in the module docstring; return the exit status."""
+    # The one environment read outside ringcomm.config: this program imports only the
+    # standard library (tests/test_launch_ssh_watchdog.py): it reads its own.
     env = dict(os.environ)
     env.update(extra_env or {})
     stop = threading.Event()

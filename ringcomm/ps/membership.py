@@ -26,13 +26,12 @@ abandoned), the whole recovery by ``timeout_s``.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ringcomm.config import security_mode
+from ringcomm.config import environment, security_mode
 from ringcomm.errors import CommTimeoutError, RendezvousError, RingcommError
 from ringcomm.group import init_process_group
 from ringcomm.ps.config import PSConfig
@@ -82,7 +81,7 @@ class Membership:
         self.label = f"ps {role} {index} (rank {self.rank})"
         self.token, self.timeout_s = token, timeout_s
         self.join_timeout_s, self.poll_s, self.host = join_timeout_s, poll_s, host
-        self.security = security_mode(os.environ)
+        self.security = security_mode()
         addr, port = coordinator
         self.coord = Store(
             addr, port, token=token, timeout_s=min(timeout_s, 30.0), prefix=prefix,
@@ -169,7 +168,8 @@ class Membership:
             self.coord.set(key, f"{self.host}:{server.port}")
         where = self.coord.get(key, timeout_s=self.join_timeout_s).decode()
         host, port = where.rsplit(":", 1)
-        env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+        inherited = environment()
+        env = {k: inherited[k] for k in _PASSED_ENV if k in inherited}
         return init_process_group(
             self.rank,
             self.num_workers + self.num_servers,

@@ -187,7 +187,8 @@ def run_probe(
 ) -> tuple[list[dict[str, Any]], list[HostInfo]]:
     """One probe job on ``hosts`` (:class:`ringcomm.bench.multihost.HostsSpec`) through
     the ssh launcher: every rank's report and host."""
-    from ringcomm.bench.multihost import MARK, run_collecting
+    from ringcomm.bench.multihost import run_collecting
+    from ringcomm.bench.sweep import MARK
 
     config = {"specs": probe_specs(size), "iters": iters, "warmup": warmup}
     argv = [sys.executable, "-m", "ringcomm", "run"]
