@@ -102,7 +102,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 #: RINGCOMM_LOG values (any case): nothing; a summary of the group at init (rank 0);
 #: that and every op's start and end.
 LOG_LEVELS = ("off", "info", "debug")
-#: The largest piece size the cost model may choose (collectives/choice.py's candidates).
+#: The largest piece size the cost model may choose (collectives/chooser.py's candidates).
 MAX_TUNED_CHUNK_BYTES = 8 << 20
 #: RINGCOMM_SECURITY values: the data plane's mechanism with the job token
 #: (ringcomm.transport.zmq_transport), or "none": no token anywhere.
@@ -352,7 +352,7 @@ def binds_to_core(bind: str, local_world_size: int | None, ncores: int) -> bool:
 
     ``bind`` (``RINGCOMM_BIND``): ``"core"`` always; ``"auto"`` when the host runs more
     ranks (``local_world_size``, None: unknown) than the ``ncores`` cores a rank may use;
-    ``"none"`` never. Why: :func:`ringcomm.group._bind_to_core`.
+    ``"none"`` never. Why: :func:`ringcomm.core.forming.bind_to_core`.
     """
     if bind not in BIND_MODES:
         raise ValueError(f"bind must be one of {BIND_MODES}, got {bind!r}")

@@ -18,10 +18,12 @@ prints as ``ringcomm <command>: error: <message>`` and turns into exit status 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import re
 import sys
 from collections.abc import Sequence
+from typing import cast
 
 from ringcomm._version import __version__
 from ringcomm.config import UsageError
@@ -74,13 +76,27 @@ def plain_text(text: str) -> str:
     return _LITERAL.sub(r"\1", text)
 
 
+class _PlainText(argparse.HelpFormatter):
+    """A formatter that writes descriptions and options' help as :func:`plain_text`."""
+
+    def add_text(self, text: str | None) -> None:
+        super().add_text(plain_text(text) if text else text)
+
+    def add_argument(self, action: argparse.Action) -> None:
+        text = action.help
+        if text:
+            action = copy.copy(action)
+            action.help = plain_text(text)
+        super().add_argument(action)
+
+
 def _plain_help(parser: argparse.ArgumentParser) -> None:
-    """Plain text in ``parser``'s description and its options' help."""
-    if parser.description:
-        parser.description = plain_text(parser.description)
-    for action in parser._actions:
-        if action.help:
-            action.help = plain_text(action.help)
+    """Plain text in ``parser``'s description and its options' help (its formatter class,
+    whichever it is, with :class:`_PlainText` in front)."""
+    base = cast("type[argparse.HelpFormatter]", parser.formatter_class)
+    name = f"Plain{getattr(base, '__name__', 'Formatter')}"
+    plain: type[argparse.HelpFormatter] = type(name, (_PlainText, base), {})
+    parser.formatter_class = plain
 
 
 def main(argv: Sequence[str] | None = None) -> int:

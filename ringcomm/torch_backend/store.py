@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import socket
 from typing import Any
 
 from ringcomm.config import env_master_addr, env_token, environment, security_mode
@@ -22,8 +21,9 @@ from ringcomm.group import ProcessGroup as RcGroup
 from ringcomm.group import init_process_group
 from ringcomm.rendezvous import StoreServer
 from ringcomm.rendezvous.security import job_store
+from ringcomm.transport.endpoints import bind_host
 
-__all__ = ["bind_host", "check_out", "form_alone", "form_group"]
+__all__ = ["check_out", "form_alone", "form_group"]
 
 #: Keys (in the group's torch store) where rank 0 publishes ringcomm's store address, and
 #: the counter of ranks done with it at shutdown, per instance of the group (a torch store
@@ -37,17 +37,6 @@ JOINS_KEY = "ringcomm/joins"
 GROUP_NAME = "torch"
 #: Longest rank 0 keeps ringcomm's store up at shutdown for the others to check out.
 CHECKOUT_MAX_S = 30.0
-
-
-def bind_host(addr: str) -> str:
-    """Where to listen: ``addr`` itself if it is one of ours, else every interface."""
-    try:
-        ip = socket.gethostbyname(addr)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((ip, 0))
-        return ip
-    except OSError:
-        return "0.0.0.0"
 
 
 def form_alone(timeout_s: float) -> RcGroup:
