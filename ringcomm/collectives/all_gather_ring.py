@@ -1,25 +1,16 @@
 """All-gather as a ring (``out.shape == (n, *x.shape)``; segment ``s`` is the row ``out[s]``).
 
-Steps ``k = 0 .. n-2`` (``schedule.ring.all_gather_steps``) on rank ``r``::
+Steps ``k = 0 .. n-2`` of ``schedule.ring.all_gather_steps``: send row ``(r-k)`` right (our
+own at ``k = 0``), receive row ``(r-k-1)`` from the left into ``out``; pipelined per piece,
+a received piece is copied into ``out`` and sent on from there at once. Device arrays go
+through the stager (``collectives.staged``): a received piece is sent on as its frame.
 
-    send row (r-k) right            # our own row at k = 0
-    recv row (r-k-1) from the left: out[row] = incoming
-
-and the row received at step ``k`` is the one sent at step ``k+1``: pipelined per piece,
-piece ``j`` is copied into ``out`` and sent on from there at once.
-
-Copies per byte: our own row is sent zero-copy from ``x`` and copied once into ``out[r]``
-(when the first piece from the left has shown that its call matches ours, so a mismatch
-leaves ``out`` untouched); every other row is received (1 kernel copy), copied once from
-the frame into ``out``, and sent on zero-copy from there (1 kernel copy).
-
-Device arrays: through the stager (``collectives.staged``); a received piece is sent on
-as received (its frame), not copied back from the device.
-
-Zero-copy safety: ``x`` is never written (if it overlaps a row of ``out`` other than
-``out[r]``, we send from a private copy of it); every other region of ``out`` is written
-exactly once, before it is sent, and never again; ``settle()`` waits for libzmq to release
-the sent pieces.
+Invariants: ``x`` is never written (sent from a private copy if it overlaps a row of
+``out`` other than ``out[r]``); our own row is copied into ``out[r]`` only once the first
+piece from the left showed that its call matches ours (a mismatch leaves ``out``
+untouched); every other region of ``out`` is written exactly once, before it is sent;
+``settle()`` waits for libzmq to release the sent pieces. Steps and copies per byte:
+docs/architecture.md, section "collectives/all_gather_ring.py".
 """
 
 from __future__ import annotations
