@@ -33,7 +33,8 @@ class AllGatherRing(PipelinedOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 (our row) goes right at once
+        # step 0 (our row) goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)
 
     def step_text(self, step: int) -> str:
         return f"all-gather step {step + 1}/{self.n - 1}"
@@ -84,8 +85,18 @@ class AllGatherRing(PipelinedOp):
         src_bytes = st.bytes_of(src)
         npieces = len(self.spans)
         for j, (off, length) in enumerate(self.spans):
-            st.send(src_bytes[off : off + length], emit, self, self.right, 0, j, npieces,
-                    x.nbytes, off, self.dtype_str)  # fmt: skip
+            st.send(
+                src_bytes[off : off + length],
+                emit,
+                self,
+                self.right,
+                0,
+                j,
+                npieces,
+                x.nbytes,
+                off,
+                self.dtype_str,
+            )
         st.pump(0)
         self.post_inboxes()
 
@@ -105,7 +116,17 @@ class AllGatherRing(PipelinedOp):
         st.copy_in(target, payload)
         if k < self.n - 2:
             base = row * self.row_nbytes
-            st.forward(self.data[base + off : base + off + length], payload, emit, self,
-                       self.right, k + 1, j, len(spans), self.row_nbytes, off,
-                       self.dtype_str)  # fmt: skip
+            st.forward(
+                self.data[base + off : base + off + length],
+                payload,
+                emit,
+                self,
+                self.right,
+                k + 1,
+                j,
+                len(spans),
+                self.row_nbytes,
+                off,
+                self.dtype_str,
+            )
         st.pump(0 if j + 1 == len(spans) else 1)

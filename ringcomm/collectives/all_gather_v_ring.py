@@ -33,7 +33,8 @@ class AllGatherVRing(CollectiveOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 (our rows) goes right at once
+        # step 0 (our rows) goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)
 
     def step_text(self, step: int) -> str:
         return f"all-gather-v step {step + 1}/{self.n - 1}"
@@ -59,8 +60,9 @@ class AllGatherVRing(CollectiveOp):
             self.own[...] = src
             self.post_inboxes()
             return
-        if np.may_share_memory(x, out) and src.__array_interface__["data"][0] != self.own.__array_interface__["data"][0]:  # x overlaps segments we receive into: send from a private copy
-            src = src.copy()
+        src_at = src.__array_interface__["data"][0]
+        if np.may_share_memory(x, out) and src_at != self.own.__array_interface__["data"][0]:
+            src = src.copy()  # x overlaps segments we receive into: send from a private copy
         self.src = src
         chunk = self.comm.chunk_bytes
         self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
@@ -76,8 +78,9 @@ class AllGatherVRing(CollectiveOp):
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        seg, off, length = self.uneven_piece(peer, header, payload, self.recv_seg, self.spans,
-                                             self.seg_nbytes)  # fmt: skip
+        seg, off, length = self.uneven_piece(
+            peer, header, payload, self.recv_seg, self.spans, self.seg_nbytes
+        )
         spans = self.spans[seg]
         if not self.touched:
             self.touched = True
@@ -86,5 +89,13 @@ class AllGatherVRing(CollectiveOp):
         if length:
             self.out_u8[at : at + length] = np.frombuffer(payload, np.uint8)
         if k < self.n - 2:  # send it on, zero-copy from out
-            self.send_piece(self.right, k + 1, j, len(spans), self.seg_nbytes[seg], off,
-                            self.data[at : at + length], self.dtype_str)  # fmt: skip
+            self.send_piece(
+                self.right,
+                k + 1,
+                j,
+                len(spans),
+                self.seg_nbytes[seg],
+                off,
+                self.data[at : at + length],
+                self.dtype_str,
+            )

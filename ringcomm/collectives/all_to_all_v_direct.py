@@ -94,9 +94,17 @@ class AllToAllVDirect(CollectiveOp):
             spans = chunk_spans(nbytes, chunk, x.itemsize)
             base = in_base[peer]
             for j, (off, length) in enumerate(spans):
-                self.send_piece(peer, 0, j, len(spans), nbytes, off,
-                                data[base + off : base + off + length], dtype,
-                                shape=whole if j == 0 else None)  # fmt: skip
+                self.send_piece(
+                    peer,
+                    0,
+                    j,
+                    len(spans),
+                    nbytes,
+                    off,
+                    data[base + off : base + off + length],
+                    dtype,
+                    shape=whole if j == 0 else None,
+                )
         for k in range(1, n):
             self.expect((r - k) % n, 1)
         self.post_inboxes()

@@ -123,8 +123,16 @@ class ReduceScatterRing(PipelinedOp):
         else:
             tracker = st.send(
                 view[off : off + length],
-                emit, self, self.right, k + 1, j, len(spans), self.row_nbytes, off, self.dtype_str,
-            )  # fmt: skip
+                emit,
+                self,
+                self.right,
+                k + 1,
+                j,
+                len(spans),
+                self.row_nbytes,
+                off,
+                self.dtype_str,
+            )
             if tracker is not None:
                 self.trackers[(id(buf), j)] = tracker
         st.pump(0 if j + 1 == len(spans) else 1)

@@ -75,14 +75,16 @@ class ReduceScatterVRing(CollectiveOp):
         self.will_send(self.right, n - 1)
         self.expect(self.left, n - 1)
         first = steps[0][0]
-        self.send_message(self.right, 0, byte_view(self.segs[first]), self.spans[first], 0,
-                          self.dtype_str)  # fmt: skip
+        self.send_message(
+            self.right, 0, byte_view(self.segs[first]), self.spans[first], 0, self.dtype_str
+        )
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        seg, off, length = self.uneven_piece(peer, header, payload, self.recv_seg, self.spans,
-                                             self.seg_nbytes)  # fmt: skip
+        seg, off, length = self.uneven_piece(
+            peer, header, payload, self.recv_seg, self.spans, self.seg_nbytes
+        )
         spans = self.spans[seg]
         op = self.call.op
         assert op is not None
@@ -100,8 +102,15 @@ class ReduceScatterVRing(CollectiveOp):
         self.wait_released(self.trackers.pop((parity, j), None))
         target = self.partial[parity][a:b]
         reduce_out(op, self.segs[seg][a:b], np.frombuffer(payload, target.dtype), target)
-        tracker = self.send_piece(self.right, k + 1, j, len(spans), self.seg_nbytes[seg], off,
-                                  self.partial_u8[parity][off : off + length],
-                                  self.dtype_str)  # fmt: skip
+        tracker = self.send_piece(
+            self.right,
+            k + 1,
+            j,
+            len(spans),
+            self.seg_nbytes[seg],
+            off,
+            self.partial_u8[parity][off : off + length],
+            self.dtype_str,
+        )
         if tracker is not None:
             self.trackers[(parity, j)] = tracker
