@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ringcomm.device.xp import get_xp
+from ringcomm.transport.wire import SUPPORTED_DTYPES  # the one list (the wire's dtypes)
 
 __all__ = [
     "INTEGER_AVG_FUNCTIONS",
@@ -51,16 +52,6 @@ class ReduceOp(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
-
-SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(
-    np.dtype(name)
-    for name in (
-        "bool",
-        "int8", "int16", "int32", "int64",
-        "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64",
-    )
-)  # fmt: skip
 
 _VALID_OPS = ", ".join(repr(o.value) for o in ReduceOp)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,7 @@ from ringcomm.cli.train import config_from_args
 from ringcomm.device.xp import cupy_or_none
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--hidden", "16", "--layers", "2", "--in-features", "8", "--classes", "3",
-         "--batch-size", "12"]  # fmt: skip
+SMALL = shlex.split("--hidden 16 --layers 2 --in-features 8 --classes 3 --batch-size 12")
 
 
 def _parse(*argv: str):
@@ -27,12 +27,12 @@ def _parse(*argv: str):
 
 
 def test_every_contract_option_parses() -> None:
-    args = _parse(
-        "--strategy", "ps", "-n", "3", "--steps", "7", "--device", "cpu", "--micro-batches", "2",
-        "--json", "x.json", "--ps-servers", "2", "--consistency", "ssp", "--staleness", "3",
-        "--ps-update", "worker", "--schedule", "1f1b", "--bucket-mb", "0.5", "--dtype",
-        "float64", "--seed", "9", "--lr", "0.1", "--optimizer", "sgd", "--act", "relu",
-    )  # fmt: skip
+    argv = shlex.split(
+        "--strategy ps -n 3 --steps 7 --device cpu --micro-batches 2 --json x.json"
+        " --ps-servers 2 --consistency ssp --staleness 3 --ps-update worker --schedule 1f1b"
+        " --bucket-mb 0.5 --dtype float64 --seed 9 --lr 0.1 --optimizer sgd --act relu"
+    )
+    args = _parse(*argv)
     assert (args.strategy, args.nproc, args.steps, args.micro_batches) == ("ps", 3, 7, 2)
     assert (args.ps_servers, args.consistency, args.staleness, args.ps_update) == (
         2,
@@ -88,8 +88,13 @@ def _run_cli(tmp_path: Path, *argv: str) -> tuple[str, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, "-m", "ringcomm", "train", *argv, "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(out.read_text())
 
@@ -106,8 +111,14 @@ def test_zero3_end_to_end_matches_single(tmp_path: Path, no_child_processes: Non
     for res in (single, zero3):
         assert {"strategy", "world_size", "steps", "losses", "step_time_s", "per_rank"} <= set(res)
         for row in res["per_rank"]:
-            assert {"rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_bytes",
-                    "sent_bytes_per_step"} <= set(row)  # fmt: skip
+            assert {
+                "rank",
+                "param_bytes",
+                "grad_bytes",
+                "optim_bytes",
+                "peak_bytes",
+                "sent_bytes_per_step",
+            } <= set(row)
             assert row["peak_bytes"] > 0
     assert zero3["world_size"] == 3 and [r["rank"] for r in zero3["per_rank"]] == [0, 1, 2]
     assert zero3["losses"] == pytest.approx(single["losses"], rel=1e-10)
@@ -120,9 +131,10 @@ def test_zero3_end_to_end_matches_single(tmp_path: Path, no_child_processes: Non
 @pytest.mark.timeout(200)
 def test_pipeline_cli_reports_bubble(tmp_path: Path, no_child_processes: None) -> None:
     out, res = _run_cli(
-        tmp_path, "--strategy", "pipeline", "-n", "2", "--steps", "3", "--micro-batches", "3",
-        "--schedule", "1f1b", *SMALL,
-    )  # fmt: skip
+        tmp_path,
+        *shlex.split("--strategy pipeline -n 2 --steps 3 --micro-batches 3 --schedule 1f1b"),
+        *SMALL,
+    )
     assert res["schedule"] == "1f1b" and res["micro_batches"] == 3
     assert 0.0 <= res["bubble_fraction"] < 1.0
     assert res["bubble_fraction_theory"] == pytest.approx(1 / 4)
@@ -136,8 +148,9 @@ def _pipeline_result(device_ids: list[int | None], device: str, m: int = 4) -> A
     from ringcomm.engine.strategy import TrainConfig
     from ringcomm.engine.train import stage_placement
 
-    cfg = TrainConfig(strategy="pipeline", world_size=len(device_ids), device=device,
-                      micro_batches=m)  # fmt: skip
+    cfg = TrainConfig(
+        strategy="pipeline", world_size=len(device_ids), device=device, micro_batches=m
+    )
     per_rank = [{"device_id": d} for d in device_ids]
     p = len(device_ids)
     return {
@@ -159,8 +172,12 @@ def test_bubble_on_a_shared_gpu_says_why_it_differs(
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no control pipe there
     res = _pipeline_result([0, 0, 0, 0], "cuda", m=8)
     assert res["pipeline_placement"] == {
-        "stages": 4, "units": 1, "unit": "GPU", "mps": False, "shared_floor": 0.75,
-    }  # fmt: skip
+        "stages": 4,
+        "units": 1,
+        "unit": "GPU",
+        "mps": False,
+        "shared_floor": 0.75,
+    }
     text = "\n".join(bubble_lines(res))
     assert "bubble 0.800 measured, 0.273 by the formula (p-1)/(m+p-1) = 3/11" in text
     assert "4 stages share 1 GPU" in text and "without MPS" in text

@@ -28,6 +28,7 @@ bytes and misses the oracle. What this cannot check is CUDA itself (``tests/test
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -100,6 +101,18 @@ def _cases(n: int) -> list[TrainConfig]:
     return cases
 
 
+#: What staged_job hands back of each case's result.
+STAGED_JOB_KEYS = (
+    "losses",
+    "params",
+    "loss_rank",
+    "staging_acquires",
+    "staging_bytes",
+    "sent_bytes_per_step",
+    "array_module",
+)
+
+
 def staged_job(pg: Any, cases: list[TrainConfig]) -> list[dict[str, Any]]:
     """Every case on a fresh sub-group (own tag space), with small pieces."""
     out = []
@@ -110,8 +123,7 @@ def staged_job(pg: Any, cases: list[TrainConfig]) -> list[dict[str, Any]]:
             r = train_rank(sub, cfg)
         finally:
             sub.close()
-        out.append({k: r[k] for k in ("losses", "params", "loss_rank", "staging_acquires",
-                                      "staging_bytes", "sent_bytes_per_step", "array_module")})  # fmt: skip
+        out.append({k: r[k] for k in STAGED_JOB_KEYS})
     return out
 
 
@@ -302,11 +314,13 @@ def test_train_cli_host_staged(
 ) -> None:
     from ringcomm.cli import main
 
-    small = ["--steps", "4", "--dtype", "float64", "--hidden", "16", "--layers", "2",
-             "--in-features", "8", "--classes", "3", "--batch-size", "12", "-q"]  # fmt: skip
+    small = shlex.split(
+        "--steps 4 --dtype float64 --hidden 16 --layers 2 --in-features 8 --classes 3"
+        " --batch-size 12 -q"
+    )
     assert main(["train", "--strategy", "single", *small, "--json", str(tmp_path / "s.json")]) == 0
-    code = main(["train", "--strategy", "zero1", "-n", "2", "--device", "host-staged",
-                 "--bucket-bytes", "1K", *small, "--json", str(tmp_path / "z.json")])  # fmt: skip
+    zero1 = shlex.split("train --strategy zero1 -n 2 --device host-staged --bucket-bytes 1K")
+    code = main([*zero1, *small, "--json", str(tmp_path / "z.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     single = json.loads((tmp_path / "s.json").read_text())

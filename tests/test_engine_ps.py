@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -281,15 +282,27 @@ def test_ps_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(200)
 def test_ps_cli_end_to_end(tmp_path: Path, no_child_processes: None) -> None:
-    small = ["--hidden", "16", "--layers", "2", "--in-features", "8", "--classes", "3",
-             "--batch-size", "12", "--steps", "5", "--dtype", "float64"]  # fmt: skip
+    small = shlex.split(
+        "--hidden 16 --layers 2 --in-features 8 --classes 3 --batch-size 12 --steps 5"
+        " --dtype float64"
+    )
     out = tmp_path / "ps.json"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, "-m", "ringcomm", "train", "--strategy", "ps", "-n", "3",
-         "--ps-servers", "1", *small, "--json", str(out)],
-        capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            *shlex.split("-m ringcomm train --strategy ps -n 3 --ps-servers 1"),
+            *small,
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     assert "strategy ps" in proc.stdout and "[rank 0] step 5/5" in proc.stdout
@@ -297,13 +310,26 @@ def test_ps_cli_end_to_end(tmp_path: Path, no_child_processes: None) -> None:
     assert {"strategy", "world_size", "steps", "losses", "step_time_s", "per_rank"} <= set(res)
     assert res["strategy"] == "ps" and res["world_size"] == 3
     for row in res["per_rank"]:
-        assert {"rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_bytes",
-                "sent_bytes_per_step", "ps"} <= set(row)  # fmt: skip
+        assert {
+            "rank",
+            "param_bytes",
+            "grad_bytes",
+            "optim_bytes",
+            "peak_bytes",
+            "sent_bytes_per_step",
+            "ps",
+        } <= set(row)
         assert row["peak_bytes"] > 0 and row["sent_bytes_per_step"] > 0
     assert res["ps"]["consistency"] == "bsp" and res["ps"]["max_pull_gap"] == 0
     single = TrainConfig(
-        strategy="single", steps=5, dtype="float64", hidden=16, depth=2, in_features=8,
-        classes=3, batch_size=12,
-    )  # fmt: skip
+        strategy="single",
+        steps=5,
+        dtype="float64",
+        hidden=16,
+        depth=2,
+        in_features=8,
+        classes=3,
+        batch_size=12,
+    )
     ref = run_training(single)[0]["losses"]
     assert res["losses"] == pytest.approx(ref, rel=1e-10)

@@ -26,6 +26,7 @@ Activation memory under sequence parallel: measured with tracemalloc (last test)
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Any
 
 import numpy as np
@@ -224,8 +225,7 @@ def test_tp_byte_formula_counts_megatron_all_reduces() -> None:
 
 
 # -- the CLI -------------------------------------------------------------------------------
-TINY = ["--vocab", "8", "--seq-len", "4", "--d-model", "8", "--heads", "2", "--layers", "2",
-        "--batch-size", "6"]  # fmt: skip
+TINY = shlex.split("--vocab 8 --seq-len 4 --d-model 8 --heads 2 --layers 2 --batch-size 6")
 
 
 @pytest.mark.parametrize(
@@ -259,10 +259,8 @@ def test_mesh_options_parse() -> None:
     from ringcomm.cli import build_parser
     from ringcomm.cli.train import config_from_args
 
-    args = build_parser().parse_args(
-        ["train", "--strategy", "3d", "-n", "8", "--dp", "2", "--pp", "2", "--tp", "2",
-         "--sequence-parallel", "--zero", "1", "--micro-batches", "2", *TINY]
-    )  # fmt: skip
+    mesh = "--dp 2 --pp 2 --tp 2 --sequence-parallel --zero 1 --micro-batches 2"
+    args = build_parser().parse_args(shlex.split(f"train --strategy 3d -n 8 {mesh}") + TINY)
     cfg = config_from_args(args)
     assert (cfg.model, cfg.dp, cfg.pp, cfg.tp, cfg.zero) == ("transformer", 2, 2, 2, 1)
     assert cfg.sequence_parallel and (cfg.vocab, cfg.seq_len, cfg.d_model) == (8, 4, 8)
@@ -284,11 +282,16 @@ def test_3d_cli_end_to_end(tmp_path, no_child_processes: None) -> None:
 
     def run(*argv: str) -> tuple[str, dict[str, Any]]:
         out = tmp_path / "r.json"
+        common = [*shlex.split("--steps 3 --dtype float64"), *TINY, "--json", str(out)]
         proc = subprocess.run(
-            [sys.executable, "-m", "ringcomm", "train", *argv, "--steps", "3", "--dtype",
-             "float64", *TINY, "--json", str(out)],
-            capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path, check=False,
-        )  # fmt: skip
+            [sys.executable, "-m", "ringcomm", "train", *argv, *common],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env=env,
+            cwd=tmp_path,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout, json.loads(out.read_text())
 
@@ -327,8 +330,17 @@ def test_sequence_parallel_shards_the_norm_activations(no_child_processes: None)
     ``b*s*d`` and ``1/std`` ``b*s``: two per block and the final norm) for ``s/T`` of the
     sequence instead of all of it; everything else it holds is the same."""
     T, b, S, D, L = 2, 16, 32, 32, 2
-    base = {**BASE, "steps": 2, "export": False, "vocab": 16, "seq_len": S, "d_model": D,
-            "heads": 2, "depth": L, "batch_size": b}  # fmt: skip
+    base = {
+        **BASE,
+        "steps": 2,
+        "export": False,
+        "vocab": 16,
+        "seq_len": S,
+        "d_model": D,
+        "heads": 2,
+        "depth": L,
+        "batch_size": b,
+    }
     cases = [_tp(T, **{**base, "sequence_parallel": sp}) for sp in (False, True)]
     per_rank = rc.spawn(sp_memory_job, T, args=(cases,), timeout_s=150)
     norm_bytes = (2 * L + 1) * (b * S * D + b * S) * 8  # float64, whole sequence

@@ -220,9 +220,17 @@ def test_stage_spans_cover_the_model_once() -> None:
 
 def test_single_learns_the_next_token_task() -> None:
     cfg = TrainConfig(
-        model="transformer", steps=30, vocab=16, seq_len=8, d_model=16, heads=2, depth=1,
-        batch_size=16, lr=1e-2, verbose=False,
-    )  # fmt: skip
+        model="transformer",
+        steps=30,
+        vocab=16,
+        seq_len=8,
+        d_model=16,
+        heads=2,
+        depth=1,
+        batch_size=16,
+        lr=1e-2,
+        verbose=False,
+    )
     losses = run_training(cfg)[0]["losses"]
     assert len(losses) == 30
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])

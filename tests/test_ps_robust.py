@@ -22,8 +22,9 @@ KEY = 1
 HUGE = 1 << 40
 
 
-def _raw(g: Any, header: np.ndarray, payload: np.ndarray | None = None,
-         data: np.ndarray | None = None) -> int:  # fmt: skip
+def _raw(
+    g: Any, header: np.ndarray, payload: np.ndarray | None = None, data: np.ndarray | None = None
+) -> int:
     """Send one raw request to server rank 0; its reply status (and data, if asked)."""
     g.send(header, 0, P.TAG_REQUEST)
     if payload is not None:

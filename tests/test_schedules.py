@@ -187,8 +187,9 @@ def test_a_ring_in_topology_order_crosses_each_host_boundary_once():
     n, order = 9, topo.ring_order
 
     def crossings(order):
-        return sum(topo.host_of[r] != topo.host_of[ring_neighbors(r, n, order)[0]]
-                   for r in range(n))  # fmt: skip
+        return sum(
+            topo.host_of[r] != topo.host_of[ring_neighbors(r, n, order)[0]] for r in range(n)
+        )
 
     assert crossings(None) == 9 and crossings(order) == 3
     for root in range(n):  # the chain too: one crossing per host boundary on its way

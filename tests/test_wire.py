@@ -95,9 +95,22 @@ def test_header_defaults_round_trip() -> None:
 def _fields(**override: object) -> list[object]:
     """A valid header as the raw msgpack list, with some positions replaced."""
     names = [
-        "version", "kind", "src", "group", "tag", "step", "piece", "npieces",
-        "dtype", "nbytes", "offset", "shape", "fp", "auth", "inline",
-    ]  # fmt: skip
+        "version",
+        "kind",
+        "src",
+        "group",
+        "tag",
+        "step",
+        "piece",
+        "npieces",
+        "dtype",
+        "nbytes",
+        "offset",
+        "shape",
+        "fp",
+        "auth",
+        "inline",
+    ]
     base = dict(
         zip(names, [WIRE_VERSION, 1, 0, 0, 7, 0, 0, 1, "<f4", 40, 0, [10], None, None, None])
     )

@@ -1,25 +1,16 @@
 """All-gather as a ring (``out.shape == (n, *x.shape)``; segment ``s`` is the row ``out[s]``).
 
-Steps ``k = 0 .. n-2`` (``schedule.ring.all_gather_steps``) on rank ``r``::
+Steps ``k = 0 .. n-2`` of ``schedule.ring.all_gather_steps``: send row ``(r-k)`` right (our
+own at ``k = 0``), receive row ``(r-k-1)`` from the left into ``out``; pipelined per piece,
+a received piece is copied into ``out`` and sent on from there at once. Device arrays go
+through the stager (``collectives.staged``): a received piece is sent on as its frame.
 
-    send row (r-k) right            # our own row at k = 0
-    recv row (r-k-1) from the left: out[row] = incoming
-
-and the row received at step ``k`` is the one sent at step ``k+1``: pipelined per piece,
-piece ``j`` is copied into ``out`` and sent on from there at once.
-
-Copies per byte: our own row is sent zero-copy from ``x`` and copied once into ``out[r]``
-(when the first piece from the left has shown that its call matches ours, so a mismatch
-leaves ``out`` untouched); every other row is received (1 kernel copy), copied once from
-the frame into ``out``, and sent on zero-copy from there (1 kernel copy).
-
-Device arrays: through the stager (``collectives.staged``); a received piece is sent on
-as received (its frame), not copied back from the device.
-
-Zero-copy safety: ``x`` is never written (if it overlaps a row of ``out`` other than
-``out[r]``, we send from a private copy of it); every other region of ``out`` is written
-exactly once, before it is sent, and never again; ``settle()`` waits for libzmq to release
-the sent pieces.
+Invariants: ``x`` is never written (sent from a private copy if it overlaps a row of
+``out`` other than ``out[r]``); our own row is copied into ``out[r]`` only once the first
+piece from the left showed that its call matches ours (a mismatch leaves ``out``
+untouched); every other region of ``out`` is written exactly once, before it is sent;
+``settle()`` waits for libzmq to release the sent pieces. Steps and copies per byte:
+docs/architecture.md, section "collectives/all_gather_ring.py".
 """
 
 from __future__ import annotations
@@ -42,7 +33,8 @@ class AllGatherRing(PipelinedOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 (our row) goes right at once
+        # step 0 (our row) goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)
 
     def step_text(self, step: int) -> str:
         return f"all-gather step {step + 1}/{self.n - 1}"
@@ -93,8 +85,18 @@ class AllGatherRing(PipelinedOp):
         src_bytes = st.bytes_of(src)
         npieces = len(self.spans)
         for j, (off, length) in enumerate(self.spans):
-            st.send(src_bytes[off : off + length], emit, self, self.right, 0, j, npieces,
-                    x.nbytes, off, self.dtype_str)  # fmt: skip
+            st.send(
+                src_bytes[off : off + length],
+                emit,
+                self,
+                self.right,
+                0,
+                j,
+                npieces,
+                x.nbytes,
+                off,
+                self.dtype_str,
+            )
         st.pump(0)
         self.post_inboxes()
 
@@ -114,7 +116,17 @@ class AllGatherRing(PipelinedOp):
         st.copy_in(target, payload)
         if k < self.n - 2:
             base = row * self.row_nbytes
-            st.forward(self.data[base + off : base + off + length], payload, emit, self,
-                       self.right, k + 1, j, len(spans), self.row_nbytes, off,
-                       self.dtype_str)  # fmt: skip
+            st.forward(
+                self.data[base + off : base + off + length],
+                payload,
+                emit,
+                self,
+                self.right,
+                k + 1,
+                j,
+                len(spans),
+                self.row_nbytes,
+                off,
+                self.dtype_str,
+            )
         st.pump(0 if j + 1 == len(spans) else 1)

@@ -1,26 +1,17 @@
 """All-gather of rows of different counts as a ring (``all_gather_v``).
 
-Rank ``s`` contributes ``sizes[s]`` rows (any count, 0 included); the result is every
-rank's rows concatenated in rank order, ``out.shape == (sum(sizes), *x.shape[1:])``;
-segment ``s`` is ``out[offsets[s] : offsets[s] + sizes[s]]`` (:func:`schedule.partition.
-split_offsets`). The same ring as :mod:`all_gather_ring`, steps ``k = 0 .. n-2`` on rank
-``r`` (``schedule.ring.all_gather_steps``)::
+Rank ``s`` contributes ``sizes[s]`` rows (0 included); ``out`` holds every rank's rows in
+rank order, ``out.shape == (sum(sizes), *x.shape[1:])``, segment ``s`` where
+``schedule.partition.split_offsets`` puts it. The ring of :mod:`all_gather_ring` over
+those segments, each cut into ``chunk_bytes`` pieces of its own.
 
-    send segment (r-k) right            # our own rows, from x, at k = 0
-    recv segment (r-k-1) from the left: out[segment] = incoming
-
-and the segment received at step ``k`` is the one sent at step ``k+1``: pipelined per
-piece (each segment cut into ``chunk_bytes`` pieces of its own), piece ``j`` is copied into
-``out`` and sent on from there at once. An empty segment still travels as one empty piece
-(every step has a message, so every inbox knows what to expect).
-
-The call's fingerprint carries every rank's size (``Call.shape`` is ``(*sizes,
-*x.shape[1:])``), so ranks that disagree on the sizes or the row shape raise
-``CollectiveMismatchError`` before anything is written.
-
-Copies and zero-copy safety as in :mod:`all_gather_ring`: ``x`` is never written (sent
-from a private copy if it overlaps a segment we receive into), every other region of
-``out`` is written once, before it is sent on, and never again.
+Invariants: an empty segment still travels as one empty piece (every step has a message,
+so every inbox knows what to expect); the fingerprint carries every rank's size
+(``Call.shape == (*sizes, *x.shape[1:])``), so ranks that disagree on the sizes or the row
+shape raise ``CollectiveMismatchError`` before anything is written; ``x`` is never written
+(sent from a private copy if it overlaps a segment we receive into); every other region
+of ``out`` is written once, before it is sent on. Steps: docs/architecture.md, section
+"collectives/all_gather_v_ring.py".
 """
 
 from __future__ import annotations
@@ -42,7 +33,8 @@ class AllGatherVRing(CollectiveOp):
     maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 (our rows) goes right at once
+        # step 0 (our rows) goes right at once
+        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)
 
     def step_text(self, step: int) -> str:
         return f"all-gather-v step {step + 1}/{self.n - 1}"
@@ -68,8 +60,9 @@ class AllGatherVRing(CollectiveOp):
             self.own[...] = src
             self.post_inboxes()
             return
-        if np.may_share_memory(x, out) and src.__array_interface__["data"][0] != self.own.__array_interface__["data"][0]:  # x overlaps segments we receive into: send from a private copy
-            src = src.copy()
+        src_at = src.__array_interface__["data"][0]
+        if np.may_share_memory(x, out) and src_at != self.own.__array_interface__["data"][0]:
+            src = src.copy()  # x overlaps segments we receive into: send from a private copy
         self.src = src
         chunk = self.comm.chunk_bytes
         self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
@@ -85,8 +78,9 @@ class AllGatherVRing(CollectiveOp):
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        seg, off, length = self.uneven_piece(peer, header, payload, self.recv_seg, self.spans,
-                                             self.seg_nbytes)  # fmt: skip
+        seg, off, length = self.uneven_piece(
+            peer, header, payload, self.recv_seg, self.spans, self.seg_nbytes
+        )
         spans = self.spans[seg]
         if not self.touched:
             self.touched = True
@@ -95,5 +89,13 @@ class AllGatherVRing(CollectiveOp):
         if length:
             self.out_u8[at : at + length] = np.frombuffer(payload, np.uint8)
         if k < self.n - 2:  # send it on, zero-copy from out
-            self.send_piece(self.right, k + 1, j, len(spans), self.seg_nbytes[seg], off,
-                            self.data[at : at + length], self.dtype_str)  # fmt: skip
+            self.send_piece(
+                self.right,
+                k + 1,
+                j,
+                len(spans),
+                self.seg_nbytes[seg],
+                off,
+                self.data[at : at + length],
+                self.dtype_str,
+            )

@@ -1,22 +1,15 @@
 """All-to-all with rows of different counts per peer, directly (``all_to_all_v``).
 
 Rank ``r`` sends rows ``x[in_off[j] : in_off[j] + input_splits[j]]`` to each rank ``j`` and
-receives ``output_splits[j]`` rows from it into ``out[out_off[j] : ...]`` (counts may be 0:
-an empty message still goes, so every rank hears from every peer at start). As
-:mod:`all_to_all_direct`: sends go to ``r+1, r+2, ...`` in turn, zero-copy from ``x`` when
-large; ``x`` is never written (``out`` may not overlap it); our own rows are copied into
-``out`` when the first matching piece arrives; every received piece is copied once from
-its frame.
+receives ``output_splits[j]`` rows from it into ``out[out_off[j] : ...]``. As
+:mod:`all_to_all_direct`: sends go to ``r+1, r+2, ...`` in turn, zero-copy when large.
 
-The splits differ from rank to rank, so the fingerprint carries only the row shape and
-dtype (the call comes with ``Call.shape == (*input_splits, *output_splits,
-*x.shape[1:])``; the op keeps the row shape for the fingerprint). What one rank sends
-another must expect, and that is checked everywhere before any row is written: the first
-piece to each peer carries (``Header.shape``) the sender's whole ``input_splits`` and
-``output_splits``, so once the write gate (``base``) has heard from every peer, every rank
-holds every rank's splits and checks every pair (``input_splits[j]`` of rank ``i``
-against ``output_splits[i]`` of rank ``j``): a disagreement anywhere raises
-``CollectiveMismatchError`` on every rank, naming the pair, with every ``out`` untouched.
+Invariants: an empty message still goes (every rank hears from every peer at start); ``x``
+is never written (``out`` may not overlap it); before any row is written every rank holds
+every rank's splits (the first piece to each peer carries the sender's in ``Header.shape``)
+and checks every pair, so a disagreement anywhere raises ``CollectiveMismatchError`` on
+every rank, naming the pair, with every ``out`` untouched. The fingerprint and the check:
+docs/architecture.md, section "collectives/all_to_all_v_direct.py".
 """
 
 from __future__ import annotations
@@ -101,9 +94,17 @@ class AllToAllVDirect(CollectiveOp):
             spans = chunk_spans(nbytes, chunk, x.itemsize)
             base = in_base[peer]
             for j, (off, length) in enumerate(spans):
-                self.send_piece(peer, 0, j, len(spans), nbytes, off,
-                                data[base + off : base + off + length], dtype,
-                                shape=whole if j == 0 else None)  # fmt: skip
+                self.send_piece(
+                    peer,
+                    0,
+                    j,
+                    len(spans),
+                    nbytes,
+                    off,
+                    data[base + off : base + off + length],
+                    dtype,
+                    shape=whole if j == 0 else None,
+                )
         for k in range(1, n):
             self.expect((r - k) % n, 1)
         self.post_inboxes()

@@ -1,30 +1,16 @@
 """All-reduce by recursive doubling, for small messages (latency: ``log2 n`` exchanges).
 
 The plan is ``schedule.rd.rd_allreduce_plan`` (MPICH's scheme with the non-power-of-two
-pre- and post-step): each rank exchanges its whole buffer with ``log2 p2`` partners and
-reduces the partner's in, the lower rank's operand always on the left
-(``RdStep.incoming_first``), so every rank evaluates the same bracketing and ends with the
-same bits. AVG is finalized right after the last reducing step, before the result is handed
-to a partner that sat out (which then copies it).
+pre- and post-step); each ``chunk_bytes`` piece runs it on its own (the reduction is
+elementwise), one inbox per partner (a directed pair exchanges one message per call at most).
 
-Every directed pair of ranks exchanges at most one message per all-reduce, so one inbox
-per partner; and the reduction is elementwise, so each ``chunk_bytes`` piece runs the plan
-on its own: piece ``j`` moves to its next step as soon as its current step is done, while
-other pieces may be a step ahead or behind (pieces that arrive early wait, as the received
-frame, until their piece catches up).
-
-Copies per byte, per step: one copy at send (by the transport for small pieces; by us,
-into a private ``bytes``, for exchange pieces of at least ``PRIVATE_COPY_MIN_BYTES``),
-one kernel copy into a frame, and the reduction straight from it (``recv_result`` copies
-the frame into ``x``). ``send``/``send_result`` pieces go zero-copy when large.
-
-Zero-copy safety: in an exchange the partner's piece can arrive before libzmq has finished
-reading ours (nothing orders them), and we are about to reduce into that very piece. Large
-exchange pieces are therefore sent from a private copy; if the transport still went
-zero-copy from ``x`` (its threshold lowered below ours), we wait for that piece's tracker
-(:meth:`wait_released`) before reducing. A ``send`` followed by ``recv_result`` from the
-same partner needs no wait: the result exists only after the partner received our piece
-whole; ``send_result`` is our last write-free step.
+Invariants: the lower rank's operand is always on the left (``RdStep.incoming_first``), so
+every rank evaluates the same bracketing and ends with the same bits; AVG is finalized after
+the last reducing step, before a rank that sat out copies the result; nothing is reduced
+into a region of ``x`` while libzmq may still read a piece sent from it (large exchange
+pieces go from a private copy, else :meth:`wait_released` waits for the tracker).
+Pipelining, copies per byte and the zero-copy argument: docs/architecture.md, section
+"collectives/allreduce_rd.py".
 """
 
 from __future__ import annotations

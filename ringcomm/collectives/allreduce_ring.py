@@ -1,42 +1,17 @@
 """All-reduce as a ring: reduce-scatter then all-gather, pipelined piece by piece.
 
-The buffer of ``count`` elements is cut into ``n`` segments (``schedule.ring``; uneven
-sizes and empty segments are fine). Over ``2(n-1)`` global steps ``t`` every rank sends to
-its right neighbour and receives from its left one::
+The buffer is cut into ``n`` segments (``schedule.ring``; uneven and empty segments are
+fine); over ``2(n-1)`` steps every rank sends right and receives left, and each step's
+segment is cut into ``chunk_bytes`` pieces that move on to the next step one by one (as
+NCCL does). The left neighbour's whole stream goes to one inbox. Device arrays go through
+the stager (``collectives.staged``).
 
-    t = 0 .. n-2      reduce-scatter step k=t:       recv segment (r-k-2): x[seg] op= incoming
-    t = n-1 .. 2n-3   all-gather step k=t-(n-1):     recv segment (r-k-1): x[seg] = incoming
-
-and the segment received at step ``t`` is the one sent at step ``t+1`` (at the switch, the
-owned segment ``r``, reduced last, is the first one all-gathered). Each step's segment is
-cut into ``chunk_bytes`` pieces; the pipeline runs at piece granularity, as NCCL does: as
-soon as piece ``j`` received at step ``t`` is reduced (or copied), it is sent on as piece
-``j`` of step ``t+1``. Step 0 (our own data of segment ``r-1``) is sent whole at start.
-The left neighbour's whole stream, all steps in order, goes to one inbox.
-
-Bit-identical results on every rank: only the owner of segment ``s`` (rank ``s``) computes
-its final value (``finalize`` for AVG happens there, before all-gather); everybody else
-copies those bytes.
-
-Data access goes through a stager (``collectives.staged``): for NumPy arrays each call
-below is the plain operation; for device arrays (CuPy) pieces are staged through pinned
-host buffers, the reduction runs on the device, the copy of a piece to be sent overlaps
-the receive of the next one, and in all-gather the received frame itself is sent on (its
-bytes are the piece: no copy back from the device).
-
-Copies per byte, large pieces: send zero-copy from ``x`` (libzmq -> kernel: 1 kernel copy),
-receive into a libzmq frame (1 kernel copy), reduce straight from the frame into ``x``
-(one NumPy pass, no copy) in reduce-scatter, or one copy frame -> ``x`` in all-gather.
-Pieces below the transport's zero-copy threshold are also copied once at send.
-
-Zero-copy safety (why ``x`` is never written while libzmq may still read it): we send a
-region of ``x`` (segment ``s``, piece ``j``) once per phase. In reduce-scatter it is sent
-right after it was last written, and not written again until all-gather receives segment
-``s`` piece ``j`` back from the left -- a message that exists only because our piece
-travelled the whole ring (right neighbour ... owner of ``s`` ... left neighbour): the right
-neighbour received it whole, so libzmq had finished reading it. In all-gather a region is
-written once (the copy) and then sent; nothing writes it afterwards. ``settle()`` at the
-end makes the op complete only once libzmq released every piece.
+Invariants: only the owner of segment ``s`` (rank ``s``) computes its final value (AVG is
+finalized there, before all-gather); every other rank copies those bytes, so every rank
+ends with the same bits. ``x`` is never written while libzmq may still read a piece sent
+from it, and ``settle()`` completes the op only once libzmq released every piece. The step
+table, copies per byte and the zero-copy argument: docs/architecture.md, section
+"collectives/allreduce_ring.py".
 """
 
 from __future__ import annotations

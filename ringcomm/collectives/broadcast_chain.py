@@ -59,8 +59,18 @@ class BroadcastChain(PipelinedOp):
             assert self.next is not None
             npieces = len(self.spans)
             for j, (off, length) in enumerate(self.spans):
-                st.send(self.data[off : off + length], emit, self, self.next, 0, j, npieces,
-                        x.nbytes, off, self.dtype_str)  # fmt: skip
+                st.send(
+                    self.data[off : off + length],
+                    emit,
+                    self,
+                    self.next,
+                    0,
+                    j,
+                    npieces,
+                    x.nbytes,
+                    off,
+                    self.dtype_str,
+                )
             st.pump(0)
         else:
             self.expect(self.prev, 1)
@@ -76,6 +86,17 @@ class BroadcastChain(PipelinedOp):
         target = self.u8[off : off + length]
         st.copy_in(target, payload)
         if self.next is not None:
-            st.forward(self.data[off : off + length], payload, emit, self, self.next, 0, j,
-                       len(spans), self.u8.nbytes, off, self.dtype_str)  # fmt: skip
+            st.forward(
+                self.data[off : off + length],
+                payload,
+                emit,
+                self,
+                self.next,
+                0,
+                j,
+                len(spans),
+                self.u8.nbytes,
+                off,
+                self.dtype_str,
+            )
         st.pump(0 if j + 1 == len(spans) else 1)

@@ -1,31 +1,16 @@
 """Reduce-scatter as a ring (``x.shape[0] == n``; segment ``s`` is the row ``x[s]``).
 
-Steps ``k = 0 .. n-2`` (``schedule.ring.reduce_scatter_steps``) on rank ``r``::
+Steps ``k = 0 .. n-2`` of ``schedule.ring.reduce_scatter_steps``: send the partial result
+of row ``(r-k-1)`` right, combine row ``(r-k-2)`` from the left out of place; the last step
+(row ``r``) writes ``out``. Pipelined per piece like the ring all-reduce. Device arrays go
+through the stager (``collectives.staged``).
 
-    send the partial result of row (r-k-1) right      # our own row x[r-1] at k = 0
-    recv row (r-k-2) from the left; tmp = x[row] op incoming, out of place
-
-and the row received at step ``k`` is the one sent at step ``k+1``; at the last step the
-row is ``r`` itself and the result goes into ``out``. Pipelined per piece like the ring
-all-reduce: piece ``j`` of step ``k`` is combined and sent on as piece ``j`` of step
-``k+1`` at once. The input ``x`` is never written: every combination is out of place
-(``np.add(x_row, incoming, out=tmp)``), straight from the received frame, so no copy of
-``x`` is made first.
-
-Where the partial results live: the final step writes ``out``; the steps before alternate
-between a one-row scratch buffer and ``out`` (counting back from the last step), or a
-second scratch row when ``out`` is ``x[r]`` (allowed, the in-place form; any other
-overlap of ``out`` and ``x`` is refused at the call). A buffer written at step ``k`` and sent at
-step ``k+1`` is written again at step ``k+2``; nothing orders that after libzmq finished
-reading the step-``k+1`` piece (our sends only come back to us around the whole ring), so
-:meth:`wait_released` checks its tracker first (normally already done: two whole steps of
-pieces passed in between).
-
-Device arrays: through the stager (``collectives.staged``), pieces staged via pinned host
-buffers, combinations on the device into device partial rows.
-
-Copies per byte: send zero-copy (1 kernel copy), receive (1 kernel copy), one NumPy pass
-combining frame and ``x`` into the partial buffer; no other copy.
+Invariants: ``x`` is never written (every combination is out of place, straight from the
+received frame, so no copy of ``x`` is made); ``out`` may be ``x[r]`` (the in-place form),
+any other overlap with ``x`` is refused at the call; a partial-result buffer is written
+again only after :meth:`wait_released` saw libzmq release the piece sent from it. Where
+the partial results live, and copies per byte: docs/architecture.md, section
+"collectives/reduce_scatter_ring.py".
 """
 
 from __future__ import annotations
@@ -138,8 +123,16 @@ class ReduceScatterRing(PipelinedOp):
         else:
             tracker = st.send(
                 view[off : off + length],
-                emit, self, self.right, k + 1, j, len(spans), self.row_nbytes, off, self.dtype_str,
-            )  # fmt: skip
+                emit,
+                self,
+                self.right,
+                k + 1,
+                j,
+                len(spans),
+                self.row_nbytes,
+                off,
+                self.dtype_str,
+            )
             if tracker is not None:
                 self.trackers[(id(buf), j)] = tracker
         st.pump(0 if j + 1 == len(spans) else 1)

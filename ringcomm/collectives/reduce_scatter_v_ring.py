@@ -1,25 +1,16 @@
 """Reduce-scatter into rows of different counts as a ring (``reduce_scatter_v``).
 
-Every rank passes ``x`` of ``sum(splits)`` rows and the same ``splits``; rank ``r`` gets
-the reduction of rows ``offsets[r] : offsets[r] + splits[r]`` (``splits[r]`` may be 0).
-Segment ``s`` is those rows of ``splits[s]``. The ring of :mod:`reduce_scatter_ring`, steps
-``k = 0 .. n-2`` on rank ``r`` (``schedule.ring.reduce_scatter_steps``)::
+Every rank passes ``x`` of ``sum(splits)`` rows and the same ``splits``; rank ``r`` gets the
+reduction of rows ``offsets[r] : offsets[r] + splits[r]`` (``splits[r]`` may be 0). The ring
+of :mod:`reduce_scatter_ring` over those segments, pipelined per piece; partial results
+alternate between two scratch buffers of the largest segment (by step parity).
 
-    send the partial result of segment (r-k-1) right      # x's own rows at k = 0
-    recv segment (r-k-2) from the left; partial = x[segment] op incoming, out of place
-
-and the segment received at step ``k`` is the one sent at step ``k+1``; at the last step
-the segment is ``r`` itself and the result goes into ``out``. Pipelined per piece: piece
-``j`` of step ``k`` is combined and sent on as piece ``j`` of step ``k+1`` at once. ``x`` is
-never written (``out`` may not overlap it, checked at the call).
-
-Partial results alternate between two scratch buffers of the largest segment (by step
-parity). A buffer written at step ``k`` and sent at ``k+1`` is written again at ``k+2``:
-:meth:`wait_released` checks the tracker of the piece sent from that region first (every
-segment is cut alike, so piece ``j`` always covers the same bytes of a buffer).
-
-The fingerprint carries ``splits`` (``Call.shape`` is ``(*splits, *x.shape[1:])``): ranks
-that disagree raise ``CollectiveMismatchError`` before anything is reduced.
+Invariants: ``x`` is never written (``out`` may not overlap it, checked at the call); a
+scratch buffer is written again only after :meth:`wait_released` saw the piece sent from
+that region released (every segment is cut alike, so piece ``j`` covers the same bytes);
+the fingerprint carries ``splits`` (``Call.shape == (*splits, *x.shape[1:])``), so ranks
+that disagree raise ``CollectiveMismatchError`` before anything is reduced. Steps:
+docs/architecture.md, section "collectives/reduce_scatter_v_ring.py".
 """
 
 from __future__ import annotations
@@ -84,14 +75,16 @@ class ReduceScatterVRing(CollectiveOp):
         self.will_send(self.right, n - 1)
         self.expect(self.left, n - 1)
         first = steps[0][0]
-        self.send_message(self.right, 0, byte_view(self.segs[first]), self.spans[first], 0,
-                          self.dtype_str)  # fmt: skip
+        self.send_message(
+            self.right, 0, byte_view(self.segs[first]), self.spans[first], 0, self.dtype_str
+        )
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        seg, off, length = self.uneven_piece(peer, header, payload, self.recv_seg, self.spans,
-                                             self.seg_nbytes)  # fmt: skip
+        seg, off, length = self.uneven_piece(
+            peer, header, payload, self.recv_seg, self.spans, self.seg_nbytes
+        )
         spans = self.spans[seg]
         op = self.call.op
         assert op is not None
@@ -109,8 +102,15 @@ class ReduceScatterVRing(CollectiveOp):
         self.wait_released(self.trackers.pop((parity, j), None))
         target = self.partial[parity][a:b]
         reduce_out(op, self.segs[seg][a:b], np.frombuffer(payload, target.dtype), target)
-        tracker = self.send_piece(self.right, k + 1, j, len(spans), self.seg_nbytes[seg], off,
-                                  self.partial_u8[parity][off : off + length],
-                                  self.dtype_str)  # fmt: skip
+        tracker = self.send_piece(
+            self.right,
+            k + 1,
+            j,
+            len(spans),
+            self.seg_nbytes[seg],
+            off,
+            self.partial_u8[parity][off : off + length],
+            self.dtype_str,
+        )
         if tracker is not None:
             self.trackers[(parity, j)] = tracker

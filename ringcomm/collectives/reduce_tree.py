@@ -1,19 +1,14 @@
 """Reduce to ``dst`` up a binomial tree (``schedule.tree``, rooted at ``dst``).
 
-Each rank combines its children's contributions in increasing-subtree order
-(``reversed(binomial_children(...))``), ``local (op) incoming``, then sends the result to
-its parent: one fixed bracketing of the inputs in the order of ranks relative to ``dst``,
-the same bits on every run. Pipelined per piece: piece ``j`` goes up as soon as every
-child's piece ``j`` is in; a child's piece that arrives before an earlier child's waits as
-its frame (the order of operands is fixed). ``dst`` finalizes AVG.
+Each rank combines its children's contributions in increasing-subtree order, ``local (op)
+incoming``, then sends the result to its parent; pipelined per piece (piece ``j`` goes up
+once every child's piece ``j`` is in; an early piece waits as its frame). ``dst`` reduces
+in place into ``x`` and finalizes AVG; an inner rank combines into a scratch buffer.
 
-Buffers: ``dst`` reduces in place into ``x`` (the result); a leaf sends its ``x`` as it is;
-an inner rank combines into a scratch buffer (its ``x`` is left untouched), the first child
-out of place (``acc = x op child``), so no copy of ``x`` is made.
-
-Copies per byte: every rank sends once (zero-copy when large) and receives its children's
-pieces into frames; each combination reads straight from the frame. Zero-copy safety: a
-region is sent only after its last write, and never written again.
+Invariants: one fixed bracketing of the inputs in the order of ranks relative to ``dst``,
+the same bits on every run; no rank but ``dst`` writes its ``x``; a region is sent only
+after its last write and never written again (zero-copy safe). Buffers and copies per
+byte: docs/architecture.md, section "collectives/reduce_tree.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Scatter from ``src`` directly: ``src`` sends row ``x[i]`` to each rank ``i``.
 
 Every rank returns its row (``out``, shape ``x.shape[1:]``). A rank other than ``src`` may
-call with ``x=None`` and ``out=None``: its fingerprint then leaves dtype and shape open and
-the buffer is made from the source's fingerprint when the first piece arrives. With ``x``
-(the source's shape) or ``out`` given, they must match the source's call.
+call with ``x=None`` and ``out=None``: its buffer is then made from the source's
+fingerprint when the first piece arrives; an ``x`` or ``out`` given must match the source's
+call. ``src`` sends to ``src+1, src+2, ...`` in turn (zero-copy when large; ``x`` is never
+written) and copies its own row into ``out``.
 
-``src`` sends to ``src+1, src+2, ...`` in turn (zero-copy from ``x`` when large; ``x`` is
-never written) and copies its own row into ``out``. Copies per byte at a receiver: one
-frame, one copy into ``out``.
-
-Agreement before any write (``gate_writes``, see ``base``): every rank hears from every
-other before it writes ``out`` (the source copies its own row only then too). Ranks'
-fingerprints legitimately differ in dtype and shape only (None: a rank that passed
-neither ``x`` nor ``out``), so a peer's fingerprint is accepted when every other field
-equals ours and its dtype and shape agree with every dtype and shape seen so far in this
-call (ours and other peers'): two non-roots that passed different shapes both raise, even
-though each agrees with a source that has not been heard from yet.
+Invariant: every rank hears from every other before it writes ``out`` (``gate_writes``,
+see ``base``); a peer's fingerprint may differ from ours in dtype and shape only, and those
+must agree with every dtype and shape seen so far in the call (two non-roots that passed
+different shapes both raise). The rule in full: docs/architecture.md, section
+"collectives/scatter_direct.py".
 """
 
 from __future__ import annotations

@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.device.staging import LazyStream
+from ringcomm.device.staging import LazyStream, PerDevice
 from ringcomm.device.standin import StandinArray
-from ringcomm.device.xp import cupy_or_none, is_cupy_array
 from ringcomm.ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
 from ringcomm.transport.workspace import open_segment
 
@@ -665,28 +664,9 @@ class CupyIpcDevice(IpcDevice):
 
 
 # -- which device ------------------------------------------------------------------------------
-_DEVICES: dict[Any, IpcDevice] = {}
-_DEVICES_LOCK = threading.Lock()
+_DEVICES: PerDevice[IpcDevice] = PerDevice(StandinIpcDevice, CupyIpcDevice)
 
 
 def ipc_device_for(x: Any) -> IpcDevice:
     """The (process-wide) window device of device array ``x``; TypeError for others."""
-    if isinstance(x, StandinArray):
-        key: Any = "standin"
-    elif is_cupy_array(x):
-        key = ("cupy", int(x.device.id))
-    else:
-        raise TypeError(f"not a device array: {type(x).__name__}")
-    device = _DEVICES.get(key)
-    if device is None:
-        with _DEVICES_LOCK:
-            device = _DEVICES.get(key)
-            if device is None:
-                if key == "standin":
-                    device = StandinIpcDevice()
-                else:
-                    cp = cupy_or_none()
-                    assert cp is not None  # x is a cupy array
-                    device = CupyIpcDevice(cp, key[1])
-                _DEVICES[key] = device
-    return device
+    return _DEVICES.of(x)

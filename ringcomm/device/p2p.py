@@ -57,10 +57,19 @@ class StagedSendOp(SendOp):
         self.npieces = n = len(spans)
         dtype = dtype_to_wire(x.dtype)
         for i, (off, length) in enumerate(spans):
+            shape = tuple(x.shape) if i == 0 else None  # the first piece says the shape
             header = Header(
-                KIND_P2P, self.src_global, self.group_id, self.tag, 0, i, n, dtype,
-                x.nbytes, off, tuple(x.shape) if i == 0 else None,
-            )  # fmt: skip
+                KIND_P2P,
+                self.src_global,
+                self.group_id,
+                self.tag,
+                piece=i,
+                npieces=n,
+                dtype=dtype,
+                nbytes=x.nbytes,
+                offset=off,
+                shape=shape,
+            )
             st.send(data[off : off + length], self._send_piece, header, length)
         try:
             st.pump(0)

@@ -21,7 +21,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -41,6 +41,7 @@ __all__ = [
     "HostStager",
     "HostStandinBackend",
     "LazyStream",
+    "PerDevice",
     "Slot",
     "StagingPool",
     "backend_for",
@@ -53,6 +54,8 @@ MIN_SLOT_BYTES = 64 * 1024
 DEFAULT_MAX_STAGING_BYTES = DEFAULT_STAGING_MAX_BYTES
 #: How long a pool waits between looks at busy buffers.
 _POLL_S = 0.00005
+
+T = TypeVar("T")
 
 Send = Callable[..., Any]  # (*args, payload) -> tracker or None
 
@@ -358,33 +361,57 @@ class CupyBackend(DeviceBackend):
         return bool(a.data.ptr == b.data.ptr and a.nbytes == b.nbytes)
 
 
-_BACKENDS: dict[Any, DeviceBackend] = {}
-_BACKENDS_LOCK = threading.Lock()
+class PerDevice(Generic[T]):
+    """One object per device, made on first use and kept for the process.
+
+    The device of an array is the stand-in (``StandinArray``) or a CuPy device (by id);
+    ``make_standin()`` or ``make_cupy(cupy, device_id)`` makes its object, once, under a lock.
+    """
+
+    def __init__(self, make_standin: Callable[[], T], make_cupy: Callable[[Any, int], T]) -> None:
+        self.make_standin = make_standin
+        self.make_cupy = make_cupy
+        self._objects: dict[Any, T] = {}
+        self._lock = threading.Lock()
+
+    def of(self, x: Any) -> T:
+        """The object of device array ``x``'s device; TypeError for other arrays."""
+        if isinstance(x, StandinArray):
+            key: Any = "standin"
+        elif is_cupy_array(x):
+            key = ("cupy", int(x.device.id))
+        else:
+            raise TypeError(f"not a device array: {type(x).__name__}")
+        obj = self._objects.get(key)
+        if obj is None:
+            with self._lock:
+                obj = self._objects.get(key)
+                if obj is None:
+                    obj = self._make(key)
+                    self._objects[key] = obj
+        return obj
+
+    def _make(self, key: Any) -> T:
+        if key == "standin":
+            return self.make_standin()
+        cp = cupy_or_none()
+        assert cp is not None  # the array is a cupy array
+        return self.make_cupy(cp, key[1])
+
+
+def _standin_backend() -> DeviceBackend:
+    backend = HostStandinBackend()
+    # the process's stand-in stream: get() reads after the work queued on it
+    set_read_barrier(backend.stream().synchronize)
+    return backend
+
+
+_BACKENDS: PerDevice[DeviceBackend] = PerDevice(_standin_backend, CupyBackend)
 
 
 def backend_for(x: Any) -> DeviceBackend:
     """The (process-wide, cached) backend of device array ``x``; TypeError for others."""
-    if isinstance(x, StandinArray):
-        key: Any = "standin"
-    elif is_cupy_array(x):
-        key = ("cupy", int(x.device.id))
-    else:
-        raise TypeError(f"not a device array: {type(x).__name__}")
-    backend = _BACKENDS.get(key)
-    if backend is None:
-        with _BACKENDS_LOCK:
-            backend = _BACKENDS.get(key)
-            if backend is None:
-                if key == "standin":
-                    backend = HostStandinBackend()
-                    # the process's stand-in stream: get() reads after the work queued on it
-                    set_read_barrier(backend.stream().synchronize)
-                else:
-                    cp = cupy_or_none()
-                    assert cp is not None  # x is a cupy array
-                    backend = CupyBackend(cp, key[1])
-                _BACKENDS[key] = backend
-    return backend
+    return _BACKENDS.of(x)
 
 
 # -- the pool --------------------------------------------------------------------------

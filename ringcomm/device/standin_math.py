@@ -57,6 +57,17 @@ def _inplace(name: str, fn: Callable[[Any, Any], Any]) -> Any:
     return method
 
 
+def _numeric(
+    name: str, fn: Callable[[Any, Any], Any], in_place: Callable[[Any, Any], Any]
+) -> tuple[Any, Any, Any]:
+    """``__name__``, ``__rname__`` and ``__iname__`` of the arithmetic operator ``fn``."""
+    return (
+        _binary(f"__{name}__", fn),
+        _binary(f"__r{name}__", fn, reflected=True),
+        _inplace(f"__i{name}__", in_place),
+    )
+
+
 def _unary(name: str, fn: Callable[[Any], Any]) -> Any:
     def method(self: ArrayMath) -> Any:
         return self._wrap(fn(self.host))
@@ -165,24 +176,20 @@ class ArrayMath:
     any = _reduction("any")
 
     # -- arithmetic ----------------------------------------------------------------------
-    __add__ = _binary("__add__", operator.add)
-    __radd__ = _binary("__radd__", operator.add, reflected=True)
-    __sub__ = _binary("__sub__", operator.sub)
-    __rsub__ = _binary("__rsub__", operator.sub, reflected=True)
-    __mul__ = _binary("__mul__", operator.mul)
-    __rmul__ = _binary("__rmul__", operator.mul, reflected=True)
-    __truediv__ = _binary("__truediv__", operator.truediv)
-    __rtruediv__ = _binary("__rtruediv__", operator.truediv, reflected=True)
-    __floordiv__ = _binary("__floordiv__", operator.floordiv)
-    __mod__ = _binary("__mod__", operator.mod)
-    __pow__ = _binary("__pow__", operator.pow)
-    __rpow__ = _binary("__rpow__", operator.pow, reflected=True)
+    # (as NumPy's NDArrayOperatorsMixin: an operator's forward, reflected, in-place forms)
+    __add__, __radd__, __iadd__ = _numeric("add", operator.add, operator.iadd)
+    __sub__, __rsub__, __isub__ = _numeric("sub", operator.sub, operator.isub)
+    __mul__, __rmul__, __imul__ = _numeric("mul", operator.mul, operator.imul)
+    __truediv__, __rtruediv__, __itruediv__ = _numeric(
+        "truediv", operator.truediv, operator.itruediv
+    )
+    __pow__, __rpow__, __ipow__ = _numeric("pow", operator.pow, operator.ipow)
+    __and__, __rand__, __iand__ = _numeric("and", operator.and_, operator.iand)
+    __or__, __ror__, __ior__ = _numeric("or", operator.or_, operator.ior)
     __matmul__ = _binary("__matmul__", operator.matmul)
     __rmatmul__ = _binary("__rmatmul__", operator.matmul, reflected=True)
-    __and__ = _binary("__and__", operator.and_)
-    __rand__ = _binary("__rand__", operator.and_, reflected=True)
-    __or__ = _binary("__or__", operator.or_)
-    __ror__ = _binary("__ror__", operator.or_, reflected=True)
+    __floordiv__ = _binary("__floordiv__", operator.floordiv)
+    __mod__ = _binary("__mod__", operator.mod)
     __xor__ = _binary("__xor__", operator.xor)
     __lt__ = _binary("__lt__", operator.lt)
     __le__ = _binary("__le__", operator.le)
@@ -190,13 +197,6 @@ class ArrayMath:
     __ge__ = _binary("__ge__", operator.ge)
     __eq__ = _binary("__eq__", operator.eq)
     __ne__ = _binary("__ne__", operator.ne)
-    __iadd__ = _inplace("__iadd__", operator.iadd)
-    __isub__ = _inplace("__isub__", operator.isub)
-    __imul__ = _inplace("__imul__", operator.imul)
-    __itruediv__ = _inplace("__itruediv__", operator.itruediv)
-    __ipow__ = _inplace("__ipow__", operator.ipow)
-    __iand__ = _inplace("__iand__", operator.iand)
-    __ior__ = _inplace("__ior__", operator.ior)
     __neg__ = _unary("__neg__", operator.neg)
     __pos__ = _unary("__pos__", operator.pos)
     __abs__ = _unary("__abs__", operator.abs)

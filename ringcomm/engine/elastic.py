@@ -89,8 +89,9 @@ class ElasticStrategy(Protocol):
 def make_elastic(pg: Any, cfg: TrainConfig) -> ElasticStrategy:
     """``cfg.strategy``'s strategy on ``pg`` (one of :data:`ELASTIC_STRATEGIES`)."""
     if cfg.strategy not in ELASTIC_STRATEGIES:
-        raise ValueError(f"elastic training runs {' or '.join(ELASTIC_STRATEGIES)}, "
-                         f"not {cfg.strategy!r}")  # fmt: skip
+        raise ValueError(
+            f"elastic training runs {' or '.join(ELASTIC_STRATEGIES)}, not {cfg.strategy!r}"
+        )
     strat: ElasticStrategy = strategy_class(cfg.strategy)(pg, cfg)  # type: ignore[assignment]
     return strat
 
@@ -167,17 +168,29 @@ def _share_state(pg: Any, strat: ElasticStrategy, step: int, have: bool) -> int:
     return int(meta[0])
 
 
-def _shrink(pg: Any, strat: ElasticStrategy, step: int, back: Any, t0: float,
-            changes: list[dict[str, Any]]) -> tuple[Any, int]:  # fmt: skip
+def _shrink(
+    pg: Any, strat: ElasticStrategy, step: int, back: Any, t0: float, changes: list[dict[str, Any]]
+) -> tuple[Any, int]:
     """A peer failed at ``step`` (in it, or in the grow at its start): the survivors'
     group, and the step they take again (``back``: the snapshot before this rank's last
     step, for a rank one ahead); the change recorded in ``changes``."""
     pg = pg.shrink()
     seen_at, step = step, agree_step(pg, strat, step, back)
     strat.regroup(pg, step)
-    changes.append({"step": step, "seen_at": seen_at, "event": "shrink", "slots": pg.slots,
-                    "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
+    changes.append(_change("shrink", step, pg, t0, seen_at=seen_at))
     return pg, step
+
+
+def _change(event: str, step: int, pg: Any, t0: float, **seen: Any) -> dict[str, Any]:
+    """The record of a change of the group (``event``) that took the time since ``t0``."""
+    return {
+        "step": step,
+        **seen,
+        "event": event,
+        "slots": pg.slots,
+        "time_lost_s": time.perf_counter() - t0,
+        "at_s": time.time(),
+    }
 
 
 def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
@@ -191,8 +204,10 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
     step = 0
     fresh = bool(pg.rejoined)
     # A restarted process always rejoined: only a slot's first process injects its failure.
-    kills = {int(f[1]): (int(f[2]) if len(f) > 2 else None) for f in cfg.fail_at
-             if int(f[0]) == pg.slot} if not fresh else {}  # fmt: skip
+    kills: dict[int, int | None] = {}  # step -> the transfer to die after (None: at once)
+    if not fresh:
+        mine = [f for f in cfg.fail_at if int(f[0]) == pg.slot]
+        kills = {int(f[1]): (int(f[2]) if len(f) > 2 else None) for f in mine}
     snap = prev_snap = None
     sent0, steps_in_group = pg.stats()["sent_bytes"], 0
     while True:
@@ -215,8 +230,7 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
                 strat.regroup(pg, step)
                 step = _share_state(pg, strat, step, have=True)
                 sent0, steps_in_group = pg.stats()["sent_bytes"], 0
-                changes.append({"step": step, "event": "grow", "slots": pg.slots,
-                                "time_lost_s": time.perf_counter() - t0, "at_s": time.time()})  # fmt: skip
+                changes.append(_change("grow", step, pg, t0))
         if step >= cfg.steps:
             break
         if step in kills:
@@ -236,8 +250,11 @@ def run_elastic(pg: Any, cfg: TrainConfig) -> dict[str, Any]:
             losses[step] = loss
         steps_in_group += 1
         if cfg.verbose and pg.rank == 0 and loss is not None:
-            print(f"[slot {pg.slot}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  "
-                  f"{times[step] * 1e3:.1f} ms  ({pg.world_size} ranks)", flush=True)  # fmt: skip
+            print(
+                f"[slot {pg.slot}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  "
+                f"{times[step] * 1e3:.1f} ms  ({pg.world_size} ranks)",
+                flush=True,
+            )
         step += 1
     strat.finish()
     return {
@@ -276,9 +293,16 @@ def summarize_elastic(
                 changes[key] = c
     timed = step_times[1:] if len(step_times) > 1 else step_times
     final_slots: list[int] = max((r["final_slots"] for r in results), key=len, default=[])
-    ps = ({"servers": cfg.ps_servers, "workers": len(final_slots) - cfg.ps_servers,
-           "consistency": cfg.consistency, "update": cfg.ps_update}
-          if cfg.strategy == "ps" else None)  # fmt: skip
+    ps = (
+        {
+            "servers": cfg.ps_servers,
+            "workers": len(final_slots) - cfg.ps_servers,
+            "consistency": cfg.consistency,
+            "update": cfg.ps_update,
+        }
+        if cfg.strategy == "ps"
+        else None
+    )
     return {
         "strategy": cfg.strategy,
         "elastic": True,

@@ -54,36 +54,23 @@ class TPContext(NamedTuple):
 
 
 # -- the conjugate pairs ---------------------------------------------------------------
-class CopyToTP:
-    """f: identity forward, all_reduce (sum) of the input gradient backward."""
+# Each collective below is the identity on a group of one rank; a pair names, forward
+# beside backward, the two it runs.
+def _identity(tp: TPContext, x: Any) -> Any:
+    return x
 
-    @staticmethod
-    def forward(tp: TPContext, x: Any) -> Any:
+
+def _all_reduce(tp: TPContext, x: Any) -> Any:
+    """The sum of ``x`` over the group."""
+    if tp.size == 1:
         return x
-
-    @staticmethod
-    def backward(tp: TPContext, dy: Any) -> Any:
-        if tp.size == 1:
-            return dy
-        return tp.group.all_reduce(get_xp(dy).ascontiguousarray(dy))
-
-
-class ReduceFromTP:
-    """g: all_reduce (sum) of the partial outputs forward, identity backward."""
-
-    @staticmethod
-    def forward(tp: TPContext, x: Any) -> Any:
-        if tp.size == 1:
-            return x
-        return tp.group.all_reduce(get_xp(x).ascontiguousarray(x))
-
-    @staticmethod
-    def backward(tp: TPContext, dy: Any) -> Any:
-        return dy
+    return tp.group.all_reduce(get_xp(x).ascontiguousarray(x))
 
 
 def _gather_seq(tp: TPContext, x: Any) -> Any:
     """``(b, s, d)`` shards -> ``(b, T*s, d)``, rank t's shard at sequence block t."""
+    if tp.size == 1:
+        return x
     xp = get_xp(x)
     b, s, d = x.shape
     out = xp.empty((tp.size, b, s, d), x.dtype)
@@ -93,6 +80,8 @@ def _gather_seq(tp: TPContext, x: Any) -> Any:
 
 def _reduce_scatter_seq(tp: TPContext, x: Any) -> Any:
     """``(b, S, d)`` partial sums -> this rank's sequence block ``(b, S/T, d)`` of the sum."""
+    if tp.size == 1:
+        return x
     xp = get_xp(x)
     b, S, d = x.shape
     rows = xp.ascontiguousarray(x.reshape(b, tp.size, S // tp.size, d).transpose(1, 0, 2, 3))
@@ -101,30 +90,34 @@ def _reduce_scatter_seq(tp: TPContext, x: Any) -> Any:
     return out
 
 
+class CopyToTP:
+    """f: identity forward, all_reduce (sum) of the input gradient backward."""
+
+    forward = staticmethod(_identity)
+    backward = staticmethod(_all_reduce)
+
+
+class ReduceFromTP:
+    """g: all_reduce (sum) of the partial outputs forward, identity backward."""
+
+    forward = staticmethod(_all_reduce)
+    backward = staticmethod(_identity)
+
+
 class GatherFromSequence:
     """f under sequence parallelism: all_gather along the sequence forward,
     reduce_scatter along it backward."""
 
-    @staticmethod
-    def forward(tp: TPContext, x: Any) -> Any:
-        return x if tp.size == 1 else _gather_seq(tp, x)
-
-    @staticmethod
-    def backward(tp: TPContext, dy: Any) -> Any:
-        return dy if tp.size == 1 else _reduce_scatter_seq(tp, dy)
+    forward = staticmethod(_gather_seq)
+    backward = staticmethod(_reduce_scatter_seq)
 
 
 class ReduceScatterToSequence:
     """g under sequence parallelism: reduce_scatter along the sequence forward,
     all_gather backward."""
 
-    @staticmethod
-    def forward(tp: TPContext, x: Any) -> Any:
-        return x if tp.size == 1 else _reduce_scatter_seq(tp, x)
-
-    @staticmethod
-    def backward(tp: TPContext, dy: Any) -> Any:
-        return dy if tp.size == 1 else _gather_seq(tp, dy)
+    forward = staticmethod(_reduce_scatter_seq)
+    backward = staticmethod(_gather_seq)
 
 
 def enter_tp(tp: TPContext) -> type[CopyToTP | GatherFromSequence]:

@@ -57,8 +57,14 @@ class JoinRequest:
     def from_body(cls, body: dict[str, Any]) -> JoinRequest | None:
         """The request in a store message, or None when a field is missing or mistyped."""
         fields: dict[str, Any] = {}
-        for name, kind in (("ns", str), ("rank", int), ("world_size", int), ("version", str),
-                           ("who", str), ("nonce", str)):  # fmt: skip
+        for name, kind in (
+            ("ns", str),
+            ("rank", int),
+            ("world_size", int),
+            ("version", str),
+            ("who", str),
+            ("nonce", str),
+        ):
             value = body.get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
                 return None
@@ -68,9 +74,15 @@ class JoinRequest:
         return cls(**fields, opens=body.get("opens") is True)
 
     def to_body(self) -> dict[str, Any]:
-        return {"ns": self.ns, "rank": self.rank, "world_size": self.world_size,
-                "version": self.version, "who": self.who, "nonce": self.nonce,
-                "opens": self.opens}  # fmt: skip
+        return {
+            "ns": self.ns,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "version": self.version,
+            "who": self.who,
+            "nonce": self.nonce,
+            "opens": self.opens,
+        }
 
 
 @dataclass
@@ -133,18 +145,26 @@ class Formations:
     def _disagreement(f: _Formation, req: JoinRequest) -> str | None:
         r = req.rank
         if req.world_size != f.world_size:
-            return (f"rank {r} ({req.who}) says world_size={req.world_size}, the group was "
-                    f"formed with world_size={f.world_size} ({f.world_from})")  # fmt: skip
+            return (
+                f"rank {r} ({req.who}) says world_size={req.world_size}, the group was "
+                f"formed with world_size={f.world_size} ({f.world_from})"
+            )
         if not 0 <= r < f.world_size:
-            return (f"rank {r} ({req.who}) is out of range: the group has ranks 0.."
-                    f"{f.world_size - 1} (world_size={f.world_size}, {f.world_from})")  # fmt: skip
+            return (
+                f"rank {r} ({req.who}) is out of range: the group has ranks 0.."
+                f"{f.world_size - 1} (world_size={f.world_size}, {f.world_from})"
+            )
         held = f.members.get(r)
         if held is not None and held[1] != req.nonce:
-            return (f"rank {r} joined twice: {req.who} says it is rank {r}, and so did "
-                    f"{held[0]} (every rank needs its own number)")  # fmt: skip
+            return (
+                f"rank {r} joined twice: {req.who} says it is rank {r}, and so did "
+                f"{held[0]} (every rank needs its own number)"
+            )
         if f.version is not None and req.version != f.version:
-            return (f"rank {r} ({req.who}) runs {req.version}, the group was formed by "
-                    f"{f.version} ({f.version_from})")  # fmt: skip
+            return (
+                f"rank {r} ({req.who}) runs {req.version}, the group was formed by "
+                f"{f.version} ({f.version_from})"
+            )
         return None
 
     def claimed_twice(self, ns: str, rank: int, who: str, held: str) -> str | None:
@@ -158,9 +178,11 @@ class Formations:
         if f.error is None and f.world_size and len(f.members) >= f.world_size:
             return None
         if f.error is None:
-            f.error = (f"rank {rank} joined twice: {who} says it is rank {rank}, and so did "
-                       f"{held} (every rank needs its own number; or a process not of this "
-                       "job took its place)")  # fmt: skip
+            f.error = (
+                f"rank {rank} joined twice: {who} says it is rank {rank}, and so did "
+                f"{held} (every rank needs its own number; or a process not of this "
+                "job took its place)"
+            )
         return f.error
 
     def failure(self, keys: list[str]) -> str | None:

@@ -99,8 +99,15 @@ def connect_and_join(cfg: InitConfig, join: JoinRequest, label: str) -> Store:
         contact_s = max(0.1, min(deadline, notice_at) - now)
         store: Store | None = None
         try:
-            store = connect_store(cfg, cfg.master_addr, cfg.master_port, label, join.ns,
-                                  token=token, connect_timeout_s=contact_s)  # fmt: skip
+            store = connect_store(
+                cfg,
+                cfg.master_addr,
+                cfg.master_port,
+                label,
+                join.ns,
+                token=token,
+                connect_timeout_s=contact_s,
+            )
             token = store.token  # handed out once: kept for the next try
             unreached = False
             if store.join(join):
@@ -124,8 +131,11 @@ def connect_and_join(cfg: InitConfig, join: JoinRequest, label: str) -> Store:
                 store.close()
         now = time.monotonic()
         if now >= deadline:
-            what = ("no store answered there" if unreached
-                    else f"the store there never served group {join.ns!r}")  # fmt: skip
+            what = (
+                "no store answered there"
+                if unreached
+                else f"the store there never served group {join.ns!r}"
+            )
             raise CommTimeoutError(
                 f"{label}: rendezvous timed out after {cfg.timeout_s:g} s: {what} (store "
                 f"address {cfg.master_addr}:{cfg.master_port}; does rank 0 run, and form its "
@@ -134,11 +144,18 @@ def connect_and_join(cfg: InitConfig, join: JoinRequest, label: str) -> Store:
         if now >= notice_at:
             notice_at = float("inf")
             where = f"{cfg.master_addr}:{cfg.master_port}"
-            what = (f"for the store at {where} to answer (rank 0 or the launcher serves it)"
-                    if unreached else f"for rank 0 to open group {join.ns!r} at the store at "
-                    f"{where}")  # fmt: skip
-            log.warning("%s: waited %g s %s; still waiting, up to %g s in all", label,
-                        NOTICE_S, what, cfg.timeout_s)  # fmt: skip
+            what = (
+                f"for the store at {where} to answer (rank 0 or the launcher serves it)"
+                if unreached
+                else f"for rank 0 to open group {join.ns!r} at the store at {where}"
+            )
+            log.warning(
+                "%s: waited %g s %s; still waiting, up to %g s in all",
+                label,
+                NOTICE_S,
+                what,
+                cfg.timeout_s,
+            )
         if not unreached:
             time.sleep(delay_s)
             delay_s = min(2 * delay_s, 0.1)
@@ -155,14 +172,21 @@ def serve_store(
     host will be refused instead, and this rank then too, as a member of a failed group).
     Anything else raises the bind error."""
     try:
-        return serve(bind_host, port, token=cfg.token, security=cfg.security,
-                     world_size=cfg.world_size, ns=join.ns)  # fmt: skip
+        return serve(
+            bind_host,
+            port,
+            token=cfg.token,
+            security=cfg.security,
+            world_size=cfg.world_size,
+            ns=join.ns,
+        )
     except RendezvousError as exc:
         if port == 0 or cfg.world_size < 2:
             raise
         try:  # (without a token, the claim of a second rank 0 fails the group there)
-            probe = connect_store(cfg, cfg.master_addr, port, label, join.ns,
-                                  connect_timeout_s=_PROBE_S)  # fmt: skip
+            probe = connect_store(
+                cfg, cfg.master_addr, port, label, join.ns, connect_timeout_s=_PROBE_S
+            )
         except JoinRefusedError:
             raise
         except (RendezvousError, AuthenticationError):
@@ -215,9 +239,16 @@ def read_address(cfg: InitConfig, ns: str, label: str) -> tuple[str, int]:
         except CommTimeoutError:
             if first >= cfg.timeout_s:
                 raise
-            log.warning("%s: waited %g s for rank 0 to publish the store's address in "
-                        "torchrun's store (%s:%d, key %r); still waiting, up to %g s in all",
-                        label, first, ts.host, ts.port, key, cfg.timeout_s)  # fmt: skip
+            log.warning(
+                "%s: waited %g s for rank 0 to publish the store's address in "
+                "torchrun's store (%s:%d, key %r); still waiting, up to %g s in all",
+                label,
+                first,
+                ts.host,
+                ts.port,
+                key,
+                cfg.timeout_s,
+            )
             raw = b""
     if not raw:
         with TorchStoreClient(ts.host, ts.port, cfg.timeout_s, label) as client:
@@ -234,10 +265,17 @@ def wait_for_ranks(store: Store, keys: list[str], cfg: InitConfig, label: str) -
     first = min(NOTICE_S, cfg.timeout_s)
     missing = store.wait_missing(keys, timeout_s=first)
     if missing and first < cfg.timeout_s:
-        log.warning("%s: waited %g s for %s to join the group (world_size=%d, store at "
-                    "%s:%d); still waiting, up to %g s in all", label, first,
-                    _ranks(keys, missing), cfg.world_size, cfg.master_addr, cfg.master_port,
-                    cfg.timeout_s)  # fmt: skip
+        log.warning(
+            "%s: waited %g s for %s to join the group (world_size=%d, store at "
+            "%s:%d); still waiting, up to %g s in all",
+            label,
+            first,
+            _ranks(keys, missing),
+            cfg.world_size,
+            cfg.master_addr,
+            cfg.master_port,
+            cfg.timeout_s,
+        )
         missing = store.wait_missing(keys, timeout_s=max(0.001, deadline - time.monotonic()))
     if missing:
         raise CommTimeoutError(

@@ -61,10 +61,16 @@ def job_store(
     ``none``. ``world_from``: the store binds every group to ``world_size`` (join.py)."""
     auth = security != "none"
     issued = None if token or not auth else claims(world_size, ns)
-    return StoreServer(host, port, token=token, auth=auth, gated=gated,
-                       issue="default" if issued is None else issued,
-                       world_size=None if world_from is None else world_size,
-                       world_from=world_from or "the launcher").start()  # fmt: skip
+    return StoreServer(
+        host,
+        port,
+        token=token,
+        auth=auth,
+        gated=gated,
+        issue="default" if issued is None else issued,
+        world_size=None if world_from is None else world_size,
+        world_from=world_from or "the launcher",
+    ).start()
 
 
 def connect_store(
@@ -79,9 +85,16 @@ def connect_store(
 ) -> Store:
     """This rank's store client; without a token (``token`` or ``cfg.token``) it asks for
     the job's as its rank of group ``ns``."""
-    return Store(host, port, token=token or cfg.token, timeout_s=cfg.timeout_s, label=label,
-                 connect_timeout_s=connect_timeout_s, claim=claim(cfg.rank, ns),
-                 auth=cfg.security != "none")  # fmt: skip
+    return Store(
+        host,
+        port,
+        token=token or cfg.token,
+        timeout_s=cfg.timeout_s,
+        label=label,
+        connect_timeout_s=connect_timeout_s,
+        claim=claim(cfg.rank, ns),
+        auth=cfg.security != "none",
+    )
 
 
 def effective_config(cfg: InitConfig, *tokens: str | None) -> InitConfig:

@@ -83,8 +83,7 @@ class TorchStoreClient:
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (``b""``: if it is missing);
         the value now stored (torch's semantics)."""
-        self._send(bytes([_COMPARE_SET]) + _key(key) + _string(expected)
-                   + _string(desired), 10.0)  # fmt: skip
+        self._send(bytes([_COMPARE_SET]) + _key(key) + _string(expected) + _string(desired), 10.0)
         return self._recv_vector(key, 10.0)
 
     def get(self, key: str, timeout_s: float) -> bytes:
@@ -94,8 +93,9 @@ class TorchStoreClient:
         self._send(bytes([_WAIT]) + _U64.pack(1) + _key(key), timeout_s)
         answer = self._recv_exact(1, key, timeout_s, waiting=True)
         if answer[0] != _STOP_WAITING:
-            raise RendezvousError(f"{self.label}: torch's store at {self.address} cancelled "
-                                  f"the wait for {key!r}")  # fmt: skip
+            raise RendezvousError(
+                f"{self.label}: torch's store at {self.address} cancelled the wait for {key!r}"
+            )
         self._send(bytes([_GET]) + _key(key), 10.0)
         return self._recv_vector(key, 10.0)
 

@@ -157,9 +157,14 @@ class ShmSegments:
             return None
         seg = self._in.get(src)
         if (
-            magic != _MAGIC or sender != src or seg is None or slot >= seg.slots
-            or nbytes > seg.slot_bytes or generation == 0 or seg.map[slot] != generation
-        ):  # fmt: skip
+            magic != _MAGIC
+            or sender != src
+            or seg is None
+            or slot >= seg.slots
+            or nbytes > seg.slot_bytes
+            or generation == 0
+            or seg.map[slot] != generation
+        ):
             return None
         view = np.frombuffer(seg.map, np.uint8, nbytes, _HEADER_BYTES + slot * seg.slot_bytes)
         view.flags.writeable = False

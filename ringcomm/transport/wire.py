@@ -216,18 +216,34 @@ def unpack_header(data: bytes | memoryview) -> tuple[Header, bytes | None]:
     # upper bound; bools are not ints here), no shape, no auth. Anything else takes the
     # field-by-field checks, which also name what is wrong.
     if (
-        type(ver) is int and ver == WIRE_VERSION
-        and type(kind) is int and type(src) is int and type(group) is int
-        and type(tag) is int and type(step) is int and type(piece) is int
-        and type(npieces) is int and type(nbytes) is int and type(offset) is int
+        type(ver) is int
+        and ver == WIRE_VERSION
+        and type(kind) is int
+        and type(src) is int
+        and type(group) is int
+        and type(tag) is int
+        and type(step) is int
+        and type(piece) is int
+        and type(npieces) is int
+        and type(nbytes) is int
+        and type(offset) is int
         and kind in KIND_NAMES
-        and src >= 0 and group >= 0 and tag >= 0 and step >= 0 and nbytes >= 0
-        and offset >= 0 and 0 <= piece < npieces
-        and type(dtype) is str and shape is None and auth is None
+        and src >= 0
+        and group >= 0
+        and tag >= 0
+        and step >= 0
+        and nbytes >= 0
+        and offset >= 0
+        and 0 <= piece < npieces
+        and type(dtype) is str
+        and shape is None
+        and auth is None
         and (inline is None or type(inline) is bytes)
-    ):  # fmt: skip
-        header = _tuple_new(Header, (kind, src, group, tag, step, piece, npieces, dtype, nbytes,
-                                     offset, None, fp, None))  # fmt: skip
+    ):
+        header = _tuple_new(
+            Header,
+            (kind, src, group, tag, step, piece, npieces, dtype, nbytes, offset, None, fp, None),
+        )
         return header, inline
     if type(ver) is not int or ver != WIRE_VERSION:
         raise WireError(f"wire version {ver!r} != {WIRE_VERSION}")

@@ -439,9 +439,9 @@ class ZmqTransport:
         self.sent_bytes += nbytes
         self.sent_messages += 1
         lane = self._lane
-        if lane is not None and (stream is None or (
-            stream.ordered is not None and peer in stream.ordered
-        )):  # fmt: skip
+        if lane is not None and (
+            stream is None or (stream.ordered is not None and peer in stream.ordered)
+        ):
             lane = None  # this message must not overtake one sent over zmq (may_overtake)
         if nbytes < INLINE_MAX_BYTES:
             # The same small message to several peers in a row is framed once.
