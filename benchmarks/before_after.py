@@ -30,9 +30,27 @@ def sweep(tree: pathlib.Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, "-m", "ringcomm", "bench", args.op, "-n", str(args.world_size),
-           "-b", args.begin, "-e", args.end, "--iters", str(args.iters), "--warmup",
-           str(args.warmup), "--check", "-q", "--json", path]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "bench",
+        args.op,
+        "-n",
+        str(args.world_size),
+        "-b",
+        args.begin,
+        "-e",
+        args.end,
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--check",
+        "-q",
+        "--json",
+        path,
+    ]
     try:
         subprocess.run(cmd, env=env, check=True, cwd=str(tree), stdout=subprocess.DEVNULL)
         with open(path) as f:

@@ -88,10 +88,25 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH=path)
             env.update(kv.split("=", 1) for kv in extra.split(",") if kv)
             out = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--child", "-n", str(a.world),
-                 "--bytes", str(a.bytes), "--calls", str(a.calls), "--trees", path],
-                env=env, check=True, capture_output=True, text=True, cwd=path,
-            ).stdout  # fmt: skip
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--child",
+                    "-n",
+                    str(a.world),
+                    "--bytes",
+                    str(a.bytes),
+                    "--calls",
+                    str(a.calls),
+                    "--trees",
+                    path,
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=path,
+            ).stdout
             rows = json.loads(out.strip().splitlines()[-1])
             agg[tree]["wall_us"].append(max(r["wall_us"] for r in rows))
             for k in keys[1:]:

@@ -33,17 +33,36 @@ def main() -> None:
     try:
         for rep in range(a.reps):
             for tree in a.trees:
-                cmd = [sys.executable, "-m", "ringcomm", "bench", "all_reduce", "-n", str(a.world),
-                       "-b", a.size, "-e", a.size, "--iters", str(a.iters), "--warmup",
-                       str(a.iters // 10), "-q", "--json", path]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "ringcomm",
+                    "bench",
+                    "all_reduce",
+                    "-n",
+                    str(a.world),
+                    "-b",
+                    a.size,
+                    "-e",
+                    a.size,
+                    "--iters",
+                    str(a.iters),
+                    "--warmup",
+                    str(a.iters // 10),
+                    "-q",
+                    "--json",
+                    path,
+                ]
                 env = dict(os.environ, PYTHONPATH=tree)
                 subprocess.run(cmd, env=env, check=True, cwd=tree, stdout=subprocess.DEVNULL)
                 with open(path) as f:
                     row = json.loads(f.readline())
                 for k in got[tree]:
                     got[tree][k].append(row[k])
-                print(f"rep {rep} {tree}: time_us={row['time_us']:.1f} p50_us={row['p50_us']:.1f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"rep {rep} {tree}: time_us={row['time_us']:.1f} p50_us={row['p50_us']:.1f}",
+                    flush=True,
+                )
     finally:
         os.unlink(path)
     base = statistics.median(got[a.trees[0]]["time_us"])
@@ -51,8 +70,10 @@ def main() -> None:
     for tree in a.trees:
         t = statistics.median(got[tree]["time_us"])
         p50 = statistics.median(got[tree]["p50_us"])
-        print(f"{tree}: median time_us {t:.1f} (ratio {t / base:.3f}), median p50_us {p50:.1f}, "
-              f"time_us min/max {min(got[tree]['time_us']):.1f}/{max(got[tree]['time_us']):.1f}")
+        print(
+            f"{tree}: median time_us {t:.1f} (ratio {t / base:.3f}), median p50_us {p50:.1f}, "
+            f"time_us min/max {min(got[tree]['time_us']):.1f}/{max(got[tree]['time_us']):.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -78,8 +78,20 @@ class Testbed:
     def exec_argv(self, host: int, *argv: str) -> list[str]:
         """Run ``argv`` in host ``host``'s namespace with its hostname."""
         script = f'hostname {self.hostnames[host]} && exec "$@"'
-        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--",
-                "sh", "-c", script, "sh", *argv]  # fmt: skip
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespaces[host],
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *argv,
+        ]
 
     def stop(self) -> None:
         stop(self.prefix)
@@ -172,8 +184,22 @@ def stop(prefix: str = "rc") -> None:
 
 def _shape(dev: str, rate: str, ns: str | None = None) -> None:
     pre = ["ip", "netns", "exec", ns] if ns else []
-    _run(*pre, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-         "burst", "256kb", "latency", "20ms")  # fmt: skip
+    _run(
+        *pre,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        "256kb",
+        "latency",
+        "20ms",
+    )
 
 
 def _sshd_config(state: Path, address: str, i: int) -> str:
@@ -225,8 +251,9 @@ def _wait_listening(address: str, log: Path, popen: subprocess.Popen[bytes]) -> 
     deadline = time.monotonic() + 20.0
     while True:
         if popen.poll() is not None:
-            raise RuntimeError(f"sshd on {address} exited {popen.returncode}: "
-                               f"{log.read_text(errors='replace')}")  # fmt: skip
+            raise RuntimeError(
+                f"sshd on {address} exited {popen.returncode}: {log.read_text(errors='replace')}"
+            )
         try:
             with socket.create_connection((address, 22), timeout=1.0):
                 return
@@ -269,8 +296,15 @@ def start(
 
 def _start(hosts: int, rate: str, prefix: str, slots: int, state: Path, net: str) -> Testbed:
     state.mkdir(parents=True, mode=0o700)
-    bed = Testbed(prefix, state, state / "hostfile", state / "ssh_config", state / "id_ed25519",
-                  subnet=f"{net}.0/24", rate=rate)  # fmt: skip
+    bed = Testbed(
+        prefix,
+        state,
+        state / "hostfile",
+        state / "ssh_config",
+        state / "id_ed25519",
+        subnet=f"{net}.0/24",
+        rate=rate,
+    )
     for key in (bed.identity, state / "hostkey"):
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ringcomm-netns", "-f", str(key))
     shutil.copy(f"{bed.identity}.pub", state / "authorized_keys")
@@ -323,8 +357,10 @@ def status(prefix: str = "rc") -> str:
     namespaces, links, _ = _names(prefix)
     if not namespaces and not links and not (STATE_ROOT / prefix).exists():
         return ""
-    lines = [f"state dir {STATE_ROOT / prefix}" + ("" if (STATE_ROOT / prefix).exists()
-                                                   else " (missing)")]  # fmt: skip
+    lines = [
+        f"state dir {STATE_ROOT / prefix}"
+        + ("" if (STATE_ROOT / prefix).exists() else " (missing)")
+    ]
     net = SUBNET
     try:
         net = (STATE_ROOT / prefix / "subnet").read_text().strip()
@@ -372,8 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ssh_config: {bed.ssh_config}")
     for k, v in bed.env().items():
         print(f"export {k}={v}")
-    print(f"# e.g. ringcomm bench all_reduce --hostfile {bed.hostfile} --ssh-config "
-          f"{bed.ssh_config} -b 1M -e 64M --compare mpi")  # fmt: skip
+    print(
+        f"# e.g. ringcomm bench all_reduce --hostfile {bed.hostfile} --ssh-config "
+        f"{bed.ssh_config} -b 1M -e 64M --compare mpi"
+    )
     print(f"# stop: python {sys.argv[0]} stop --prefix {bed.prefix}")
     return 0
 

@@ -73,8 +73,19 @@ def worker(out: str) -> None:
 
 def trial(world: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "ringcomm", "run", "-n", str(world), "--max-restarts", "1",
-               __file__, "--worker", out]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            "-n",
+            str(world),
+            "--max-restarts",
+            "1",
+            __file__,
+            "--worker",
+            out,
+        ]
         subprocess.run(cmd, check=True, timeout=120)
         t_kill = float(Path(out, "kill").read_text())
         survivors = [json.loads(Path(out, f"s{s}.0").read_text()) for s in range(world - 1)]
@@ -103,8 +114,11 @@ def main() -> None:
         got = [trial(world) for _ in range(args.trials)]
         med = {k: statistics.median(g[k] for g in got) for k in got[0]}
         rows.append({"world_size": world, **med, "trials": got})
-        print(f"| {world} | {med['shrunk_s']:.3f} | {med['restarted_s']:.3f} | "
-              f"{med['rejoined_s']:.3f} | {med['grown_s']:.3f} |", flush=True)  # fmt: skip
+        print(
+            f"| {world} | {med['shrunk_s']:.3f} | {med['restarted_s']:.3f} | "
+            f"{med['rejoined_s']:.3f} | {med['grown_s']:.3f} |",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 

@@ -31,13 +31,33 @@ from typing import Any
 HERE = pathlib.Path(__file__).resolve().parents[1]
 
 
-def bench(tree: pathlib.Path, world: int, size: str, iters: int, extra_env: dict[str, str]) -> dict[str, Any]:
+def bench(
+    tree: pathlib.Path, world: int, size: str, iters: int, extra_env: dict[str, str]
+) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     env = dict(os.environ, PYTHONPATH=str(tree), **extra_env)
-    cmd = [sys.executable, "-m", "ringcomm", "bench", "all_reduce", "-n", str(world), "-b", size,
-           "-e", size, "--iters", str(iters), "--warmup", str(max(2, iters // 10)), "--check",
-           "-q", "--json", path]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "bench",
+        "all_reduce",
+        "-n",
+        str(world),
+        "-b",
+        size,
+        "-e",
+        size,
+        "--iters",
+        str(iters),
+        "--warmup",
+        str(max(2, iters // 10)),
+        "--check",
+        "-q",
+        "--json",
+        path,
+    ]
     subprocess.run(cmd, env=env, check=True, cwd=str(tree), stdout=subprocess.DEVNULL)
     with open(path) as f:
         row = json.loads(f.readline())
@@ -86,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     med: dict[tuple[str, int], float] = {}
     for name, _, _ in setups:
         for size, _ in sizes:
-            sel = [r for r in rows if r["setup"] == name and r["bytes"] == (8 if size == "8" else 64 << 20)]
+            sel = [
+                r
+                for r in rows
+                if r["setup"] == name and r["bytes"] == (8 if size == "8" else 64 << 20)
+            ]
             key = "time_us" if size == "8" else "busbw_GBps"
             med[(name, sel[0]["bytes"])] = statistics.median(r[key] for r in sel)
     for name, _, _ in setups:

@@ -62,13 +62,26 @@ def formation(tree: pathlib.Path, world: int, token: bool) -> float:
     procs = []
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if "TOKEN" not in k}
-        env.update(PYTHONPATH=str(tree), RINGCOMM_RANK=str(r), RINGCOMM_WORLD_SIZE=str(world),
-                   RINGCOMM_MASTER_ADDR="127.0.0.1", RINGCOMM_MASTER_PORT=str(port),
-                   RINGCOMM_TIMEOUT_S="120")  # fmt: skip
+        env.update(
+            PYTHONPATH=str(tree),
+            RINGCOMM_RANK=str(r),
+            RINGCOMM_WORLD_SIZE=str(world),
+            RINGCOMM_MASTER_ADDR="127.0.0.1",
+            RINGCOMM_MASTER_PORT=str(port),
+            RINGCOMM_TIMEOUT_S="120",
+        )
         if token:
             env["RINGCOMM_TOKEN"] = "a token the user gave every rank"
-        procs.append(subprocess.Popen([sys.executable, "-c", _CHILD], env=env, cwd=str(tree),
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _CHILD],
+                env=env,
+                cwd=str(tree),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -93,8 +106,27 @@ def small_all_reduce(tree: pathlib.Path, world: int, sockets: bool, iters: int) 
     env["PYTHONPATH"] = str(tree)
     if sockets:
         env["RINGCOMM_WORKSPACE"] = "0"
-    cmd = [sys.executable, "-m", "ringcomm", "bench", "all_reduce", "-n", str(world), "-b", "8",
-           "-e", "8", "--iters", str(iters), "--warmup", "50", "--check", "-q", "--json", path]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "bench",
+        "all_reduce",
+        "-n",
+        str(world),
+        "-b",
+        "8",
+        "-e",
+        "8",
+        "--iters",
+        str(iters),
+        "--warmup",
+        "50",
+        "--check",
+        "-q",
+        "--json",
+        path,
+    ]
     subprocess.run(cmd, env=env, check=True, cwd=str(tree), stdout=subprocess.DEVNULL)
     with open(path) as f:
         row = json.loads(f.readline())
@@ -162,12 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     trees = {"before": pathlib.Path(args.before).resolve(), "after": HERE}
     samples: list[dict[str, Any]] = []
-    cases = [("formation, no token", lambda t: formation(t, args.world_size, False)),
-             ("formation, RINGCOMM_TOKEN", lambda t: formation(t, args.world_size, True)),
-             ("8 B all_reduce, workspace",
-              lambda t: small_all_reduce(t, args.bench_world_size, False, args.iters)),
-             ("8 B all_reduce, sockets",
-              lambda t: small_all_reduce(t, args.bench_world_size, True, args.iters))]  # fmt: skip
+    cases = [
+        ("formation, no token", lambda t: formation(t, args.world_size, False)),
+        ("formation, RINGCOMM_TOKEN", lambda t: formation(t, args.world_size, True)),
+        (
+            "8 B all_reduce, workspace",
+            lambda t: small_all_reduce(t, args.bench_world_size, False, args.iters),
+        ),
+        (
+            "8 B all_reduce, sockets",
+            lambda t: small_all_reduce(t, args.bench_world_size, True, args.iters),
+        ),
+    ]
     for rep in range(args.reps):
         for case, run in cases:
             for which in ("before", "after") if rep % 2 == 0 else ("after", "before"):
@@ -175,30 +213,59 @@ def main(argv: list[str] | None = None) -> int:
                 samples.append({"case": case, "tree": which, "rep": rep, "value": value})
                 print(f"rep {rep} {case:28s} {which:6s} {value:.6g}", flush=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"world_size": args.world_size, "bench_world_size": args.bench_world_size,
-                   "samples": samples}, f, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "world_size": args.world_size,
+                "bench_world_size": args.bench_world_size,
+                "samples": samples,
+            },
+            f,
+            indent=1,
+        )
     lines = ["| case | before (median) | after (median) | after/before |", "|---|---:|---:|---:|"]
     for case, _ in cases:
         unit, scale = ("ms", 1e3) if case.startswith("formation") else ("µs", 1.0)
-        med = {w: statistics.median(s["value"] for s in samples
-                                    if s["case"] == case and s["tree"] == w) for w in trees}  # fmt: skip
-        lines.append(f"| {case} | {med['before'] * scale:.3g} {unit} | "
-                     f"{med['after'] * scale:.3g} {unit} | {med['after'] / med['before']:.2f} |")  # fmt: skip
+        med = {
+            w: statistics.median(
+                s["value"] for s in samples if s["case"] == case and s["tree"] == w
+            )
+            for w in trees
+        }
+        lines.append(
+            f"| {case} | {med['before'] * scale:.3g} {unit} | "
+            f"{med['after'] * scale:.3g} {unit} | {med['after'] / med['before']:.2f} |"
+        )
     if args.paired:
-        lines += ["", "| 8 B all_reduce, in one job | checks | stubbed | difference |",
-                  "|---|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "| 8 B all_reduce, in one job | checks | stubbed | difference |",
+            "|---|---:|---:|---:|",
+        ]
         for sockets in (False, True):
             got = [paired(args.bench_world_size, sockets, 12, 1000) for _ in range(args.reps)]
             on = statistics.median(g["checks"] for g in got)
             off = statistics.median(g["stubbed"] for g in got)
-            samples.append({"case": f"paired {'sockets' if sockets else 'workspace'}",
-                            "checks": [g["checks"] for g in got],
-                            "stubbed": [g["stubbed"] for g in got]})  # fmt: skip
-            lines.append(f"| {'sockets' if sockets else 'workspace'} | {on:.1f} µs | "
-                         f"{off:.1f} µs | {on - off:+.1f} µs |")  # fmt: skip
+            samples.append(
+                {
+                    "case": f"paired {'sockets' if sockets else 'workspace'}",
+                    "checks": [g["checks"] for g in got],
+                    "stubbed": [g["stubbed"] for g in got],
+                }
+            )
+            lines.append(
+                f"| {'sockets' if sockets else 'workspace'} | {on:.1f} µs | "
+                f"{off:.1f} µs | {on - off:+.1f} µs |"
+            )
         with open(args.out + ".json", "w") as f:
-            json.dump({"world_size": args.world_size, "bench_world_size": args.bench_world_size,
-                       "samples": samples}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "world_size": args.world_size,
+                    "bench_world_size": args.bench_world_size,
+                    "samples": samples,
+                },
+                f,
+                indent=1,
+            )
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

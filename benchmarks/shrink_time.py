@@ -56,16 +56,25 @@ def trial(world: int, victim: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         procs = []
         for r in range(world):
-            env = dict(os.environ, RINGCOMM_RANK=str(r), RINGCOMM_WORLD_SIZE=str(world),
-                       RINGCOMM_MASTER_ADDR="127.0.0.1", RINGCOMM_MASTER_PORT=str(port),
-                       RINGCOMM_TOKEN="bench")  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(victim), out],
-                                          env=env))  # fmt: skip
+            env = dict(
+                os.environ,
+                RINGCOMM_RANK=str(r),
+                RINGCOMM_WORLD_SIZE=str(world),
+                RINGCOMM_MASTER_ADDR="127.0.0.1",
+                RINGCOMM_MASTER_PORT=str(port),
+                RINGCOMM_TOKEN="bench",
+            )
+            procs.append(
+                subprocess.Popen([sys.executable, __file__, "--worker", str(victim), out], env=env)
+            )
         for p in procs:
             p.wait(120)
         t_kill = float(Path(out, "kill").read_text())
         times = [json.loads(Path(out, f"r{r}").read_text()) for r in range(world) if r != victim]
-    return {k: max(t[i] for t in times) - t_kill for i, k in enumerate(("detect_s", "shrink_s", "first_s"))}
+    return {
+        k: max(t[i] for t in times) - t_kill
+        for i, k in enumerate(("detect_s", "shrink_s", "first_s"))
+    }
 
 
 def main() -> None:
@@ -85,8 +94,11 @@ def main() -> None:
             got = [trial(world, victim) for _ in range(args.trials)]
             med = {k: statistics.median(g[k] for g in got) for k in got[0]}
             rows.append({"world_size": world, "victim": victim, **med, "trials": got})
-            print(f"| {world} | {kind} | {med['detect_s']:.3f} | {med['shrink_s']:.3f} | "
-                  f"{med['first_s']:.3f} |", flush=True)  # fmt: skip
+            print(
+                f"| {world} | {kind} | {med['detect_s']:.3f} | {med['shrink_s']:.3f} | "
+                f"{med['first_s']:.3f} |",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 

@@ -111,17 +111,21 @@ def _large(pg: rc.ProcessGroup, i: int, bufs: dict[str, np.ndarray]) -> None:
         assert out[n - 1, -1] == n - 1
 
 
-def soak_rank(pg: rc.ProcessGroup, n_small: int, n_large: int, large_bytes: int,
-              warmup: float) -> dict[str, Any]:  # fmt: skip
+def soak_rank(
+    pg: rc.ProcessGroup, n_small: int, n_large: int, large_bytes: int, warmup: float
+) -> dict[str, Any]:
     """One rank's soak; returns its measurements."""
     n = pg.world_size
     count = max(n, large_bytes // 4 // n * n)
     bufs = {
-        "s2": np.zeros(2, np.float32), "s256": np.zeros(64, np.int32),
-        "s64": np.zeros(16, np.float32), "g64": np.zeros((n, 16), np.float32),
-        "L": np.zeros(count, np.float32), "Lrows": np.zeros((n, count // n), np.float32),
+        "s2": np.zeros(2, np.float32),
+        "s256": np.zeros(64, np.int32),
+        "s64": np.zeros(16, np.float32),
+        "g64": np.zeros((n, 16), np.float32),
+        "L": np.zeros(count, np.float32),
+        "Lrows": np.zeros((n, count // n), np.float32),
         "Lrow": np.zeros(count // n, np.float32),
-    }  # fmt: skip
+    }
     report: dict[str, Any] = {"rank": pg.rank, "world_size": n}
     t0 = time.monotonic()
     for phase, total, fn in (("small", n_small, _small), ("large", n_large, _large)):
@@ -172,10 +176,17 @@ def verdict(reports: list[dict[str, Any]], max_growth: float) -> list[str]:
     return problems
 
 
-def run(world: int, n_small: int, n_large: int, large_bytes: int, warmup: float = 0.1,
-        timeout_s: float = 1800) -> list[dict[str, Any]]:  # fmt: skip
-    return rc.spawn(soak_rank, world, args=(n_small, n_large, large_bytes, warmup),
-                    timeout_s=timeout_s)  # fmt: skip
+def run(
+    world: int,
+    n_small: int,
+    n_large: int,
+    large_bytes: int,
+    warmup: float = 0.1,
+    timeout_s: float = 1800,
+) -> list[dict[str, Any]]:
+    return rc.spawn(
+        soak_rank, world, args=(n_small, n_large, large_bytes, warmup), timeout_s=timeout_s
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.1)
     p.add_argument("--max-growth", type=float, default=0.05)
     args = p.parse_args(argv)
-    reports = run(args.world_size, args.small, args.large, parse_size(args.large_bytes),
-                  args.warmup)  # fmt: skip
+    reports = run(
+        args.world_size, args.small, args.large, parse_size(args.large_bytes), args.warmup
+    )
     for rep in reports:
         print(json.dumps(rep))
     problems = verdict(reports, args.max_growth)

@@ -33,8 +33,21 @@ RUNS = [
 
 def run(out: Path, name: str, argv: list[str], steps: int, extra: list[str]) -> dict[str, Any]:
     path = out / f"train_3d_{name}.json"
-    cmd = [sys.executable, "-m", "ringcomm", "train", "--model", "transformer", *argv,
-           "--steps", str(steps), "-q", *extra, "--json", str(path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "train",
+        "--model",
+        "transformer",
+        *argv,
+        "--steps",
+        str(steps),
+        "-q",
+        *extra,
+        "--json",
+        str(path),
+    ]
     print("$", " ".join(cmd[1:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, env={**os.environ})
     return json.loads(path.read_text())  # type: ignore[no-any-return]

@@ -101,8 +101,11 @@ def main() -> int:
     for cfg in runs:
         t0 = time.perf_counter()
         results.append(summarize(cfg, run_training(cfg)))
-        print(f"{cfg.strategy} {cfg.schedule if cfg.strategy == 'pipeline' else ''} done in "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)  # fmt: skip
+        print(
+            f"{cfg.strategy} {cfg.schedule if cfg.strategy == 'pipeline' else ''} done in "
+            f"{time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
     numel = results[0]["model"]["params"]
     lines = [
         (

@@ -29,9 +29,33 @@ def run(out: Path, op: str, world: int, peer: str, iters: int) -> list[dict[str,
     rows: list[dict[str, object]] = []
     for lo, hi, factor in RANGES:
         path = out / f"{op}_w{world}_{peer}_{lo}-{hi}.jsonl"
-        cmd = [sys.executable, "-m", "ringcomm", "bench", op, "-n", str(world), "-b", lo,
-               "-e", hi, "-f", factor, "--iters", str(iters), "--rounds", "2", "--check",
-               "--compare", peer, "--device", devices, "--json", str(path), "-q"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "bench",
+            op,
+            "-n",
+            str(world),
+            "-b",
+            lo,
+            "-e",
+            hi,
+            "-f",
+            factor,
+            "--iters",
+            str(iters),
+            "--rounds",
+            "2",
+            "--check",
+            "--compare",
+            peer,
+            "--device",
+            devices,
+            "--json",
+            str(path),
+            "-q",
+        ]
         print("$", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -63,7 +87,8 @@ def table(rows: list[dict[str, object]], peer: str) -> str:
             r = got.get(i)
             cells.append(
                 f"{float(r['busbw_GBps']) / float(copy['algbw_GBps']):.2f}"  # type: ignore[arg-type]
-                if r and copy and float(copy["algbw_GBps"]) > 0 else "-"  # type: ignore[arg-type]
+                if r and copy and float(copy["algbw_GBps"]) > 0
+                else "-"  # type: ignore[arg-type]
             )
         cells.append(f"{float(copy['algbw_GBps']):.2f}" if copy else "-")  # type: ignore[arg-type]
         cells.append(str(sum(int(r["errors"] or 0) for r in got.values())))  # type: ignore[call-overload]

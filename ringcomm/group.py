@@ -377,9 +377,14 @@ class ProcessGroup:
         )
 
     def all_to_all(
-        self, x: Any, out: Any = None, async_op: bool = False, *,
-        timeout_s: float | None = None, algo: str | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        x: Any,
+        out: Any = None,
+        async_op: bool = False,
+        *,
+        timeout_s: float | None = None,
+        algo: str | None = None,
+    ) -> Any:
         """``out[j]`` is rank ``j``'s ``x[rank]``."""
         return _collectives.all_to_all(self.core, x, out, async_op, timeout_s=timeout_s, algo=algo)
 

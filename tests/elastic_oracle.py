@@ -21,8 +21,11 @@ def check_against_single(cfg: TrainConfig) -> dict[str, Any]:
     every worker's replica; servers hold no replica). Returns the run's JSON object."""
     per_rank = run_training(cfg)
     out = summarize_elastic(cfg, per_rank)
-    ref = run_training(dataclasses.replace(cfg, strategy="single", world_size=1, elastic=False,
-                                           max_restarts=0, fail_at=()))[0]  # fmt: skip
+    ref = run_training(
+        dataclasses.replace(
+            cfg, strategy="single", world_size=1, elastic=False, max_restarts=0, fail_at=()
+        )
+    )[0]
     got, want = np.array(out["losses"], float), np.array(ref["losses"])
     assert np.max(np.abs(got - want) / np.abs(want)) <= 1e-10, (got, want)
     servers = cfg.ps_servers if cfg.strategy == "ps" else 0

@@ -19,7 +19,6 @@ import ringcomm as rc
 pytestmark = pytest.mark.usefixtures("no_workspace")
 
 
-
 def job_same_bits_as_direct(pg: rc.ProcessGroup) -> dict[str, Any]:
     taken = {"list": 0, "other": 0}
     original = pg.core.progress.exchange
@@ -33,9 +32,15 @@ def job_same_bits_as_direct(pg: rc.ProcessGroup) -> dict[str, Any]:
     digests: dict[str, list[str]] = {"star": [], "direct": []}
     for algo in ("star", "direct"):
         for i, (dt, count, op) in enumerate(
-            [("float32", 2, "sum"), ("float16", 200, "avg"), ("float64", 1000, "prod"),
-             ("int64", 7, "max"), ("bool", 33, "sum"), ("float32", 0, "sum")]
-        ):  # fmt: skip
+            [
+                ("float32", 2, "sum"),
+                ("float16", 200, "avg"),
+                ("float64", 1000, "prod"),
+                ("int64", 7, "max"),
+                ("bool", 33, "sum"),
+                ("float32", 0, "sum"),
+            ]
+        ):
             rng = np.random.default_rng([7, i, pg.rank])
             x = (rng.standard_normal(count) * 3).astype(dt)
             pg.all_reduce(x, op, algo=algo)

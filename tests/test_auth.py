@@ -32,9 +32,14 @@ def test_rendezvous_refuses_a_missing_or_wrong_token(token: str | None) -> None:
     with StoreServer("127.0.0.1", 0, token="the-job-token") as server:
         with pytest.raises(rc.AuthenticationError, match="refused this process"):
             rc.init_process_group(
-                1, 2, master_addr="127.0.0.1", master_port=server.port, token=token,
-                timeout_s=10, host_store=False,
-            )  # fmt: skip
+                1,
+                2,
+                master_addr="127.0.0.1",
+                master_port=server.port,
+                token=token,
+                timeout_s=10,
+                host_store=False,
+            )
         assert server.rejected >= 1
 
 
@@ -56,7 +61,9 @@ def _forged(payload: np.ndarray) -> list[bytes]:
 
 
 def _outsiders(
-    ctx: zmq.Context, endpoint: str, replay: tuple[bytes, bytes] | None  # type: ignore[type-arg]
+    ctx: zmq.Context,
+    endpoint: str,
+    replay: tuple[bytes, bytes] | None,  # type: ignore[type-arg]
 ) -> list[zmq.Socket]:  # type: ignore[type-arg]
     """Sockets that try to get in: no credential, a wrong one, wrong CURVE keys, and (with
     ``replay``) a login that a rank of the job already used, as a sniffer saw it."""
@@ -159,9 +166,14 @@ def test_data_socket_binds_the_interface_peers_use() -> None:
     port = free_port()
     with StoreServer("127.0.0.1", port, token="t") as server:
         pg = rc.init_process_group(
-            0, 1, master_addr="127.0.0.1", master_port=server.port, token="t",
-            timeout_s=10, host_store=False,
-        )  # fmt: skip
+            0,
+            1,
+            master_addr="127.0.0.1",
+            master_port=server.port,
+            token="t",
+            timeout_s=10,
+            host_store=False,
+        )
         try:
             tcp = pg.core.progress.transport.tcp_endpoint
             assert tcp is not None and tcp.startswith("tcp://127.0.0.1:"), tcp

@@ -180,8 +180,27 @@ def test_compare_mpi(
     op: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_child_processes: None
 ) -> None:
     out_json = tmp_path / "rows.json"
-    argv = [op, "-n", "2", "-b", "8", "-e", "4K", "-f", "8", "--iters", "2", "--warmup", "1",
-            "--check", "-q", "--compare", "mpi", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        op,
+        "-n",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "4K",
+        "-f",
+        "8",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--check",
+        "-q",
+        "--compare",
+        "mpi",
+        "--json",
+        str(out_json),
+    ]
     code, out = _run(argv, capsys)
     assert code == 0, out
     rows = _rows(out_json)

@@ -57,9 +57,23 @@ def _bench(bed: netns_hosts.Testbed, tmp_path: Path, *args: str) -> tuple[str, l
     out = tmp_path / "rows.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("GLOO_SOCKET_IFNAME", None)  # each host finds its own interface
-    argv = [sys.executable, "-m", "ringcomm", "bench", *args, "--ssh-config",
-            str(bed.ssh_config), "--iters", "2", "--warmup", "1", "--check", "-q",
-            "--json", str(out)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "bench",
+        *args,
+        "--ssh-config",
+        str(bed.ssh_config),
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--check",
+        "-q",
+        "--json",
+        str(out),
+    ]
     res = subprocess.run(
         argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100, check=False
     )
@@ -78,32 +92,72 @@ def _check_rows(rows: list[Any], impls: set[str], sizes: list[int], world: int) 
 
 
 def test_bench_across_two_hosts(bed: netns_hosts.Testbed, tmp_path: Path) -> None:
-    stdout, rows = _bench(bed, tmp_path, "all_reduce", "-H", "h0:1,h1:1", "-b", "8", "-e", "4K",
-                          "-f", "8")  # fmt: skip
+    stdout, rows = _bench(
+        bed, tmp_path, "all_reduce", "-H", "h0:1,h1:1", "-b", "8", "-e", "4K", "-f", "8"
+    )
     _check_rows(rows, {"ringcomm"}, [8, 64, 512, 4096], 2)
     assert "# ranks 0 on h0; 1 on h1 (2 hosts)" in stdout, stdout
     assert "Out of bounds values : 0 OK" in stdout
 
 
 def test_hostfile_two_ranks_per_host(bed: netns_hosts.Testbed, tmp_path: Path) -> None:
-    stdout, rows = _bench(bed, tmp_path, "all_gather", "--hostfile", str(bed.hostfile),
-                          "-b", "64", "-e", "1K", "-f", "4")  # fmt: skip
+    stdout, rows = _bench(
+        bed,
+        tmp_path,
+        "all_gather",
+        "--hostfile",
+        str(bed.hostfile),
+        "-b",
+        "64",
+        "-e",
+        "1K",
+        "-f",
+        "4",
+    )
     _check_rows(rows, {"ringcomm"}, [64, 256, 1024], 4)
     assert "# ranks 0-1 on h0; 2-3 on h1 (2 hosts)" in stdout, stdout
 
 
 @pytest.mark.needs_torch
 def test_compare_gloo_across_hosts(bed: netns_hosts.Testbed, tmp_path: Path) -> None:
-    stdout, rows = _bench(bed, tmp_path, "all_reduce", "-H", "h0:1,h1:1", "-b", "1K", "-e",
-                          "64K", "-f", "64", "--compare", "gloo")  # fmt: skip
+    stdout, rows = _bench(
+        bed,
+        tmp_path,
+        "all_reduce",
+        "-H",
+        "h0:1,h1:1",
+        "-b",
+        "1K",
+        "-e",
+        "64K",
+        "-f",
+        "64",
+        "--compare",
+        "gloo",
+    )
     _check_rows(rows, {"ringcomm", "gloo"}, [1024, 65536], 2)
     assert "ringcomm/gloo busbw ratio" in stdout
 
 
 @pytest.mark.needs_mpi
 def test_compare_mpi_across_hosts(bed: netns_hosts.Testbed, tmp_path: Path) -> None:
-    stdout, rows = _bench(bed, tmp_path, "reduce_scatter", "-H", "h0:1,h1:1", "-b", "1K",
-                          "-e", "64K", "-f", "64", "--compare", "mpi", "--rounds", "1")  # fmt: skip
+    stdout, rows = _bench(
+        bed,
+        tmp_path,
+        "reduce_scatter",
+        "-H",
+        "h0:1,h1:1",
+        "-b",
+        "1K",
+        "-e",
+        "64K",
+        "-f",
+        "64",
+        "--compare",
+        "mpi",
+        "--rounds",
+        "1",
+    )
     _check_rows(rows, {"ringcomm", "mpi"}, [1024, 65536], 2)
     assert "ringcomm/mpi busbw ratio" in stdout
 
@@ -113,9 +167,11 @@ def test_placement_line_and_records() -> None:
     from ringcomm.cli.bench import placement_line
 
     assert placement_line(["a", "a", "b"]).startswith("# ranks 0-1 on a; 2 on b (2 hosts)")
-    lines = [f"[1] {MARK}" + json.dumps({"rank": 1, "hostname": "b", "records": [{"x": 1}]}),
-             "[0] other output",
-             f"[0] {MARK}" + json.dumps({"rank": 0, "hostname": "a", "records": []})]  # fmt: skip
+    lines = [
+        f"[1] {MARK}" + json.dumps({"rank": 1, "hostname": "b", "records": [{"x": 1}]}),
+        "[0] other output",
+        f"[0] {MARK}" + json.dumps({"rank": 0, "hostname": "a", "records": []}),
+    ]
     assert parse_records(lines, 2) == ([[], [{"x": 1}]], ["a", "b"])
     with pytest.raises(RuntimeError, match="rank"):
         parse_records(lines[:2], 2)

@@ -240,9 +240,19 @@ def test_table_columns_line_up() -> None:
 def test_header_alone_matches_nccl_titles() -> None:
     text = format_header(("ringcomm",))
     assert text.splitlines()[1].split() == [
-        "#", "size", "count", "type", "redop", "root",
-        "time", "algbw", "busbw", "#wrong", "p50", "p99",
-    ]  # fmt: skip
+        "#",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "p50",
+        "p99",
+    ]
 
 
 def test_footer() -> None:
@@ -296,9 +306,15 @@ def test_sweep_interleaves_checks_and_times() -> None:
     impls = [FakeImpl("ringcomm", 1, log), FakeImpl("gloo", 1, log, wrong=True)]
     records = run_sweep(impls, config, rank=1)
     assert [e for e in log if not e.startswith("sync")] == [
-        "ringcomm 2", "gloo 2", "ringcomm 2", "gloo 2",
-        "ringcomm 4", "gloo 4", "ringcomm 4", "gloo 4",
-    ]  # fmt: skip
+        "ringcomm 2",
+        "gloo 2",
+        "ringcomm 2",
+        "gloo 2",
+        "ringcomm 4",
+        "gloo 4",
+        "ringcomm 4",
+        "gloo 4",
+    ]
     assert log[0] == "sync ringcomm" and log[2] == "sync gloo"
     by = {(r["impl"], r["count"]): r for r in records}
     assert len(by[("ringcomm", 2)]["times_s"]) == 6  # 3 iters x 2 rounds
@@ -318,8 +334,11 @@ def test_aggregate_and_merge_rounds() -> None:
     merged = merge_rounds([job_rc, job_mpi, job_rc2])
     results = aggregate(config, merged)
     assert [(r.impl, r.spec.count) for r in results] == [
-        ("ringcomm", 2), ("mpi", 2), ("ringcomm", 4), ("mpi", 4),
-    ]  # fmt: skip
+        ("ringcomm", 2),
+        ("mpi", 2),
+        ("ringcomm", 4),
+        ("mpi", 4),
+    ]
     assert results[0].time_us == pytest.approx(3000.0)  # median of 1 ms and 5 ms
     assert results[0].iters == 2 and results[0].errors == 0
 

@@ -20,8 +20,14 @@ def test_bind_setting() -> None:
         env={"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1"}
     )
     assert cfg.local_world_size == 2
-    cfg = resolve_init_config(env={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
-                                   "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": "1"})  # fmt: skip
+    cfg = resolve_init_config(
+        env={
+            "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_PORT": "1",
+        }
+    )
     assert cfg.local_world_size == 2
     with pytest.raises(RendezvousError, match="RINGCOMM_BIND"):
         resolve_init_config(env={"RINGCOMM_BIND": "socket"})

@@ -55,8 +55,13 @@ def test_a_directory_given_as_an_output_file_is_refused(
 @pytest.mark.timeout(60)
 def test_the_command_line_refuses_a_bad_json_path_in_one_line() -> None:
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ringcomm", "bench", "all_reduce", "-n", "2",
-                           "--json", BAD], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringcomm", "bench", "all_reduce", "-n", "2", "--json", BAD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
@@ -73,8 +78,10 @@ def _dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("spelling", [["-np", "3"], ["-n", "3"], ["--nproc-per-node", "3"],
-                                      ["-n", "3", "--nproc-per-node", "3"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "spelling",
+    [["-np", "3"], ["-n", "3"], ["--nproc-per-node", "3"], ["-n", "3", "--nproc-per-node", "3"]],
+)
 def test_run_takes_mpirun_and_torchrun_spellings(
     spelling: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -110,11 +117,32 @@ def test_run_options_end_at_the_script(capsys: pytest.CaptureFixture[str], tmp_p
 # -- bench: nccl-tests' short flags ------------------------------------------------------------
 def test_bench_takes_nccl_tests_short_flags() -> None:
     parser = cli.build_parser()
-    args = parser.parse_args(["bench", "broadcast", "-n", "2", "-w", "3", "-c", "1",
-                              "-d", "float64", "-r", "1", "--iters", "7"])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "bench",
+            "broadcast",
+            "-n",
+            "2",
+            "-w",
+            "3",
+            "-c",
+            "1",
+            "-d",
+            "float64",
+            "-r",
+            "1",
+            "--iters",
+            "7",
+        ]
+    )
     config = config_from_args(args)
     assert (config.warmup, config.check, config.dtype, config.root, config.iters) == (
-        3, True, "float64", 1, 7)  # fmt: skip
+        3,
+        True,
+        "float64",
+        1,
+        7,
+    )
     args = parser.parse_args(["bench", "all_reduce", "-n", "2", "-o", "max", "-c", "0"])
     config = config_from_args(args)
     assert (config.redop, config.check) == ("max", False)
@@ -127,7 +155,9 @@ def test_bench_warns_when_n_is_far_beyond_the_cores() -> None:
 
 
 # -- small things ---------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["run", "bench", "train", "ps-server", "trace", "model", "tune"])
+@pytest.mark.parametrize(
+    "command", ["run", "bench", "train", "ps-server", "trace", "model", "tune"]
+)
 def test_help_is_plain_text(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "-h"])
@@ -153,9 +183,14 @@ def test_train_ps_with_one_rank_says_why(capsys: pytest.CaptureFixture[str]) -> 
     assert "--strategy ps needs -n >= 2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("new", "old"), [("--timeout-s", "--timeout"),
-                                          ("--checkpoint-interval", "--checkpoint-every"),
-                                          ("--join-timeout-s", "--join-timeout")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("new", "old"),
+    [
+        ("--timeout-s", "--timeout"),
+        ("--checkpoint-interval", "--checkpoint-every"),
+        ("--join-timeout-s", "--join-timeout"),
+    ],
+)
 def test_ps_server_takes_train_spellings_and_keeps_the_old_ones(new: str, old: str) -> None:
     base = ["ps-server", "--coordinator", "h:1", "--index", "0", "--num-workers", "1"]
     parser = cli.build_parser()

@@ -31,10 +31,20 @@ from ringcomm.ops import reference_reduce
 DTYPES = [
     np.dtype(n)
     for n in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
     )
-]  # fmt: skip
+]
 OPS = ["sum", "avg", "max", "min", "prod"]
 CALL_TIMEOUT_S = 60.0
 

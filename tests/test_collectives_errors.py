@@ -34,9 +34,16 @@ def test_collectives_never_import_zmq() -> None:
 
 def test_registry_and_choice() -> None:
     assert set(ALGORITHMS) == {
-        "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
-        "scatter", "all_to_all", "barrier",
-    }  # fmt: skip
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "all_to_all",
+        "barrier",
+    }
     for coll, table in ALGORITHMS.items():
         for name, cls in table.items():
             assert get_algorithm(coll, name) is cls
@@ -232,9 +239,18 @@ def _mismatch_call(name: str, pg: rc.ProcessGroup, bad: bool) -> tuple[np.ndarra
 
 
 MISMATCHES = [
-    "count", "count_ring", "ring_vs_rd", "dtype", "op", "algo", "collective", "shape", "rows",
-    "chunk_bytes", "scatter_dtype",
-]  # fmt: skip
+    "count",
+    "count_ring",
+    "ring_vs_rd",
+    "dtype",
+    "op",
+    "algo",
+    "collective",
+    "shape",
+    "rows",
+    "chunk_bytes",
+    "scatter_dtype",
+]
 
 
 def job_mismatch(

@@ -113,8 +113,12 @@ def test_torchrun_variables() -> None:
 def test_torchrun_agent_store_means_a_port_from_the_os(flag: str) -> None:
     # MASTER_PORT is the agent's TCPStore: rank 0 serves ours on a port from the OS and
     # publishes it there (no guessed port next to torch's: no collision).
-    env = {**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": flag, "TORCHELASTIC_RUN_ID": "job7",
-           "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
+    env = {
+        **TORCHRUN,
+        "TORCHELASTIC_USE_AGENT_STORE": flag,
+        "TORCHELASTIC_RUN_ID": "job7",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }
     cfg = resolve_init_config(env=env)
     assert cfg.master_port == 0
     assert cfg.torch_store == TorchAgentStore("10.0.0.1", 29500, "ringcomm/job7/attempt_2")

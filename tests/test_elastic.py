@@ -17,10 +17,25 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "elastic_loop.py"
 
 def _run(tmp_path: Path, world: int, victim: int, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", "-n", str(world), *extra, str(SCRIPT),
-         str(victim), "3", "20", str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=100,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            "-n",
+            str(world),
+            *extra,
+            str(SCRIPT),
+            str(victim),
+            "3",
+            "20",
+            str(tmp_path),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
 
 
 @pytest.mark.timeout(120)
@@ -54,6 +69,11 @@ def test_max_restarts_is_refused_below_zero_and_across_hosts_without_an_address(
     tmp_path: Path,
 ) -> None:
     for extra in (["--max-restarts", "-1"], ["--max-restarts", "1", "-H", "localhost:2"]):
-        out = subprocess.run([sys.executable, "-m", "ringcomm", "run", *extra, str(SCRIPT)],
-                             check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "ringcomm", "run", *extra, str(SCRIPT)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and "--max-restarts" in out.stderr, out.stderr

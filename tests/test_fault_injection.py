@@ -38,17 +38,31 @@ def _rank_main(rank: int, world: int, port: int, token: str, seed: int, out: Con
     """One rank: loop over random collectives until something fails; report what and when."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test dumps stacks on a hang
     pg = rc.init_process_group(
-        rank, world, master_addr="127.0.0.1", master_port=port, token=token,
-        timeout_s=GROUP_TIMEOUT_S, host_store=False,
-    )  # fmt: skip
+        rank,
+        world,
+        master_addr="127.0.0.1",
+        master_port=port,
+        token=token,
+        timeout_s=GROUP_TIMEOUT_S,
+        host_store=False,
+    )
     rng = random.Random(seed)  # the same sequence of calls on every rank
     pg.barrier()
     out.send(("ready", rank))
     calls = 0
     try:
         while True:
-            kind = rng.choice(("all_reduce", "all_reduce", "broadcast", "all_gather",
-                               "reduce_scatter", "barrier", "all_to_all"))  # fmt: skip
+            kind = rng.choice(
+                (
+                    "all_reduce",
+                    "all_reduce",
+                    "broadcast",
+                    "all_gather",
+                    "reduce_scatter",
+                    "barrier",
+                    "all_to_all",
+                )
+            )
             count = rng.choice((1, 3, 1000, 30_000, 300_000))
             if kind == "all_reduce":
                 pg.all_reduce(np.ones(count, np.float32))
@@ -66,8 +80,12 @@ def _rank_main(rank: int, world: int, port: int, token: str, seed: int, out: Con
     except rc.PeerFailedError as exc:
         t_detect = time.time()
         report: dict[str, Any] = {
-            "rank": rank, "t": t_detect, "peer": exc.peer, "msg": str(exc), "calls": calls,
-        }  # fmt: skip
+            "rank": rank,
+            "t": t_detect,
+            "peer": exc.peer,
+            "msg": str(exc),
+            "calls": calls,
+        }
     except BaseException as exc:  # noqa: BLE001 (reported and asserted on by the test)
         out.send(("error", rank, f"{type(exc).__name__}: {exc}"))
         pg.close()
@@ -97,9 +115,10 @@ def _trial(world: int, seed: int) -> tuple[int, float, dict[int, Any]]:
         for r in range(world):
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_rank_main, args=(r, world, store.port, token, seed, send_end),
+                target=_rank_main,
+                args=(r, world, store.port, token, seed, send_end),
                 daemon=True,
-            )  # fmt: skip
+            )
             p.start()
             send_end.close()
             pipes.append(recv_end)
@@ -164,9 +183,14 @@ def test_kill_9_every_survivor_raises_peer_failed_within_bound(no_child_processe
 def _graceful(rank: int, world: int, port: int, token: str, out: Connection) -> None:
     """Rank 1 closes early (a goodbye, not a failure); ranks 0 and 2 carry on."""
     pg = rc.init_process_group(
-        rank, world, master_addr="127.0.0.1", master_port=port, token=token,
-        timeout_s=30, host_store=False,
-    )  # fmt: skip
+        rank,
+        world,
+        master_addr="127.0.0.1",
+        master_port=port,
+        token=token,
+        timeout_s=30,
+        host_store=False,
+    )
     sub = pg.new_group([0, 2])
     pg.barrier()
     try:

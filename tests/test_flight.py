@@ -48,8 +48,19 @@ def test_the_inline_protocol_folds_on_the_sequence_number_and_keeps_running_ops_
     running = rec.start(0, 0, "all_gather", "int32", (3,), 12, "ring", (0, 1))
     assert running is not None
     for seq in range(1, flight.FOLD_BATCH + 3):
-        e = [0, seq, "all_reduce", np.dtype("float32"), (2,), None, "ws", (0, 1),
-             flight.now(), None, flight.RUNNING]  # fmt: skip
+        e = [
+            0,
+            seq,
+            "all_reduce",
+            np.dtype("float32"),
+            (2,),
+            None,
+            "ws",
+            (0, 1),
+            flight.now(),
+            None,
+            flight.RUNNING,
+        ]
         rec.push(e)
         e[flight.E_END] = flight.now()
         if not seq & flight.FOLD_MASK:
@@ -101,7 +112,9 @@ def test_an_off_recorder_records_nothing_and_writes_nothing(tmp_path: Path) -> N
     assert rec.dump("test") is None and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 1), (3, 4), (4, 4), (5, 8), (1 << 20, 1 << 20)])
+@pytest.mark.parametrize(
+    ("n", "want"), [(0, 0), (1, 1), (3, 4), (4, 4), (5, 8), (1 << 20, 1 << 20)]
+)
 def test_size_buckets_are_the_next_power_of_two(n: int, want: int) -> None:
     assert flight.size_bucket(n) == want
 
@@ -112,10 +125,22 @@ def test_bus_factors_are_nccl_tests() -> None:
     assert flight.bus_factor("broadcast", 4) == 1.0
 
 
-def _entry(seq: int, op: str, state: str = "done", start: float = 100.0, group: int = 0) -> dict[str, Any]:
-    return {"group": group, "seq": seq, "op": op, "dtype": "float32", "shape": [10],
-            "bytes": 40, "algo": "shm", "peers": [0, 1, 2], "start_s": start,
-            "end_s": None if state == "running" else start + 0.1, "state": state}  # fmt: skip
+def _entry(
+    seq: int, op: str, state: str = "done", start: float = 100.0, group: int = 0
+) -> dict[str, Any]:
+    return {
+        "group": group,
+        "seq": seq,
+        "op": op,
+        "dtype": "float32",
+        "shape": [10],
+        "bytes": 40,
+        "algo": "shm",
+        "peers": [0, 1, 2],
+        "start_s": start,
+        "end_s": None if state == "running" else start + 0.1,
+        "state": state,
+    }
 
 
 def _file(rank: int, entries: list[dict[str, Any]], dumped: float = 110.0) -> dict[str, Any]:
@@ -129,26 +154,40 @@ def test_the_report_names_the_rank_behind_and_who_waits_for_it() -> None:
         _file(2, [_entry(1, "all_reduce", start=79.0)]),
     ]
     text = flight.desync_report(files)
-    assert ("rank 2 is at op #1 all_reduce(float32[10]), entered 31.0 s ago (finished; it has "
-            "not entered the next collective); ranks 0, 1 wait in op #2 broadcast(float32[10]) "
-            "for rank 2") in text  # fmt: skip
+    assert (
+        "rank 2 is at op #1 all_reduce(float32[10]), entered 31.0 s ago (finished; it has "
+        "not entered the next collective); ranks 0, 1 wait in op #2 broadcast(float32[10]) "
+        "for rank 2"
+    ) in text
 
 
 def test_the_report_names_a_mismatch_and_missing_files() -> None:
-    files = [_file(0, [_entry(3, "all_reduce", "running")]), _file(1, [_entry(3, "all_gather", "running")])]
+    files = [
+        _file(0, [_entry(3, "all_reduce", "running")]),
+        _file(1, [_entry(3, "all_gather", "running")]),
+    ]
     text = flight.desync_report(files, world_size=3)
-    assert "mismatch at op #3: rank 0: all_reduce(float32[10]); rank 1: all_gather(float32[10])" in text
+    assert (
+        "mismatch at op #3: rank 0: all_reduce(float32[10]); rank 1: all_gather(float32[10])"
+        in text
+    )
     assert "no trace file from rank 2" in text
 
 
 def test_the_chrome_trace_has_a_track_per_rank_and_a_slice_per_op() -> None:
-    files = [_file(0, [_entry(1, "all_reduce"), _entry(2, "barrier", "running", 101.0)]),
-             _file(1, [_entry(1, "all_reduce", start=100.5)])]  # fmt: skip
+    files = [
+        _file(0, [_entry(1, "all_reduce"), _entry(2, "barrier", "running", 101.0)]),
+        _file(1, [_entry(1, "all_reduce", start=100.5)]),
+    ]
     trace = json.loads(json.dumps(flight.chrome_trace(files)))
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert sorted(e["pid"] for e in names) == [0, 1]
-    assert [(e["pid"], e["name"]) for e in slices] == [(0, "all_reduce"), (0, "barrier"), (1, "all_reduce")]
+    assert [(e["pid"], e["name"]) for e in slices] == [
+        (0, "all_reduce"),
+        (0, "barrier"),
+        (1, "all_reduce"),
+    ]
     assert slices[0]["ts"] == 0 and slices[2]["ts"] == pytest.approx(0.5e6)
     assert slices[1]["dur"] == pytest.approx(9e6)  # running: until its rank's dump
     assert slices[0]["args"]["bytes"] == 40
@@ -194,22 +233,33 @@ def test_a_rank_that_stays_out_of_a_collective_is_named_by_the_report(
     assert "wait in op #2 broadcast(float32[4]) for rank 2" in text, text
     first = files[0]["entries"][0]  # every field where it belongs (api.py records inline)
     assert (first["op"], first["dtype"], first["shape"], first["peers"]) == (
-        "all_reduce", "float32", [4], [0, 1, 2])  # fmt: skip
+        "all_reduce",
+        "float32",
+        [4],
+        [0, 1, 2],
+    )
     assert first["algo"] in {*ALGORITHMS["all_reduce"], WORKSPACE_ALGO}, first
     for f in files[:2]:
         last = f["entries"][-1]
         assert last["op"] == "broadcast" and last["state"].startswith("failed: ")
     # The command line: the same report, and a Chrome trace with a track per rank.
     chrome = tmp_path / "trace.json"
-    out = subprocess.run([sys.executable, "-m", "ringcomm", "trace", str(tmp_path), "--chrome",
-                          str(chrome)], check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ringcomm", "trace", str(tmp_path), "--chrome", str(chrome)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "rank 2 is at op #1 all_reduce(float32[4])" in out.stdout
     events = json.loads(chrome.read_text())["traceEvents"]
     tracks = {e["pid"] for e in events if e["ph"] == "X"}
     assert tracks == {0, 1, 2}
     assert sorted(e["name"] for e in events if e["ph"] == "X" and e["pid"] == 0) == [
-        "all_reduce", "broadcast"]  # fmt: skip
+        "all_reduce",
+        "broadcast",
+    ]
 
 
 def _summary(pg: rc.ProcessGroup) -> list[dict[str, Any]]:
@@ -256,7 +306,9 @@ def _close_writes(pg: rc.ProcessGroup) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_close_writes_the_record_with_ringcomm_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_close_writes_the_record_with_ringcomm_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RINGCOMM_TRACE_DIR", str(tmp_path))
     monkeypatch.setenv("RINGCOMM_TRACE", "1")
     rc.spawn(_close_writes, 2, timeout_s=50)
@@ -266,8 +318,13 @@ def test_close_writes_the_record_with_ringcomm_trace(tmp_path: Path, monkeypatch
 
 
 def test_the_command_says_when_there_is_nothing_to_read(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "ringcomm", "trace", str(tmp_path)],
-                         check=False, capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ringcomm", "trace", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "no trace files" in out.stderr
 
 
@@ -292,9 +349,30 @@ def test_point_to_point_calls_are_recorded_too() -> None:
 @pytest.mark.timeout(120)
 def test_train_comm_summary(tmp_path: Path) -> None:
     out_json = tmp_path / "train.json"
-    out = subprocess.run([sys.executable, "-m", "ringcomm", "train", "--strategy", "dp", "-n", "2",
-                          "--steps", "3", "--hidden", "16", "-q", "--comm-summary", "--json",
-                          str(out_json)], check=False, capture_output=True, text=True, timeout=100)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "train",
+            "--strategy",
+            "dp",
+            "-n",
+            "2",
+            "--steps",
+            "3",
+            "--hidden",
+            "16",
+            "-q",
+            "--comm-summary",
+            "--json",
+            str(out_json),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert out.returncode == 0, out.stderr
     assert "collectives of rank 0" in out.stdout
     per_rank = json.loads(out_json.read_text())["comm_summary"]

@@ -46,9 +46,14 @@ BATCH = 40  # messages per example: 300 x 40 = 12k at the data socket, 4.8k at t
 
 def _rank_main(rank: int, port: int, token: str, ctl: Connection) -> None:
     pg = rc.init_process_group(
-        rank, 2, master_addr="127.0.0.1", master_port=port, token=token, timeout_s=60,
+        rank,
+        2,
+        master_addr="127.0.0.1",
+        master_port=port,
+        token=token,
+        timeout_s=60,
         host_store=False,
-    )  # fmt: skip
+    )
     sub = pg.new_group([0, 1])
     assert sub is not None
     transport = pg.core.progress.transport
@@ -76,9 +81,13 @@ def _rank_main(rank: int, port: int, token: str, ctl: Connection) -> None:
 
 
 _leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
-    st.floats(allow_nan=True), st.text(max_size=12), st.binary(max_size=24),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.binary(max_size=24),
+)
 _value = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4), max_leaves=8)
 
 
@@ -102,8 +111,9 @@ def _data_message(draw: st.DrawFn) -> list[bytes]:
         head = msgpack.packb(fields, use_bin_type=True)
     else:
         head = bytearray(msgpack.packb(fields, use_bin_type=True))
-        for pos, byte in draw(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)),
-                                       min_size=1, max_size=4)):  # fmt: skip
+        for pos, byte in draw(
+            st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), min_size=1, max_size=4)
+        ):
             if pos < len(head):
                 head[pos] = byte
         head = bytes(head[: draw(st.integers(0, len(head) + 4))]) + draw(st.binary(max_size=4))
@@ -133,8 +143,11 @@ def _store_message(draw: st.DrawFn) -> list[bytes]:
     unsigned or with a signature of random bytes."""
     if draw(st.booleans()):
         return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
-    body: dict[str, Any] = {"op": draw(st.sampled_from(("set", "get", "wait", "add", "x"))),
-                            "key": draw(_value), "value": draw(_value)}  # fmt: skip
+    body: dict[str, Any] = {
+        "op": draw(st.sampled_from(("set", "get", "wait", "add", "x"))),
+        "key": draw(_value),
+        "value": draw(_value),
+    }
     if draw(st.booleans()):
         body["token"] = draw(st.text(max_size=8))
     request: Any = {"id": draw(_value), "body": body} if draw(st.booleans()) else draw(_value)
@@ -177,16 +190,24 @@ def test_fuzzed_frames_are_dropped_and_the_rank_keeps_computing(no_child_process
             store_base = server.dropped + server.rejected
             sent = {"data": 0, "store": 0}
 
-            @settings(max_examples=DATA_EXAMPLES, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @settings(
+                max_examples=DATA_EXAMPLES,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(st.lists(_data_message(), min_size=BATCH, max_size=BATCH))
             def fuzz_data(messages: list[list[bytes]]) -> None:
                 for frames in messages:
                     data.send_multipart(frames)
                 sent["data"] += len(messages)
 
-            @settings(max_examples=STORE_EXAMPLES, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @settings(
+                max_examples=STORE_EXAMPLES,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(st.lists(_store_message(), min_size=BATCH, max_size=BATCH))
             def fuzz_store(messages: list[list[bytes]]) -> None:
                 for frames in messages:
@@ -229,6 +250,8 @@ def test_fuzzed_frames_are_dropped_and_the_rank_keeps_computing(no_child_process
     parked = after["unexpected_messages"] - before["unexpected_messages"]
     assert dropped + parked == sent["data"], (dropped, parked, sent)
     assert dropped > sent["data"] // 2, (dropped, parked, sent)
-    print(f"\nfuzz: {sent['data']} data messages: {dropped} dropped, {parked} parked; "
-          f"{sent['store']} store requests dropped/refused; rank 1 computed "
-          f"{results[1][1]} correct all_reduces meanwhile")  # fmt: skip
+    print(
+        f"\nfuzz: {sent['data']} data messages: {dropped} dropped, {parked} parked; "
+        f"{sent['store']} store requests dropped/refused; rank 1 computed "
+        f"{results[1][1]} correct all_reduces meanwhile"
+    )

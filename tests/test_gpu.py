@@ -159,8 +159,28 @@ def test_bench_cuda_vs_host_checks_clean(
 ) -> None:
     from ringcomm.cli import main
 
-    code = main(["bench", "all_reduce", "-n", "2", "-b", "8", "-e", "4M", "-f", "16",
-                 "--iters", "3", "--warmup", "1", "--check", "-q", "--device", "cuda,host"])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "all_reduce",
+            "-n",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "4M",
+            "-f",
+            "16",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--check",
+            "-q",
+            "--device",
+            "cuda,host",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "ringcomm-cuda/ringcomm busbw ratio" in out
@@ -216,9 +236,20 @@ def _engine_cases(n: int, device: str = "cuda") -> list[Any]:
     return cases
 
 
-_ENGINE_KEEP = ("losses", "params", "loss_rank", "array_module", "device_id", "peak_bytes",
-                "traced_bytes_end", "param_bytes", "grad_bytes", "optim_bytes",
-                "staging_bytes", "staging_acquires")  # fmt: skip
+_ENGINE_KEEP = (
+    "losses",
+    "params",
+    "loss_rank",
+    "array_module",
+    "device_id",
+    "peak_bytes",
+    "traced_bytes_end",
+    "param_bytes",
+    "grad_bytes",
+    "optim_bytes",
+    "staging_bytes",
+    "staging_acquires",
+)
 
 
 def _engine_row(r: dict[str, Any]) -> dict[str, Any]:
@@ -260,8 +291,7 @@ def check_engine_results(
     device = cases[0].device
     refs: dict[str, dict[str, Any]] = {}
     failures: list[str] = []
-    runs = [(TrainConfig(strategy="single", device=device, **ENGINE_BASE),
-             [per_rank[0]["single"]])]  # fmt: skip
+    runs = [(TrainConfig(strategy="single", device=device, **ENGINE_BASE), [per_rank[0]["single"]])]
     runs += [(cfg, [per_rank[r]["cases"][k] for r in range(n)]) for k, cfg in enumerate(cases)]
     for cfg, results in runs:
         label = f"{cfg.strategy}-n{len(results)}-{cfg.dtype}"
@@ -279,8 +309,10 @@ def check_engine_results(
                 )
             state = res["param_bytes"] + res["grad_bytes"] + res["optim_bytes"]
             if not (res["traced_bytes_end"] >= state and res["peak_bytes"] >= state):
-                failures.append(f"{label}: rank {rank}: {res['traced_bytes_end']} bytes in use, "
-                                f"peak {res['peak_bytes']}, < model state {state}")  # fmt: skip
+                failures.append(
+                    f"{label}: rank {rank}: {res['traced_bytes_end']} bytes in use, "
+                    f"peak {res['peak_bytes']}, < model state {state}"
+                )
             staged = res["staging_acquires"] > 0 and res["staging_bytes"] > 0
             if cfg.strategy != "single" and not staged and module != "cupy":
                 # (CuPy on one host: the device windows carry it, no staging buffer)
@@ -321,8 +353,19 @@ def test_integer_ops_exact_on_cupy() -> None:
     bad = []
     for dtn in INT_DTYPES:
         info = np.iinfo(dtn)
-        values = np.array([info.min, info.min + 1, info.max, info.max - 1, 0, 1, -1 if info.min
-                           else 2, 2**53 + 1 if info.bits == 64 else 5], dtn)  # fmt: skip
+        values = np.array(
+            [
+                info.min,
+                info.min + 1,
+                info.max,
+                info.max - 1,
+                0,
+                1,
+                -1 if info.min else 2,
+                2**53 + 1 if info.bits == 64 else 5,
+            ],
+            dtn,
+        )
         for n in (2, 3, 7, 8, 1000):
             acc = cupy.asarray(values)
             finalize("avg", acc, n)

@@ -88,8 +88,18 @@ def transformer_job(pg: rc.ProcessGroup, cases: list[Any]) -> dict[str, Any]:
     """Every case on a fresh sub-group; rank 0 also runs ``single`` on the device."""
     from ringcomm.engine.train import train_rank
 
-    keep = ("losses", "params", "loss_rank", "array_module", "device_id", "peak_bytes",
-            "param_bytes", "grad_bytes", "optim_bytes", "staging_acquires")  # fmt: skip
+    keep = (
+        "losses",
+        "params",
+        "loss_rank",
+        "array_module",
+        "device_id",
+        "peak_bytes",
+        "param_bytes",
+        "grad_bytes",
+        "optim_bytes",
+        "staging_acquires",
+    )
     singles = []
     if pg.rank == 0:
         for dtype in DTYPES:
@@ -403,8 +413,15 @@ def cuda_collectives_job(rank: int, world_size: int, store_path: str) -> dict[st
         dist.all_reduce(t)
         assert torch.equal(t, full(float(W), 5))
 
-    for fn in (collectives, mixed_cpu_and_cuda, producer_on_a_side_stream,
-               consumer_on_another_stream, output_not_reused_early, zero_copy, bad_input):  # fmt: skip
+    for fn in (
+        collectives,
+        mixed_cpu_and_cuda,
+        producer_on_a_side_stream,
+        consumer_on_another_stream,
+        output_not_reused_early,
+        zero_copy,
+        bad_input,
+    ):
         check(fn.__name__, fn)
     dist.destroy_process_group()
     return out

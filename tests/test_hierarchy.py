@@ -32,32 +32,53 @@ ALL_REDUCE = "all_reduce"
 OTHERS = "reduce_scatter,all_gather,broadcast,barrier"
 
 
-def _run(hosts: list[int], algo: str, *launch: str, segment_bytes: int | None = None,
-         collectives: str = ALL_REDUCE) -> str:  # fmt: skip
+def _run(
+    hosts: list[int],
+    algo: str,
+    *launch: str,
+    segment_bytes: int | None = None,
+    collectives: str = ALL_REDUCE,
+) -> str:
     where = list(launch) or ["-n", str(len(hosts))]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if segment_bytes is not None:
         env["HIER_SEGMENT_BYTES"] = str(segment_bytes)
     out = subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", *where, str(SCRIPT),
-         "real" if launch else ",".join(map(str, hosts)), algo, collectives],
-        check=False, capture_output=True, text=True, timeout=240,
-        cwd=REPO, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            *where,
+            str(SCRIPT),
+            "real" if launch else ",".join(map(str, hosts)),
+            algo,
+            collectives,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("hosts", "algo", "segment_bytes"), [
-    ([0, 0, 1, 1], "auto", None),   # 2 hosts x 2
-    ([0, 0, 1, 1], "auto", 4096),   # segments of 4 KiB: many overlapped segments
-    ([0, 0, 0, 1, 1, 1], "hier", 4096),  # 2 hosts x 3, segments
-    ([0, 1, 0, 1], "hier", None),   # a launcher's round-robin order: hosts not contiguous
-    ([0, 0, 0, 1], "auto", None),   # uneven: 3 + 1
-    ([0, 1, 1, 2, 2, 2], "hier", None),  # 3 hosts: 1 + 2 + 3
-    ([0, 0, 1, 1], "ring", None),   # the flat ring stays an option
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("hosts", "algo", "segment_bytes"),
+    [
+        ([0, 0, 1, 1], "auto", None),  # 2 hosts x 2
+        ([0, 0, 1, 1], "auto", 4096),  # segments of 4 KiB: many overlapped segments
+        ([0, 0, 0, 1, 1, 1], "hier", 4096),  # 2 hosts x 3, segments
+        ([0, 1, 0, 1], "hier", None),  # a launcher's round-robin order: hosts not contiguous
+        ([0, 0, 0, 1], "auto", None),  # uneven: 3 + 1
+        ([0, 1, 1, 2, 2, 2], "hier", None),  # 3 hosts: 1 + 2 + 3
+        ([0, 0, 1, 1], "ring", None),  # the flat ring stays an option
+    ],
+)
 def test_the_all_reduce_matrix_on_pretend_hosts(
     hosts: list[int], algo: str, segment_bytes: int | None
 ) -> None:
@@ -65,16 +86,19 @@ def test_the_all_reduce_matrix_on_pretend_hosts(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("hosts", "algo", "segment_bytes"), [
-    ([0, 0, 1], "hier", 4096),      # uneven 2 + 1, segments of 4 KiB
-    ([0, 0, 0, 1, 2, 2], "hier", None),  # 3 hosts: 3 + 1 + 2
-    ([0, 1, 1, 1], "auto", None),   # 1 + 3
-    ([0, 0, 1, 1], "auto", 16384),  # 2 hosts x 2: overlapped segments
-    ([0, 1, 0, 1], "hier", None),   # round-robin ranks, hosts of one size
-    ([0, 1, 1, 0, 2], "hier", None),  # not contiguous, uneven: 2 + 2 + 1
-    ([0, 0, 1, 1], "ring", None),   # the flat algorithms by name
-    ([0, 0, 1], "env", None),       # RINGCOMM_ALGO=ring: flat
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("hosts", "algo", "segment_bytes"),
+    [
+        ([0, 0, 1], "hier", 4096),  # uneven 2 + 1, segments of 4 KiB
+        ([0, 0, 0, 1, 2, 2], "hier", None),  # 3 hosts: 3 + 1 + 2
+        ([0, 1, 1, 1], "auto", None),  # 1 + 3
+        ([0, 0, 1, 1], "auto", 16384),  # 2 hosts x 2: overlapped segments
+        ([0, 1, 0, 1], "hier", None),  # round-robin ranks, hosts of one size
+        ([0, 1, 1, 0, 2], "hier", None),  # not contiguous, uneven: 2 + 2 + 1
+        ([0, 0, 1, 1], "ring", None),  # the flat algorithms by name
+        ([0, 0, 1], "env", None),  # RINGCOMM_ALGO=ring: flat
+    ],
+)
 def test_the_other_collectives_on_pretend_hosts(
     hosts: list[int], algo: str, segment_bytes: int | None
 ) -> None:
@@ -104,8 +128,15 @@ def test_the_flat_rings_walk_the_hosts_in_order() -> None:
     assert seen["broadcast:chain"] == {0, 2, 1, 3}, seen  # the chain from 0 ends at 4
 
 
-def _netns_run(tmp_path: Path, hosts: int, slots: str, ranks: list[int], collectives: str,
-               prefix: str, subnet: str) -> str:  # fmt: skip
+def _netns_run(
+    tmp_path: Path,
+    hosts: int,
+    slots: str,
+    ranks: list[int],
+    collectives: str,
+    prefix: str,
+    subnet: str,
+) -> str:
     """The matrix on real hosts (network namespaces with sshd, benchmarks/netns_hosts.py);
     ``slots``: the hostfile's lines' slots, e.g. "2,1,2"."""
     why = netns_hosts.unavailable()
@@ -115,8 +146,15 @@ def _netns_run(tmp_path: Path, hosts: int, slots: str, ranks: list[int], collect
     try:
         hostfile = tmp_path / "hosts"
         hostfile.write_text("".join(f"h{h} slots={s}\n" for h, s in enumerate(slots.split(","))))
-        stdout = _run(ranks, "auto", "--hostfile", str(hostfile),
-                      "--ssh-config", str(bed.ssh_config), collectives=collectives)  # fmt: skip
+        stdout = _run(
+            ranks,
+            "auto",
+            "--hostfile",
+            str(hostfile),
+            "--ssh-config",
+            str(bed.ssh_config),
+            collectives=collectives,
+        )
     finally:
         netns_hosts.stop(prefix)
     topo = re.findall(r"^\[\d+\] TOPO (\d+) (\(.*?\)) ", stdout, re.MULTILINE)
@@ -145,8 +183,9 @@ def _check(stdout: str, hosts: list[int], algo: str, collectives: str = ALL_REDU
     n = len(hosts)
     done = re.findall(r"^\[\d+\] DONE (\d+) bad=(\d+) hier=(\S+)$", stdout, re.MULTILINE)
     assert sorted(int(r) for r, _, _ in done) == list(range(n)), stdout[-2000:]
-    assert all(bad == "0" for _, bad, _ in done), [line for line in stdout.splitlines()
-                                                   if "CASE" in line and " 0 " in line][:10]  # fmt: skip
+    assert all(bad == "0" for _, bad, _ in done), [
+        line for line in stdout.splitlines() if "CASE" in line and " 0 " in line
+    ][:10]
     flat = algo in ("ring", "env")
     for _, _, hier in done:
         calls = {k: int(v) for k, v in (kv.split(":") for kv in hier.split(","))}
@@ -162,7 +201,8 @@ def _check(stdout: str, hosts: list[int], algo: str, collectives: str = ALL_REDU
     want_cases = 250 if collectives == ALL_REDUCE else 400
     assert len(digests) > want_cases, len(digests)
     assert all(len(d) == 1 for d in digests.values()), [
-        k for k, d in digests.items() if len(d) > 1][:5]  # fmt: skip
+        k for k, d in digests.items() if len(d) > 1
+    ][:5]
     topo = topology([str(h) for h in hosts])
     for line in re.findall(r"^\[\d+\] TOPO (\d+) .*$", stdout, re.MULTILINE):
         assert int(line) < n
@@ -191,11 +231,13 @@ def test_hier_on_a_group_it_does_not_fit_is_a_clear_error() -> None:
     import ringcomm as rc
 
     with rc.init_process_group(0, 1, master_addr="127.0.0.1", master_port=0) as pg:
-        for name, call in [("all_reduce", lambda: pg.all_reduce(np.ones(3), algo="hier")),
-                           ("reduce_scatter", lambda: pg.reduce_scatter(np.ones((1, 3)), algo="hier")),
-                           ("all_gather", lambda: pg.all_gather(np.ones(3), algo="hier")),
-                           ("broadcast", lambda: pg.broadcast(np.ones(3), algo="hier")),
-                           ("barrier", lambda: pg.barrier(algo="hier"))]:  # fmt: skip
+        for name, call in [
+            ("all_reduce", lambda: pg.all_reduce(np.ones(3), algo="hier")),
+            ("reduce_scatter", lambda: pg.reduce_scatter(np.ones((1, 3)), algo="hier")),
+            ("all_gather", lambda: pg.all_gather(np.ones(3), algo="hier")),
+            ("broadcast", lambda: pg.broadcast(np.ones(3), algo="hier")),
+            ("barrier", lambda: pg.barrier(algo="hier")),
+        ]:
             with pytest.raises(ValueError, match=f"{name}: algo 'hier' needs a group spanning"):
                 call()
         # asynchronous calls stay flat: "hier" then leaves the choice to the flat rules

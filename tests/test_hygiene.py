@@ -34,9 +34,12 @@ sys.stdin.read()
 @contextmanager
 def _singleton(mode: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SINGLETON, mode], env=clean_env(), stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", _SINGLETON, mode],
+        env=clean_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         info = json.loads(proc.stdout.readline())

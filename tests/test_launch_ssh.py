@@ -527,8 +527,16 @@ def test_a_failing_rank_ends_the_job_across_hosts(
     report = tmp_path / "report"
     report.mkdir()
     res = ringcomm_run(
-        cluster, "-H", "node1,node2,node3", str(SCRIPTS / "exit_scenario.py"), cause,
-        "collective", str(failing), str(report), f"--tag={tag}", tag=tag,
+        cluster,
+        "-H",
+        "node1,node2,node3",
+        str(SCRIPTS / "exit_scenario.py"),
+        cause,
+        "collective",
+        str(failing),
+        str(report),
+        f"--tag={tag}",
+        tag=tag,
     )
     t_end = time.time()
     t_fail = json.loads((report / f"fail.{failing}").read_text())
@@ -560,10 +568,20 @@ def test_max_restarts_across_hosts_restarts_a_killed_rank_on_its_host(
     # admit it with grow(). Every step's all_reduce is checked (tests/scripts/elastic_loop.py).
     world, victim = 4, 2
     res = ringcomm_run(
-        cluster, "-H", ",".join(f"{a}:2" for a in cluster.aliases[:2]),
-        "--max-restarts", "1", "--master-addr", cluster.launcher_address,
-        str(SCRIPTS / "elastic_loop.py"), str(victim), "3", "20", str(tmp_path), tag=tag,
-    )  # fmt: skip
+        cluster,
+        "-H",
+        ",".join(f"{a}:2" for a in cluster.aliases[:2]),
+        "--max-restarts",
+        "1",
+        "--master-addr",
+        cluster.launcher_address,
+        str(SCRIPTS / "elastic_loop.py"),
+        str(victim),
+        "3",
+        "20",
+        str(tmp_path),
+        tag=tag,
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"rank {victim} on" in res.stderr and "starting it again (restart 1 of 1)" in res.stderr
     for s in range(world):
@@ -579,6 +597,13 @@ def test_max_restarts_across_hosts_restarts_a_killed_rank_on_its_host(
 def test_max_restarts_across_hosts_needs_the_launchers_address(
     loopback: SshdHosts, tag: str
 ) -> None:
-    res = ringcomm_run(loopback, "-H", f"{loopback.aliases[0]}:2", "--max-restarts", "1",
-                       str(SCRIPTS / "elastic_loop.py"), tag=tag)  # fmt: skip
+    res = ringcomm_run(
+        loopback,
+        "-H",
+        f"{loopback.aliases[0]}:2",
+        "--max-restarts",
+        "1",
+        str(SCRIPTS / "elastic_loop.py"),
+        tag=tag,
+    )
     assert res.returncode == 2 and "--master-addr" in res.stderr, res.stderr

@@ -95,9 +95,16 @@ def test_remote_command_shape() -> None:
     i = words.index("ringcomm.launch.watchdog")
     assert words[i - 2 : i] == [sys.executable, "-m"]
     assert words[i + 1 :] == [
-        "--grace-s", "1.5", "--env-stdin", "--",
-        sys.executable, "-u", str(SCRIPTS / "print_env.py"), "--lr", "0.1",
-    ]  # fmt: skip
+        "--grace-s",
+        "1.5",
+        "--env-stdin",
+        "--",
+        sys.executable,
+        "-u",
+        str(SCRIPTS / "print_env.py"),
+        "--lr",
+        "0.1",
+    ]
     module = make_config(Path("/w"), module=True, target="pkg.train", target_args=())
     tail = shlex.split(ssh.remote_command(module, module.placements[0], "m", 1))[-4:]
     assert tail == [sys.executable, "-u", "-m", "pkg.train"]
@@ -120,9 +127,13 @@ def test_ssh_argv_options_order() -> None:
     opts = [v for k, v in pairs if k == "-o"]
     # the user's first: ssh keeps the first value it sees
     assert opts == [
-        "ConnectTimeout=3", "User=bob", "BatchMode=yes", "ConnectTimeout=8",
-        "ServerAliveInterval=5", "ServerAliveCountMax=3",
-    ]  # fmt: skip
+        "ConnectTimeout=3",
+        "User=bob",
+        "BatchMode=yes",
+        "ConnectTimeout=8",
+        "ServerAliveInterval=5",
+        "ServerAliveCountMax=3",
+    ]
 
 
 def test_propagated_env_precedence() -> None:
@@ -164,13 +175,31 @@ def test_config_from_args(tmp_path: Path) -> None:
     hostfile.write_text("a slots=2\nb:2\n")
     (tmp_path / ".ringcomm_env").write_text("FROM_FILE=1\n")
     args = build_parser().parse_args(
-        ["run", "--hostfile", str(hostfile), "-n", "3", "--env", "X=1", "--ssh-option",
-         "Compression=yes", "--grace-s", "2", "--start-timeout", "5", "s.py", "--", "-v"]
-    )  # fmt: skip
+        [
+            "run",
+            "--hostfile",
+            str(hostfile),
+            "-n",
+            "3",
+            "--env",
+            "X=1",
+            "--ssh-option",
+            "Compression=yes",
+            "--grace-s",
+            "2",
+            "--start-timeout",
+            "5",
+            "s.py",
+            "--",
+            "-v",
+        ]
+    )
     config = ssh.config_from_args(args, environ={"RINGCOMM_ALGO": "ring"}, cwd=str(tmp_path))
     assert [(p.rank, p.host, p.local_rank) for p in config.placements] == [
-        (0, "a", 0), (1, "a", 1), (2, "b", 0)
-    ]  # fmt: skip
+        (0, "a", 0),
+        (1, "a", 1),
+        (2, "b", 0),
+    ]
     assert config.hosts == ["a", "b"] and config.world_size == 3
     assert dict(config.env) == {"FROM_FILE": "1", "RINGCOMM_ALGO": "ring", "X": "1"}
     assert config.target_args == ("-v",) and config.ssh_options == ("Compression=yes",)

@@ -54,10 +54,23 @@ SLOW_NET = CostModel(net=LinkModel.from_rate(0.1, 100.0), source="slow net")
 FAST_NET = CostModel(net=LinkModel(1e-6, 0.0), source="fast net")
 
 
-def chooser(model: CostModel, hosts: int, per_host: int, *, chunk_bytes: int = 4 * MiB,
-            choose_chunk: bool = True) -> ModelChooser:  # fmt: skip
-    return ModelChooser(model, hosts, per_host, hosts * per_host, ALGORITHMS,
-                        chunk_bytes=chunk_bytes, choose_chunk=choose_chunk)  # fmt: skip
+def chooser(
+    model: CostModel,
+    hosts: int,
+    per_host: int,
+    *,
+    chunk_bytes: int = 4 * MiB,
+    choose_chunk: bool = True,
+) -> ModelChooser:
+    return ModelChooser(
+        model,
+        hosts,
+        per_host,
+        hosts * per_host,
+        ALGORITHMS,
+        chunk_bytes=chunk_bytes,
+        choose_chunk=choose_chunk,
+    )
 
 
 def auto(collective: str, nbytes: int, world: int, model: ModelChooser | None, hier: bool) -> str:
@@ -151,8 +164,23 @@ def _todays_rule(collective: str, nbytes: int, world: int) -> str:
 
 
 def test_no_model_is_exactly_the_measured_switch_points() -> None:
-    sizes = sorted({0, 1, 8, 1023, 1024, 1025, 32 << 10, (32 << 10) + 1, 512 << 10,
-                    (512 << 10) + 1, MiB, MiB + 1, 64 * MiB})  # fmt: skip
+    sizes = sorted(
+        {
+            0,
+            1,
+            8,
+            1023,
+            1024,
+            1025,
+            32 << 10,
+            (32 << 10) + 1,
+            512 << 10,
+            (512 << 10) + 1,
+            MiB,
+            MiB + 1,
+            64 * MiB,
+        }
+    )
     for collective in ALGORITHMS:
         for world in (2, 3, 4, 5, 8, 9, 32):
             for size in sizes:
@@ -276,15 +304,30 @@ def test_the_models_piece_size_runs_and_an_explicit_one_wins() -> None:
 # -- pretend hosts: the model changes what runs ----------------------------------------------
 
 
-def _run(hosts: list[int], *args: str, cwd: Path, env: dict[str, str] | None = None,
-         check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def _run(
+    hosts: list[int], *args: str, cwd: Path, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if k != "RINGCOMM_TUNE_FILE"}
     full.update(PYTHONPATH=str(REPO), **(env or {}))
     out = subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", "-n", str(len(hosts)), str(SCRIPT),
-         ",".join(map(str, hosts)), *args],
-        check=False, capture_output=True, text=True, timeout=100, cwd=cwd, env=full,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            "-n",
+            str(len(hosts)),
+            str(SCRIPT),
+            ",".join(map(str, hosts)),
+            *args,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=cwd,
+        env=full,
+    )
     if check:
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
@@ -342,13 +385,26 @@ def test_a_bad_model_file_fails_every_rank_naming_it(tmp_path: Path) -> None:
         procs = []
         for r in range(4):
             env = {k: v for k, v in os.environ.items() if k != "RINGCOMM_TUNE_FILE"}
-            env.update(PYTHONPATH=str(REPO), RINGCOMM_RANK=str(r), RINGCOMM_WORLD_SIZE="4",
-                       RINGCOMM_MASTER_ADDR="127.0.0.1", RINGCOMM_MASTER_PORT=str(server.port),
-                       RINGCOMM_TOKEN="model-test", RINGCOMM_STORE_EXTERNAL="1",
-                       RINGCOMM_TUNE_FILE=str(bad))  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "0,0,1,1"], cwd=tmp_path,
-                                          env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))  # fmt: skip
+            env.update(
+                PYTHONPATH=str(REPO),
+                RINGCOMM_RANK=str(r),
+                RINGCOMM_WORLD_SIZE="4",
+                RINGCOMM_MASTER_ADDR="127.0.0.1",
+                RINGCOMM_MASTER_PORT=str(server.port),
+                RINGCOMM_TOKEN="model-test",
+                RINGCOMM_STORE_EXTERNAL="1",
+                RINGCOMM_TUNE_FILE=str(bad),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), "0,0,1,1"],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         errs = [p.communicate(timeout=60)[1] for p in procs]
     finally:
         for p in procs:
@@ -369,10 +425,24 @@ def _segments_run(tmp_path: Path, env: dict[str, str]) -> dict[str, tuple[str, i
     full = {k: v for k, v in os.environ.items() if k != "RINGCOMM_TUNE_FILE"}
     full.update(PYTHONPATH=str(REPO), **env)
     out = subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", "-n", "4", str(SEGMENT_SCRIPT), "0,0,1,1",
-         str(8 * MiB)],
-        check=False, capture_output=True, text=True, timeout=100, cwd=tmp_path, env=full,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            "-n",
+            "4",
+            str(SEGMENT_SCRIPT),
+            "0,0,1,1",
+            str(8 * MiB),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+        env=full,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     seen: dict[str, set[tuple[str, int]]] = {}
     for rank, op, seg, spans, ok in re.findall(
@@ -393,8 +463,11 @@ def test_the_models_segment_size_runs_on_pretend_hosts(tmp_path: Path) -> None:
     model.save(path)
     want = chooser(model, 2, 2)
     got = _segments_run(tmp_path, {"RINGCOMM_TUNE_FILE": str(path)})
-    for op, nbytes in (("all_reduce", 8 * MiB), ("reduce_scatter", 8 * MiB),
-                       ("all_gather", 2 * MiB)):  # fmt: skip
+    for op, nbytes in (
+        ("all_reduce", 8 * MiB),
+        ("reduce_scatter", 8 * MiB),
+        ("all_gather", 2 * MiB),
+    ):
         seg = want.hier_segment(op, nbytes)
         assert seg is not None and seg < 8 * MiB, (op, seg)
         assert got[op] == (str(seg), -(-8 * MiB // seg)), (op, got[op], seg)

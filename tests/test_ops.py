@@ -299,11 +299,18 @@ def test_integer_avg_uses_integer_functions_only(dtype, monkeypatch):
     division. Extremes of the dtype come out exact, at world sizes small and large."""
     import ringcomm.ops as ops
 
-    assert not ops.INTEGER_AVG_FUNCTIONS & {"fmod", "remainder", "mod", "divide",
-                                            "true_divide", "trunc", "fix", "rint"}  # fmt: skip
+    assert not ops.INTEGER_AVG_FUNCTIONS & {
+        "fmod",
+        "remainder",
+        "mod",
+        "divide",
+        "true_divide",
+        "trunc",
+        "fix",
+        "rint",
+    }
     info = np.iinfo(dtype)
-    values = [info.min, info.min + 1, info.min + 2, -3, -2, -1, 0, 1, 2, 3, info.max - 1,
-              info.max]  # fmt: skip
+    values = [info.min, info.min + 1, info.min + 2, -3, -2, -1, 0, 1, 2, 3, info.max - 1, info.max]
     values = [v for v in values if info.min <= v <= info.max]
     for world_size in (2, 3, 7, 8, 127, 1000):
         rec = _RecordingXp()

@@ -302,11 +302,22 @@ def case_bad_arguments_fail_before_sending(pg: rc.ProcessGroup) -> None:
         calls += [(pg.recv, (x, peer), exc), (pg.irecv, (x, peer), exc)]
     calls += [(pg.recv, (readonly, peer), ValueError), (pg.irecv, (readonly, peer), ValueError)]
     for fn in (pg.send, pg.isend, pg.recv, pg.irecv):
-        for bad_peer, exc in ((-1, ValueError), (pg.world_size, ValueError), (99, ValueError),
-                              (1.0, TypeError), (True, TypeError), ("1", TypeError)):  # fmt: skip
+        for bad_peer, exc in (
+            (-1, ValueError),
+            (pg.world_size, ValueError),
+            (99, ValueError),
+            (1.0, TypeError),
+            (True, TypeError),
+            ("1", TypeError),
+        ):
             calls.append((fn, (ok, bad_peer), exc))
-        for bad_tag, exc in ((-1, ValueError), (1 << 63, ValueError), (1.5, TypeError),
-                             ("0", TypeError), (None, TypeError)):  # fmt: skip
+        for bad_tag, exc in (
+            (-1, ValueError),
+            (1 << 63, ValueError),
+            (1.5, TypeError),
+            ("0", TypeError),
+            (None, TypeError),
+        ):
             calls.append((fn, (ok, peer, bad_tag), exc))
     for fn, args, exc in calls:
         with pytest.raises(exc) as ei:

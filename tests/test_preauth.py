@@ -64,9 +64,12 @@ def _mem(pid: int) -> tuple[int, int]:
 @contextlib.contextmanager
 def _target() -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _TARGET], env=clean_env(), stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", _TARGET],
+        env=clean_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         info = json.loads(proc.stdout.readline())

@@ -173,8 +173,11 @@ def _p2p_cases(pg: rc.ProcessGroup, kind: str, n: int) -> list[str]:
                     work.wait()
                 del x, work
                 if _alive({"x": ref}):
-                    what = ("isend" if asynchronous else "send") if rank == sender else (
-                        "irecv" if asynchronous else "recv")  # fmt: skip
+                    what = (
+                        ("isend" if asynchronous else "send")
+                        if rank == sender
+                        else ("irecv" if asynchronous else "recv")
+                    )
                     failures.append(f"{kind} n={n} {what}: buffer alive")
             pg.barrier()
     return failures

@@ -26,8 +26,14 @@ import ringcomm as rc
 
 TRIALS_PER_JOB = 110
 KINDS = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",
-)  # fmt: skip
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "scatter",
+)
 ASPECTS = ("shape", "dtype", "op", "root", "order")
 DTYPES = (np.float32, np.float64, np.int32, np.int64)
 
@@ -127,7 +133,9 @@ def job_mismatches(pg: rc.ProcessGroup, seed: int, trials: int) -> list[dict[str
         # This rank's own scatter variant; one that passes neither x nor out cannot
         # disagree on dtype or shape, so deviants (and everyone, if the source deviates)
         # pass a buffer.
-        open_ok = pg.rank not in trial["deviants"] and trial["base"]["root"] not in trial["deviants"]
+        open_ok = (
+            pg.rank not in trial["deviants"] and trial["base"]["root"] not in trial["deviants"]
+        )
         variant = random.Random(f"{seed}/{i}/{pg.rank}").randrange(4 if open_ok else 3)
         x, out = _buffers(call, pg.world_size, pg.rank, variant)
         x0 = None if x is None else x.copy()
@@ -145,11 +153,18 @@ def job_mismatches(pg: rc.ProcessGroup, seed: int, trials: int) -> list[dict[str
         modified = (x is not None and not np.array_equal(x, x0)) or (
             out is not None and not np.array_equal(out, out0)
         )
-        results.append({
-            "trial": i, "aspect": trial["aspect"], "kind": call["kind"], "outcome": outcome,
-            "modified": modified, "seconds": time.monotonic() - t0,
-            "deviant": pg.rank in trial["deviants"], "root": call["root"],
-        })  # fmt: skip
+        results.append(
+            {
+                "trial": i,
+                "aspect": trial["aspect"],
+                "kind": call["kind"],
+                "outcome": outcome,
+                "modified": modified,
+                "seconds": time.monotonic() - t0,
+                "deviant": pg.rank in trial["deviants"],
+                "root": call["root"],
+            }
+        )
         sub.close()
         pg.barrier()  # the next trial starts together (a stray abort never races it)
     return results

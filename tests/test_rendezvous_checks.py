@@ -65,7 +65,10 @@ def test_launcher_world_size_binds_every_group() -> None:
 @pytest.mark.parametrize(
     ("second", "words"),
     [
-        (_req(1, 2, who="pid 7"), "rank 1 joined twice: pid 7 says it is rank 1, and so did pid 101"),
+        (
+            _req(1, 2, who="pid 7"),
+            "rank 1 joined twice: pid 7 says it is rank 1, and so did pid 101",
+        ),
         (_req(2, 2), "rank 2 (pid 102) is out of range: the group has ranks 0..1"),
         (_req(0, 2, version="v2", who="x"), "rank 0 (x) runs v2, the group was formed by v1"),
     ],
@@ -171,9 +174,13 @@ def _assert_all_refused(out: str, ranks: int, *words: str) -> None:
 
 def _ringcomm_run(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", *args], env=clean_env(), capture_output=True,
-        text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "ringcomm", "run", *args],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.mark.timeout(120)
@@ -194,16 +201,25 @@ def test_world_size_mismatch_under_ringcomm_run(mode: str, words: list[str]) -> 
 def test_duplicate_rank_under_ringcomm_run() -> None:
     proc = _ringcomm_run("-n", "3", str(MISMATCH), "dup")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _assert_all_refused(proc.stdout, 3, r"rank 1 joined twice: pid \d+ on \S+ says it is rank 1, "
-                        r"and so did pid \d+")  # fmt: skip
+    _assert_all_refused(
+        proc.stdout,
+        3,
+        r"rank 1 joined twice: pid \d+ on \S+ says it is rank 1, "
+        r"and so did pid \d+",
+    )
 
 
 def _by_hand(envs: list[dict[str, str]], mode: str) -> str:
     procs = [
-        subprocess.Popen([sys.executable, str(MISMATCH), mode], env=clean_env(e),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(MISMATCH), mode],
+            env=clean_env(e),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for e in envs
-    ]  # fmt: skip
+    ]
     out = []
     try:
         for p in procs:
@@ -237,8 +253,10 @@ def test_world_size_mismatch_by_hand() -> None:
 @pytest.mark.timeout(120)
 def test_duplicate_rank_by_hand() -> None:
     port = str(_free_port())
-    envs = [{"RINGCOMM_RANK": str(r), "RINGCOMM_WORLD_SIZE": "3", "RINGCOMM_MASTER_PORT": port}
-            for r in (0, 1, 1)]  # fmt: skip
+    envs = [
+        {"RINGCOMM_RANK": str(r), "RINGCOMM_WORLD_SIZE": "3", "RINGCOMM_MASTER_PORT": port}
+        for r in (0, 1, 1)
+    ]
     refused = _refusals(_by_hand(envs, "none"))
     assert sorted(refused) == [0, 1], refused  # (two report as rank 1)
     for seconds, message in refused.values():
@@ -250,8 +268,10 @@ def test_duplicate_rank_0_by_hand_is_named_too() -> None:
     # Both try to serve the store at one port: the second finds the first's and is refused
     # there as a second rank 0, and the first with it.
     port = str(_free_port())
-    envs = [{"RINGCOMM_RANK": "0", "RINGCOMM_WORLD_SIZE": "2", "RINGCOMM_MASTER_PORT": port}
-            for _ in range(2)]  # fmt: skip
+    envs = [
+        {"RINGCOMM_RANK": "0", "RINGCOMM_WORLD_SIZE": "2", "RINGCOMM_MASTER_PORT": port}
+        for _ in range(2)
+    ]
     out = _by_hand(envs, "none")
     lines = [ln for ln in out.splitlines() if ln.startswith("REFUSED 0 ")]
     assert len(lines) == 2, out
@@ -291,8 +311,14 @@ def test_second_and_third_group_under_mpirun() -> None:
         pytest.skip("needs_mpi: mpirun is not installed")
     cmd = ["mpirun"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     cmd += ["--oversubscribe", "--bind-to", "none", "-np", "2", "-x", "PYTHONPATH"]
-    proc = subprocess.run([*cmd, sys.executable, str(GROUPS), str(REPS)], env=clean_env(),
-                          capture_output=True, text=True, timeout=140, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [*cmd, sys.executable, str(GROUPS), str(REPS)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _groups_done(proc.stdout, 2)
 
@@ -301,9 +327,21 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
     pytest.importorskip("torch", reason="needs_torch: torch is not installed")
     env = clean_env({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), *args], env=env, capture_output=True, text=True, timeout=140, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+    )
 
 
 @pytest.mark.needs_torch
@@ -316,10 +354,13 @@ def test_second_and_third_group_under_torchrun() -> None:
 
 @pytest.mark.needs_torch
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("mode", "world", "words"), [
-    ("world", 2, [r"world_size=3", r"WORLD_SIZE=2"]),
-    ("dup", 3, [r"rank 1 joined twice"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "world", "words"),
+    [
+        ("world", 2, [r"world_size=3", r"WORLD_SIZE=2"]),
+        ("dup", 3, [r"rank 1 joined twice"]),
+    ],
+)
 def test_mismatch_under_torchrun(mode: str, world: int, words: list[str]) -> None:
     proc = _torchrun(world, str(MISMATCH), mode)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

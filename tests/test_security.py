@@ -118,8 +118,12 @@ def test_outsider_is_refused_under_ringcomm_run() -> None:
     env = {k: v for k, v in clean_env().items() if "TOKEN" not in k}
     proc = subprocess.run(
         [sys.executable, "-m", "ringcomm", "run", "-n", "2", str(JOB)],
-        env=env, capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check(_reports(proc.stdout), rank0_serves=False)
 
@@ -130,8 +134,14 @@ def test_outsider_is_refused_under_mpirun() -> None:
     cmd = ["mpirun"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     cmd += ["--oversubscribe", "--bind-to", "none", "-np", "2", "-x", "PYTHONPATH"]
     env = {k: v for k, v in clean_env().items() if "TOKEN" not in k}
-    proc = subprocess.run([*cmd, sys.executable, str(JOB)], env=env, capture_output=True,
-                          text=True, timeout=180, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [*cmd, sys.executable, str(JOB)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check(_reports(proc.stdout), rank0_serves=True)
 
@@ -180,18 +190,33 @@ def _ps_server(port: int, token: str | None) -> subprocess.Popen[str]:
     env = {k: v for k, v in clean_env().items() if "TOKEN" not in k}
     if token is not None:
         env["RINGCOMM_TOKEN"] = token
-    cmd = [sys.executable, "-m", "ringcomm", "ps-server", "--coordinator", f"127.0.0.1:{port}",
-           "--index", "0", "--num-workers", "2", "--lr", "0.5", "--timeout", "60",
-           "--join-timeout", "15"]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringcomm",
+        "ps-server",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--index",
+        "0",
+        "--num-workers",
+        "2",
+        "--lr",
+        "0.5",
+        "--timeout",
+        "60",
+        "--join-timeout",
+        "15",
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def job_ps_worker(pg: rc.ProcessGroup, port: int, token: str) -> list[float]:
     from ringcomm.ps.membership import connect_worker
 
-    kv = connect_worker(("127.0.0.1", port), pg.rank, 2, 1, token=token, timeout_s=60,
-                        join_timeout_s=15)  # fmt: skip
+    kv = connect_worker(
+        ("127.0.0.1", port), pg.rank, 2, 1, token=token, timeout_s=60, join_timeout_s=15
+    )
     w = np.zeros(4)
     kv.init(0, w).wait()
     kv.push_pull(0, np.ones(4), w).wait()
@@ -213,10 +238,17 @@ def test_ps_server_job_refuses_an_outsider(no_child_processes: None) -> None:
         with pytest.raises(rc.AuthenticationError, match="hands out no token"):
             connect_worker(("127.0.0.1", port), 0, 2, 1, timeout_s=10)  # no token: refused
         out = subprocess.run(
-            [sys.executable, str(SCRIPTS / "outsider.py"),
-             json.dumps({"endpoints": [], "store": ["127.0.0.1", port]})],
-            env=clean_env(), capture_output=True, text=True, timeout=60, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(SCRIPTS / "outsider.py"),
+                json.dumps({"endpoints": [], "store": ["127.0.0.1", port]}),
+            ],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         store = json.loads(out.stdout.strip().splitlines()[-1])["store"]
         assert store["set"]["status"] == store["get"]["status"] == "auth", store
         assert store["signed"].get("refused") == "token mismatch", store
@@ -247,8 +279,9 @@ def test_a_job_across_hosts_without_encryption_says_so(caplog: pytest.LogCapture
 
     def said(security: str, hosts: list[str], rank: int = 0) -> list[str]:
         caplog.clear()
-        cfg = InitConfig(rank=rank, world_size=2, local_rank=0, master_addr="h", master_port=1,
-                         security=security)  # fmt: skip
+        cfg = InitConfig(
+            rank=rank, world_size=2, local_rank=0, master_addr="h", master_port=1, security=security
+        )
         with caplog.at_level("WARNING", logger="ringcomm"):
             warn_across_hosts(cfg, [info(r, h) for r, h in enumerate(hosts)])
         return [r.getMessage() for r in caplog.records]

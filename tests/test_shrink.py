@@ -45,9 +45,16 @@ def _port_with_the_next_taken() -> tuple[int, socket.socket]:
             blocker.close()
 
 
-def _run(world: int, victim: int, step: int, tmp_path: Path, *, second: int | None = None,
-         external: bool = False, block_next_port: bool = False,
-         ) -> tuple[list[int | None], dict[int, dict[str, Any]]]:  # fmt: skip
+def _run(
+    world: int,
+    victim: int,
+    step: int,
+    tmp_path: Path,
+    *,
+    second: int | None = None,
+    external: bool = False,
+    block_next_port: bool = False,
+) -> tuple[list[int | None], dict[int, dict[str, Any]]]:
     server = StoreServer("127.0.0.1", 0, token="shrink-test").start() if external else None
     blocker = None
     if server is not None:
@@ -59,13 +66,19 @@ def _run(world: int, victim: int, step: int, tmp_path: Path, *, second: int | No
     procs = []
     try:
         for r in range(world):
-            env = dict(os.environ, RINGCOMM_RANK=str(r), RINGCOMM_WORLD_SIZE=str(world),
-                       RINGCOMM_MASTER_ADDR="127.0.0.1", RINGCOMM_MASTER_PORT=str(port),
-                       RINGCOMM_TOKEN="shrink-test",
-                       RINGCOMM_STORE_EXTERNAL="1" if external else "0")  # fmt: skip
+            env = dict(
+                os.environ,
+                RINGCOMM_RANK=str(r),
+                RINGCOMM_WORLD_SIZE=str(world),
+                RINGCOMM_MASTER_ADDR="127.0.0.1",
+                RINGCOMM_MASTER_PORT=str(port),
+                RINGCOMM_TOKEN="shrink-test",
+                RINGCOMM_STORE_EXTERNAL="1" if external else "0",
+            )
             args = [sys.executable, str(SCRIPT), str(victim), str(step), str(tmp_path)]
-            procs.append(subprocess.Popen(args + ([str(second)] if second is not None else []),
-                                          env=env))  # fmt: skip
+            procs.append(
+                subprocess.Popen(args + ([str(second)] if second is not None else []), env=env)
+            )
         codes: list[int | None] = []
         for p in procs:
             try:
@@ -91,8 +104,10 @@ def _run(world: int, victim: int, step: int, tmp_path: Path, *, second: int | No
 
 # W=3..6, the victim random (rank 0 in a third of them), seeded: 20 trials.
 _rng = random.Random(2026)
-TRIALS = [(w, 0 if i % 3 == 0 else _rng.randrange(1, w), _rng.randrange(1, 5))
-          for i, w in enumerate([3, 4, 5, 6] * 5)]  # fmt: skip
+TRIALS = [
+    (w, 0 if i % 3 == 0 else _rng.randrange(1, w), _rng.randrange(1, 5))
+    for i, w in enumerate([3, 4, 5, 6] * 5)
+]
 
 
 @pytest.mark.timeout(120)
@@ -165,8 +180,9 @@ def test_a_reaped_process_counts_as_ended() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert wait_for_exit(child.pid, 0.0) is True
-    alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)  # fmt: skip
+    alive = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         assert wait_for_exit(alive.pid, 0.0) is False
     finally:

@@ -25,8 +25,9 @@ def test_bench_host_staged_checks_clean(
     op: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_child_processes: None
 ) -> None:
     out_json = tmp_path / "rows.json"
-    code = main(["bench", op, "-n", "3", *TINY, "--device", "host-staged,host",
-                 "--json", str(out_json)])  # fmt: skip
+    code = main(
+        ["bench", op, "-n", "3", *TINY, "--device", "host-staged,host", "--json", str(out_json)]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     rows = [json.loads(line) for line in out_json.read_text().splitlines()]

@@ -312,8 +312,9 @@ def conformance_job(rank: int, world_size: int, store_path: str) -> dict[str, st
 
         def train(group: Any) -> list[Any]:
             torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Embedding(23, 4, sparse=True),
-                                        torch.nn.Flatten(), torch.nn.Linear(12, 1))  # fmt: skip
+            model = torch.nn.Sequential(
+                torch.nn.Embedding(23, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(12, 1)
+            )
             ddp = DDP(model, process_group=group)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             gen = torch.Generator().manual_seed(100 + R)

@@ -20,9 +20,12 @@ def _rank(rank: int, store_path: str, results: Any) -> None:
     import ringcomm.torch_backend  # noqa: F401  (registers "ringcomm")
 
     dist.init_process_group(
-        "ringcomm", init_method=f"file://{store_path}", rank=rank, world_size=2,
+        "ringcomm",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=2,
         timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    )
     try:
         t = torch.full((4,), float(rank + 1))
         dist.all_reduce(t)

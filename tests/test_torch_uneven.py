@@ -82,7 +82,9 @@ def uneven_job(rank: int, world_size: int, store_path: str) -> dict[str, str]:
         got, ref = run(rc_world), run(gloo)
         assert got == ref, (got, ref)
         if R == 0:
-            exp = sorted([(r, float(r)) for r in range(1, W)] + [(r, 10.0 + r) for r in range(1, W)])
+            exp = sorted(
+                [(r, float(r)) for r in range(1, W)] + [(r, 10.0 + r) for r in range(1, W)]
+            )
             assert got == exp, got
 
     def reduce_scatter_uneven() -> None:
@@ -99,8 +101,10 @@ def uneven_job(rank: int, world_size: int, store_path: str) -> dict[str, str]:
                     return o
 
                 got, ref = run(rc_world), run(gloo)
-                exp = sum(_val(r, R, (rows(R),), torch.float64 if not dt.is_complex else dt)
-                          for r in range(W)).to(dt)  # fmt: skip
+                exp = sum(
+                    _val(r, R, (rows(R),), torch.float64 if not dt.is_complex else dt)
+                    for r in range(W)
+                ).to(dt)
                 assert torch.equal(got, ref), (dt_name, got, ref)
                 assert torch.equal(got, exp), (dt_name, got, exp)
 
@@ -119,9 +123,13 @@ def uneven_job(rank: int, world_size: int, store_path: str) -> dict[str, str]:
                     x = _val(R, 0, (sum(ins), 2), dt)
                     y = torch.full((sum(outs), 2), -1, dtype=dt)
                     w = dist.all_to_all_single(
-                        y, x, output_split_sizes=outs, input_split_sizes=ins, group=group,
+                        y,
+                        x,
+                        output_split_sizes=outs,
+                        input_split_sizes=ins,
+                        group=group,
                         async_op=a,
-                    )  # fmt: skip
+                    )
                     if a:
                         w.wait()
                     return y
@@ -154,9 +162,10 @@ def uneven_job(rank: int, world_size: int, store_path: str) -> dict[str, str]:
         # Gloo refuses the uneven form
         with pytest.raises(RuntimeError, match="invalid tensor size"):
             dist.all_gather(
-                [torch.empty(rows(r)) for r in range(W)], _val(R, 0, (rows(R),), torch.float32),
+                [torch.empty(rows(r)) for r in range(W)],
+                _val(R, 0, (rows(R),), torch.float32),
                 group=gloo,
-            )  # fmt: skip
+            )
 
     def all_to_all_lists() -> None:
         def m(i: int, j: int) -> int:

@@ -31,10 +31,23 @@ def _probe(hosts: list[int], check: bool = True) -> subprocess.CompletedProcess[
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
     env.update(PYTHONPATH=str(REPO), RINGCOMM_TUNE_FILE="none")
     out = subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", "-n", str(len(hosts)), str(SCRIPT),
-         ",".join(map(str, hosts))],
-        check=False, capture_output=True, text=True, timeout=150, cwd=REPO, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            "-n",
+            str(len(hosts)),
+            str(SCRIPT),
+            ",".join(map(str, hosts)),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+        env=env,
+    )
     if check:
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
@@ -82,7 +95,9 @@ def test_cpu_pools_from_boot_ids() -> None:
 
     # every host on one machine: its cores shared by all (0), the fewest any rank may use
     assert cpu_pools([info(0, "a", 2), info(0, "a", 2), info(1, "a", 1), info(1, "a", 2)]) == (
-        1.0, 0)  # fmt: skip
+        1.0,
+        0,
+    )
     # hosts of their own
     assert cpu_pools([info(0, "a"), info(0, "a"), info(1, "b"), info(1, "b")]) == (4.0, 1)
     # two machines holding two hosts each
@@ -97,15 +112,18 @@ def test_probe_specs_run_both_segment_sizes() -> None:
     assert [g for k, _, g in specs if k == "hier"] == [8 * MiB, 1 * MiB]
 
 
-@pytest.mark.parametrize("extra", [
-    ["-H", "a:2,b:1"],                       # hosts of different sizes
-    ["-H", "a:1,b:1"],                       # one rank per host: no host steps to probe
-    ["-H", "a:2"],                           # one host
-    ["-H", "a:2,b:2", "--net-gbps", "1"],    # the network is measured across hosts
-    ["-H", "a:2,b:2", "--size", "4K"],
-    ["--size", "4M"],                        # across-host options without hosts
-    ["--ssh-config", "x"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["-H", "a:2,b:1"],  # hosts of different sizes
+        ["-H", "a:1,b:1"],  # one rank per host: no host steps to probe
+        ["-H", "a:2"],  # one host
+        ["-H", "a:2,b:2", "--net-gbps", "1"],  # the network is measured across hosts
+        ["-H", "a:2,b:2", "--size", "4K"],
+        ["--size", "4M"],  # across-host options without hosts
+        ["--ssh-config", "x"],
+    ],
+)
 def test_tune_across_hosts_usage_errors_exit_2(extra: list[str], tmp_path: Path) -> None:
     out = tmp_path / "x.json"
     assert cli.main(["tune", "--out", str(out), *extra]) == 2
@@ -116,8 +134,10 @@ def test_tune_across_hosts_prints_the_fit_and_writes_a_version_2_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The command's side of the probe (ssh replaced by reports a known model makes)."""
-    truth = CostModel(net=LinkModel.from_rate(10.0, 60.0),
-                      cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0, 0.25e-9))  # fmt: skip
+    truth = CostModel(
+        net=LinkModel.from_rate(10.0, 60.0),
+        cpu=CpuModel(0.6e-9, 0.4e-9, 0.3e-9, 2e-3, 2.0, 0, 0.25e-9),
+    )
     seen = {}
 
     def fake_run_probe(hosts, size, iters, warmup, timeout_s):  # type: ignore[no-untyped-def]
@@ -125,10 +145,26 @@ def test_tune_across_hosts_prints_the_fit_and_writes_a_version_2_file(
         records = []
         for kind, nbytes, seg in probe_specs(size):
             t = predict_sample(truth, HostSample(kind, 2, 2, nbytes, 1.0, seg))
-            records.append({"kind": kind, "size": nbytes, "segment": seg,
-                            "times_s": [t, t * 1.01, t * 0.99], "errors": 0})  # fmt: skip
-        per_rank = [{"host": r // 2, "hosts": 2, "ranks_per_host": 2, "boot_id": "one",
-                     "cores": 2, "records": records} for r in range(4)]  # fmt: skip
+            records.append(
+                {
+                    "kind": kind,
+                    "size": nbytes,
+                    "segment": seg,
+                    "times_s": [t, t * 1.01, t * 0.99],
+                    "errors": 0,
+                }
+            )
+        per_rank = [
+            {
+                "host": r // 2,
+                "hosts": 2,
+                "ranks_per_host": 2,
+                "boot_id": "one",
+                "cores": 2,
+                "records": records,
+            }
+            for r in range(4)
+        ]
         return per_rank, [HostInfo(r // 2, f"h{r // 2}", "one", 2) for r in range(4)]
 
     monkeypatch.setattr(tune_hosts, "run_probe", fake_run_probe)
@@ -145,8 +181,9 @@ def test_tune_across_hosts_prints_the_fit_and_writes_a_version_2_file(
     assert "ringcomm tune --hostfile on h0:2, h1:2" in model.source
     for kind in ("flat", "hier"):
         sample = HostSample(kind, 2, 2, 64 * MiB, 1.0, 8 * MiB)
-        assert predict_sample(model, sample) == pytest.approx(predict_sample(truth, sample),
-                                                              rel=0.05)  # fmt: skip
+        assert predict_sample(model, sample) == pytest.approx(
+            predict_sample(truth, sample), rel=0.05
+        )
 
 
 @pytest.mark.needs_ssh
@@ -161,12 +198,31 @@ def test_tune_across_two_netns_hosts_writes_a_model_with_a_cpu_term(tmp_path: Pa
         model_file = tmp_path / "bed.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
         out = subprocess.run(
-            [sys.executable, "-m", "ringcomm", "tune", "--hostfile", str(bed.hostfile),
-             "--ssh-config", str(bed.ssh_config), "--size", "2M", "--iters", "2",
-             "--warmup", "1", "--out", str(model_file)],
-            check=False, capture_output=True, text=True, timeout=300, cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "ringcomm",
+                "tune",
+                "--hostfile",
+                str(bed.hostfile),
+                "--ssh-config",
+                str(bed.ssh_config),
+                "--size",
+                "2M",
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+                "--out",
+                str(model_file),
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
             env={**env, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+        )
     finally:
         netns_hosts.stop(prefix)
     text = out.stdout + out.stderr

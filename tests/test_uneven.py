@@ -29,7 +29,11 @@ pytestmark = pytest.mark.usefixtures("no_child_processes")
 Case = tuple[Any, ...]  # (collective, dtype name, op, pattern, row shape, variant)
 PATTERNS = ["ramp", "holes", "zeros", "one", "big"]
 ROWS = [(), (3,), (2, 2)]
-VARIANTS = {"all_gather_v": ["sizes", "none", "out", "async"], "reduce_scatter_v": ["plain", "out", "async"], "all_to_all_v": ["plain", "out", "async"]}  # fmt: skip
+VARIANTS = {
+    "all_gather_v": ["sizes", "none", "out", "async"],
+    "reduce_scatter_v": ["plain", "out", "async"],
+    "all_to_all_v": ["plain", "out", "async"],
+}
 
 
 def counts(pattern: str, n: int, salt: int) -> list[int]:
@@ -116,7 +120,9 @@ def run_case(pg: rc.ProcessGroup, cid: int, case: Case) -> tuple[Any, Any, bool]
     ins, outs = m[me], [m[j][me] for j in range(n)]
     x = inp(me, sum(ins))
     # rows rank j sent us: its rows from sum(m[j][:me]) on
-    exp = np.concatenate([inp(j, sum(m[j]))[sum(m[j][:me]) : sum(m[j][: me + 1])] for j in range(n)])
+    exp = np.concatenate(
+        [inp(j, sum(m[j]))[sum(m[j][:me]) : sum(m[j][: me + 1])] for j in range(n)]
+    )
     if variant == "out":
         out = np.zeros(exp.shape, dt)
         res = pg.all_to_all_v(x, ins, outs, out=out)
@@ -142,7 +148,9 @@ def job_matrix(pg: rc.ProcessGroup, chunk_bytes: int) -> tuple[list[str], dict[i
             failures.append(f"rank {pg.rank}: {case}: {type(exc).__name__}: {exc}")
             break
         if not isinstance(res, np.ndarray) or res.dtype != exp.dtype or res.shape != exp.shape:
-            failures.append(f"rank {pg.rank}: {case}: got {res!r:.80}, expected {exp.dtype}{exp.shape}")
+            failures.append(
+                f"rank {pg.rank}: {case}: got {res!r:.80}, expected {exp.dtype}{exp.shape}"
+            )
         elif not np.array_equal(res, exp):
             failures.append(f"rank {pg.rank}: {case}: values differ from the oracle")
         if identical:

@@ -62,8 +62,10 @@ def nccl_missing(world_size: int) -> str | None:
         return "--compare nccl: this torch has no NCCL"
     gpus = torch.cuda.device_count()
     if gpus < world_size:
-        return (f"--compare nccl runs one rank per GPU (NCCL refuses two ranks on one): "
-                f"{world_size} ranks, {gpus} GPU(s)")  # fmt: skip
+        return (
+            f"--compare nccl runs one rank per GPU (NCCL refuses two ranks on one): "
+            f"{world_size} ranks, {gpus} GPU(s)"
+        )
     return None
 
 
@@ -74,8 +76,9 @@ class GlooImpl:
     name = "gloo"
     algo = "gloo"
 
-    def __init__(self, rank: int, world_size: int, device: str = "cpu",
-                 backend: str = "gloo") -> None:  # fmt: skip
+    def __init__(
+        self, rank: int, world_size: int, device: str = "cpu", backend: str = "gloo"
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device

@@ -190,20 +190,35 @@ def mpi_hosts_args(hosts: HostsSpec, if_include: str | None = None) -> list[str]
         if_include = network_towards(_host_address(hosts, hosts.placement[0][0]))
     if_args = []
     if if_include is not None:
-        if_args = ["--mca", "btl_tcp_if_include", if_include,
-                   "--mca", "oob_tcp_if_include", if_include]  # fmt: skip
+        if_args = [
+            "--mca",
+            "btl_tcp_if_include",
+            if_include,
+            "--mca",
+            "oob_tcp_if_include",
+            if_include,
+        ]
     agent = "ssh -T -x -o BatchMode=yes"
     if hosts.ssh_config is not None:
         agent += f" -F {shlex.quote(hosts.ssh_config)}"
     return [
-        "--host", ",".join(f"{h}:{n}" for h, n in hosts.placement),
-        "--mca", "plm_rsh_agent", agent,
-        "--mca", "pml", "ob1",
-        "--mca", "btl", "tcp,self",
+        "--host",
+        ",".join(f"{h}:{n}" for h, n in hosts.placement),
+        "--mca",
+        "plm_rsh_agent",
+        agent,
+        "--mca",
+        "pml",
+        "ob1",
+        "--mca",
+        "btl",
+        "tcp,self",
         *if_args,
-        "-x", "PYTHONPATH",
-        "--wdir", os.getcwd(),
-    ]  # fmt: skip
+        "-x",
+        "PYTHONPATH",
+        "--wdir",
+        os.getcwd(),
+    ]
 
 
 def mpi_job(config: BenchConfig, hosts: HostsSpec) -> list[list[Record]]:

@@ -60,25 +60,46 @@ GLOO_DTYPES = frozenset(
     {"bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
 )
 #: Implementations a row can come from (the JSON ``impl`` key).
-IMPLS: tuple[str, ...] = ("ringcomm", "gloo", "mpi", "ringcomm-cuda", "ringcomm-staged",
-                          "ringcomm-standin", "ringcomm-cuda-staged", "gloo-cuda",
-                          "nccl")  # fmt: skip
+IMPLS: tuple[str, ...] = (
+    "ringcomm",
+    "gloo",
+    "mpi",
+    "ringcomm-cuda",
+    "ringcomm-staged",
+    "ringcomm-standin",
+    "ringcomm-cuda-staged",
+    "gloo-cuda",
+    "nccl",
+)
 #: Where ``--device`` puts ringcomm's buffers: NumPy arrays (``host``), CuPy arrays on the
 #: rank's GPU (``cuda``), or the host stand-in for CuPy arrays: ``standin`` (through exactly
 #: the algorithm a CuPy array takes: device windows on one host), ``host-staged`` (through
 #: host staging, as CuPy across hosts), to test and measure them without a GPU;
 #: ``cuda-staged``: CuPy arrays through host staging (the path before device windows).
-DEVICES: tuple[str, ...] = ("host", "cuda", "host-staged", "standin", "cuda-staged",
-                            "symmetric", "copy")  # fmt: skip
+DEVICES: tuple[str, ...] = (
+    "host",
+    "cuda",
+    "host-staged",
+    "standin",
+    "cuda-staged",
+    "symmetric",
+    "copy",
+)
 #: Devices whose calls go through host staging (device windows off for their calls).
 STAGED_DEVICES = frozenset({"host-staged", "cuda-staged"})
 
 
 def device_impl(device: str) -> str:
     """The ``impl`` name of ringcomm's rows on ``device`` (host: plain ``ringcomm``)."""
-    return {"host": "ringcomm", "cuda": "ringcomm-cuda", "host-staged": "ringcomm-staged",
-            "standin": "ringcomm-standin", "cuda-staged": "ringcomm-cuda-staged",
-            "symmetric": "ringcomm-symmetric", "copy": "numpy-copyto"}[device]  # fmt: skip
+    return {
+        "host": "ringcomm",
+        "cuda": "ringcomm-cuda",
+        "host-staged": "ringcomm-staged",
+        "standin": "ringcomm-standin",
+        "cuda-staged": "ringcomm-cuda-staged",
+        "symmetric": "ringcomm-symmetric",
+        "copy": "numpy-copyto",
+    }[device]
 
 
 def busbw_factor(op: str, world_size: int) -> float:

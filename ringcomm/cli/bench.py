@@ -487,8 +487,10 @@ def crowding_warning(nproc: int, ncores: int) -> str | None:
     iterations by ``-n``): None when it does not."""
     if nproc <= CROWDED_RANKS_PER_CORE * max(1, ncores):
         return None
-    return (f"-n {nproc} starts {nproc} ranks on {ncores} core(s); here -n is the number of "
-            "ranks (in nccl-tests it is iterations: that is --iters)")  # fmt: skip
+    return (
+        f"-n {nproc} starts {nproc} ranks on {ncores} core(s); here -n is the number of "
+        "ranks (in nccl-tests it is iterations: that is --iters)"
+    )
 
 
 def placement_line(hostnames: Sequence[str]) -> str:

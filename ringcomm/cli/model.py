@@ -62,21 +62,45 @@ ASSUMPTIONS = (
 def add_link_options(p: argparse.ArgumentParser, *, local: bool = True) -> None:
     """The options that override a model's parameters (shared with ``ringcomm tune``)."""
     g = p.add_argument_group("link parameters (override --model / the defaults)")
-    g.add_argument("--net-gbps", "--link-gbps", type=float, metavar="GBIT",
-                   help="each host's uplink rate, Gbit/s (default 1)")  # fmt: skip
-    g.add_argument("--net-latency-us", "--link-latency-us", type=float, metavar="US",
-                   help="latency per message across hosts, us (default 50)")  # fmt: skip
+    g.add_argument(
+        "--net-gbps",
+        "--link-gbps",
+        type=float,
+        metavar="GBIT",
+        help="each host's uplink rate, Gbit/s (default 1)",
+    )
+    g.add_argument(
+        "--net-latency-us",
+        "--link-latency-us",
+        type=float,
+        metavar="US",
+        help="latency per message across hosts, us (default 50)",
+    )
     if local:
-        g.add_argument("--local-gbps", type=float, metavar="GBIT",
-                       help="same-host link rate, Gbit/s (default 20 = 2.5 GB/s)")  # fmt: skip
-        g.add_argument("--local-latency-us", type=float, metavar="US",
-                       help="latency per message on one host, us (default 20)")  # fmt: skip
-        g.add_argument("--reduce-gbps", type=float, metavar="GBYTE",
-                       help="reduction rate, GB/s (default 6)")  # fmt: skip
-        g.add_argument("--overhead-us", type=float, metavar="US",
-                       help="fixed cost per call, us (default 10)")  # fmt: skip
-        g.add_argument("--chunk-bytes", type=size_arg, metavar="SIZE",
-                       help="piece size of pipelined transfers (default 4M)")  # fmt: skip
+        g.add_argument(
+            "--local-gbps",
+            type=float,
+            metavar="GBIT",
+            help="same-host link rate, Gbit/s (default 20 = 2.5 GB/s)",
+        )
+        g.add_argument(
+            "--local-latency-us",
+            type=float,
+            metavar="US",
+            help="latency per message on one host, us (default 20)",
+        )
+        g.add_argument(
+            "--reduce-gbps", type=float, metavar="GBYTE", help="reduction rate, GB/s (default 6)"
+        )
+        g.add_argument(
+            "--overhead-us", type=float, metavar="US", help="fixed cost per call, us (default 10)"
+        )
+        g.add_argument(
+            "--chunk-bytes",
+            type=size_arg,
+            metavar="SIZE",
+            help="piece size of pipelined transfers (default 4M)",
+        )
 
 
 def _positive(args: argparse.Namespace, name: str, *, zero_ok: bool = False) -> float | None:
@@ -139,12 +163,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--hosts", type=int, required=True, metavar="H", help="hosts")
     p.add_argument("--ranks-per-host", type=int, required=True, metavar="L", help="ranks per host")
-    p.add_argument("--size", type=size_arg, required=True, metavar="S",
-                   help="bytes per rank as nccl-tests counts them (K/M/G suffixes)")  # fmt: skip
-    p.add_argument("--op", default="all_reduce", choices=tuple(ALGORITHMS), metavar="OP",
-                   help=f"one of {', '.join(ALGORITHMS)} (default %(default)s)")  # fmt: skip
-    p.add_argument("--ps-servers", type=int, metavar="P",
-                   help="parameter servers (ps rows; default one per host)")  # fmt: skip
+    p.add_argument(
+        "--size",
+        type=size_arg,
+        required=True,
+        metavar="S",
+        help="bytes per rank as nccl-tests counts them (K/M/G suffixes)",
+    )
+    p.add_argument(
+        "--op",
+        default="all_reduce",
+        choices=tuple(ALGORITHMS),
+        metavar="OP",
+        help=f"one of {', '.join(ALGORITHMS)} (default %(default)s)",
+    )
+    p.add_argument(
+        "--ps-servers",
+        type=int,
+        metavar="P",
+        help="parameter servers (ps rows; default one per host)",
+    )
     p.add_argument("--model", metavar="FILE.json", help="parameters written by ringcomm tune")
     add_link_options(p)
     p.add_argument("--no-scan", action="store_true", help="only the given world")
@@ -198,8 +236,7 @@ def _group_choice(model: CostModel, hosts: int, ranks_per_host: int, size: int, 
     if op not in MODELLED or n < 2:
         return ""
     nbytes = max(1, size // n) if MODELLED[op] else size
-    chooser = ModelChooser(model, hosts, ranks_per_host, n, REGISTRY,
-                           chunk_bytes=model.chunk_bytes)  # fmt: skip
+    chooser = ModelChooser(model, hosts, ranks_per_host, n, REGISTRY, chunk_bytes=model.chunk_bytes)
     hier = hosts >= 2 and ranks_per_host >= 2
     choice = chooser.choose(op, nbytes, hier=hier)
     if choice is None:
@@ -245,8 +282,9 @@ def format_scan(
     return "\n".join(lines) + "\n"
 
 
-def _plot(rows: Sequence[tuple[int, str, list[Prediction], list[Crossover]]], path: str,
-          title: str) -> None:  # fmt: skip
+def _plot(
+    rows: Sequence[tuple[int, str, list[Prediction], list[Crossover]]], path: str, title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -29,8 +29,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("dir", help="the RINGCOMM_TRACE_DIR the ranks wrote to")
     p.add_argument("--chrome", metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks expected (to name those without a file)")  # fmt: skip
+    p.add_argument(
+        "--world-size", type=int, default=None, help="ranks expected (to name those without a file)"
+    )
     p.set_defaults(main=main)
     return p
 

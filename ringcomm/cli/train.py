@@ -61,8 +61,16 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
         return [train_rank(None, cfg)]
     # (one thread pool per rank: ranks share the cores; a value the user set stays)
     with environ_changed({k: environment().get(k, "1") for k in _THREAD_VARS}):
-        return list(spawn(train_rank, cfg.world_size, args=(cfg,), timeout_s=cfg.timeout_s,
-                          elastic=cfg.elastic, max_restarts=cfg.max_restarts))  # fmt: skip
+        return list(
+            spawn(
+                train_rank,
+                cfg.world_size,
+                args=(cfg,),
+                timeout_s=cfg.timeout_s,
+                elastic=cfg.elastic,
+                max_restarts=cfg.max_restarts,
+            )
+        )
 
 
 __all__ = ["UsageError", "add_parser", "config_from_args", "main"]
@@ -267,8 +275,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError("bucket size must be > 0")
     if args.strategy == "ps":
         if n < 2:
-            raise UsageError(f"--strategy ps needs -n >= 2 (at least one server and one "
-                             f"worker), got -n {n}")  # fmt: skip
+            raise UsageError(
+                f"--strategy ps needs -n >= 2 (at least one server and one worker), got -n {n}"
+            )
         if not 1 <= args.ps_servers < n:
             raise UsageError(f"--ps-servers must be in [1, {n - 1}] at -n {n} (>= 1 worker)")
         if args.device != "cpu":
@@ -326,8 +335,9 @@ def _elastic_args(args: argparse.Namespace, n: int) -> tuple[tuple[int, ...], ..
             raise UsageError("--max-restarts and --fail-at need --elastic")
         return ()
     if args.strategy not in ELASTIC_STRATEGIES:
-        raise UsageError(f"--elastic runs --strategy {' or '.join(ELASTIC_STRATEGIES)} "
-                         f"(got {args.strategy})")  # fmt: skip
+        raise UsageError(
+            f"--elastic runs --strategy {' or '.join(ELASTIC_STRATEGIES)} (got {args.strategy})"
+        )
     if args.device != "cpu":
         raise UsageError("--elastic runs on --device cpu")
     servers = args.ps_servers if args.strategy == "ps" else 0
@@ -458,8 +468,10 @@ def format_summary(result: dict[str, Any]) -> str:
             f"{_mib(r['sent_bytes_per_step'])} {_mib(shm_bytes_per_step(r))}"
             + (f"    {_mib(r['staging_bytes'])}" if staged else "")
         )
-    lines.append("MiB/step: what every collective moved, through sockets (sent) and through the "
-                 "shared memory of ranks on one host (the inputs it took)")  # fmt: skip
+    lines.append(
+        "MiB/step: what every collective moved, through sockets (sent) and through the "
+        "shared memory of ranks on one host (the inputs it took)"
+    )
     if "peak_bytes_source" in result:
         lines.append(f"peak: {result['peak_bytes_source']}")
     if "bubble_fraction" in result:
@@ -500,8 +512,10 @@ def format_elastic(result: dict[str, Any]) -> str:
     )
     lines = [head]
     for c in result["membership"]:
-        lines.append(f"step {c['step']}: {c['event']} -> ranks (slots) {c['slots']}, "
-                     f"{c['time_lost_s'] * 1e3:.0f} ms lost")  # fmt: skip
+        lines.append(
+            f"step {c['step']}: {c['event']} -> ranks (slots) {c['slots']}, "
+            f"{c['time_lost_s'] * 1e3:.0f} ms lost"
+        )
     if result["lost_slots"]:
         lines.append(f"lost for good: slots {result['lost_slots']}")
     return "\n".join(lines)

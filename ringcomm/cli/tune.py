@@ -69,12 +69,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="measure this host's links and fit the cost model (for ringcomm model --model)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    p.add_argument("--out", default=DEFAULT_TUNE_FILE, metavar="FILE.json",
-                   help="where to write the model (default %(default)s: where a group "
-                   "started here finds it; elsewhere set RINGCOMM_TUNE_FILE)")  # fmt: skip
-    p.add_argument("-n", "--nproc", type=int, default=None, metavar="N",
-                   help="ranks of the probe (default 2 on one host; every slot with "
-                   "--hostfile/-H)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default=DEFAULT_TUNE_FILE,
+        metavar="FILE.json",
+        help="where to write the model (default %(default)s: where a group "
+        "started here finds it; elsewhere set RINGCOMM_TUNE_FILE)",
+    )
+    p.add_argument(
+        "-n",
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks of the probe (default 2 on one host; every slot with --hostfile/-H)",
+    )
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument(
         "--hostfile",
@@ -90,19 +99,35 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="across hosts: bytes per rank of the large probes (default 32M)",
     )
-    p.add_argument("--base", metavar="FILE.json",
-                   help="across hosts: the same-host link, reduction and overhead from this "
-                   "file (ringcomm tune on one host; default: the model's defaults)")  # fmt: skip
-    p.add_argument("--sizes", default=",".join(format_size(s) for s in DEFAULT_SIZES),
-                   metavar="S[,S...]", help="bytes per rank (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--base",
+        metavar="FILE.json",
+        help="across hosts: the same-host link, reduction and overhead from this "
+        "file (ringcomm tune on one host; default: the model's defaults)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=",".join(format_size(s) for s in DEFAULT_SIZES),
+        metavar="S[,S...]",
+        help="bytes per rank (default %(default)s)",
+    )
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed first (default %(default)s)")
-    p.add_argument("--stat", choices=("min", "median"), default="min",
-                   help="on one host, what of each rank's iteration times is fitted (max over "
-                   "ranks): min resists a busy host, median is the bench's time (default "
-                   "%(default)s; across hosts: median)")  # fmt: skip
-    p.add_argument("--timeout-s", type=float, default=None, metavar="S",
-                   help="bound on the probe job (default 60; 300 across hosts)")  # fmt: skip
+    p.add_argument(
+        "--stat",
+        choices=("min", "median"),
+        default="min",
+        help="on one host, what of each rank's iteration times is fitted (max over "
+        "ranks): min resists a busy host, median is the bench's time (default "
+        "%(default)s; across hosts: median)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="bound on the probe job (default 60; 300 across hosts)",
+    )
     add_link_options(p, local=False)
     p.set_defaults(main=main)
     return p
@@ -191,8 +216,15 @@ def main(args: argparse.Namespace) -> int:
                     f"({op} on {n} ranks sends pieces over {format_size(chunk)})"
                 ) from None
             plan.append((op, algo, spec))
-    config = BenchConfig(op="all_reduce", world_size=n, iters=args.iters, warmup=args.warmup,
-                         check=True, quiet=True, timeout_s=args.timeout_s)  # fmt: skip
+    config = BenchConfig(
+        op="all_reduce",
+        world_size=n,
+        iters=args.iters,
+        warmup=args.warmup,
+        check=True,
+        quiet=True,
+        timeout_s=args.timeout_s,
+    )
     print(
         f"# ringcomm tune: {n} local ranks, {', '.join(op for op, _ in PROBE_OPS)} at "
         f"{', '.join(format_size(s) for s in sizes)} B; {args.warmup} warmup + {args.iters} "
@@ -310,22 +342,33 @@ def _main_hosts(args: argparse.Namespace) -> int:
         + ("every host" if shared == 0 else f"{shared} host(s)")
     )
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    result = fit(samples, infos, base, f"ringcomm tune --hostfile on {hosts.describe()} at "
-                 f"{stamp}; local, reduce, overhead from {args.base or 'defaults'}")  # fmt: skip
-    print(f"{'probe':<8}{'bytes':>10}{'segment':>9}{'median':>12}{'min':>12}{'model':>12}"
-          f"{'error':>8}")  # fmt: skip
+    result = fit(
+        samples,
+        infos,
+        base,
+        f"ringcomm tune --hostfile on {hosts.describe()} at "
+        f"{stamp}; local, reduce, overhead from {args.base or 'defaults'}",
+    )
+    print(
+        f"{'probe':<8}{'bytes':>10}{'segment':>9}{'median':>12}{'min':>12}{'model':>12}{'error':>8}"
+    )
     for s, low, p in zip(samples, mins, result.predicted_s, strict=True):
         seg = format_size(s.segment_bytes) if s.segment_bytes else "-"
-        print(f"{s.kind:<8}{format_size(s.size):>10}{seg:>9}{s.time_s * 1e3:>9.2f} ms"
-              f"{low * 1e3:>9.2f} ms{p * 1e3:>9.2f} ms{(p - s.time_s) / s.time_s:>8.1%}")  # fmt: skip
+        print(
+            f"{s.kind:<8}{format_size(s.size):>10}{seg:>9}{s.time_s * 1e3:>9.2f} ms"
+            f"{low * 1e3:>9.2f} ms{p * 1e3:>9.2f} ms{(p - s.time_s) / s.time_s:>8.1%}"
+        )
     model = result.model
     assert model.cpu is not None
-    print(f"# fit: net {model.net.describe()}; {model.cpu.describe()}; rms relative error "
-          f"{result.rms_relative_error:.1%}, worst {result.max_relative_error:.1%}")  # fmt: skip
+    print(
+        f"# fit: net {model.net.describe()}; {model.cpu.describe()}; rms relative error "
+        f"{result.rms_relative_error:.1%}, worst {result.max_relative_error:.1%}"
+    )
     h, per_host = samples[0].hosts, samples[0].ranks_per_host
     for kind in ("flat", "hier"):
-        t = predict_sample(model, type(samples[0])(kind, h, per_host, 64 << 20, 1.0,
-                                                   HIER_SEGMENT_BYTES))  # fmt: skip
+        t = predict_sample(
+            model, type(samples[0])(kind, h, per_host, 64 << 20, 1.0, HIER_SEGMENT_BYTES)
+        )
         print(f"# predicted: {kind} all_reduce of 64M on {h} x {per_host}: {t * 1e3:.1f} ms")
     model.save(args.out)
     print(f"# probe took {elapsed:.1f} s; wrote {args.out} (ringcomm model --model {args.out})")

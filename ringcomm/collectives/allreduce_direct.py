@@ -147,9 +147,16 @@ class AllReduceDirect(CollectiveOp):
             self.will_send(peer, 1)
             for j, (off, length) in enumerate(spans):
                 self.send_piece(
-                    peer, 0, j, npieces, len(private), off, view[off : off + length],
-                    plan.dtype, track=False,
-                )  # fmt: skip
+                    peer,
+                    0,
+                    j,
+                    npieces,
+                    len(private),
+                    off,
+                    view[off : off + length],
+                    plan.dtype,
+                    track=False,
+                )
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         spans = self.plan.spans

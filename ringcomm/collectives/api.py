@@ -201,8 +201,19 @@ def _run(
     # every collective (~0.5 us a call in a 2-rank job). nbytes None: dtype times shape.
     seq = group.collective_seq + 1
     start_s = now()
-    e = [group.group_id, seq, call.name, call.dtype, call.shape, call.nbytes, call.algo,
-         group.ranks, start_s, None, RUNNING]  # fmt: skip
+    e = [
+        group.group_id,
+        seq,
+        call.name,
+        call.dtype,
+        call.shape,
+        call.nbytes,
+        call.algo,
+        group.ranks,
+        start_s,
+        None,
+        RUNNING,
+    ]
     recorder.push(e)
     try:
         result = _run_call(group, call, timeout_s, async_op, what, start_s)
@@ -492,8 +503,16 @@ def reduce_scatter(
         return _run_hier(
             group, what, timeout_s, lambda h, d: h.reduce_scatter(x, out, rop, d, p.segment_bytes)
         )
-    call = Call("reduce_scatter", p.algo, x=x, out=out, op=rop, dtype=x.dtype,
-                shape=tuple(x.shape), chunk_bytes=p.chunk_bytes)  # fmt: skip
+    call = Call(
+        "reduce_scatter",
+        p.algo,
+        x=x,
+        out=out,
+        op=rop,
+        dtype=x.dtype,
+        shape=tuple(x.shape),
+        chunk_bytes=p.chunk_bytes,
+    )
     return _run(group, call, timeout_s, async_op)
 
 
@@ -517,8 +536,15 @@ def all_gather(
         return _run_hier(
             group, what, timeout_s, lambda h, d: h.all_gather(x, out, d, p.segment_bytes)
         )
-    call = Call("all_gather", p.algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape),
-                chunk_bytes=p.chunk_bytes)  # fmt: skip
+    call = Call(
+        "all_gather",
+        p.algo,
+        x=x,
+        out=out,
+        dtype=x.dtype,
+        shape=tuple(x.shape),
+        chunk_bytes=p.chunk_bytes,
+    )
     return _run(group, call, timeout_s, async_op)
 
 
@@ -540,8 +566,15 @@ def broadcast(
     p = plan(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what, hier)
     if p.algo == HIER_ALGO:
         return _run_hier(group, what, timeout_s, lambda h, d: h.broadcast(x, src, d))
-    call = Call("broadcast", p.algo, x=x, root=src, dtype=x.dtype, shape=tuple(x.shape),
-                chunk_bytes=p.chunk_bytes)  # fmt: skip
+    call = Call(
+        "broadcast",
+        p.algo,
+        x=x,
+        root=src,
+        dtype=x.dtype,
+        shape=tuple(x.shape),
+        chunk_bytes=p.chunk_bytes,
+    )
     return _run(group, call, timeout_s, async_op)
 
 
@@ -644,15 +677,22 @@ def scatter(
 
 
 def _scatter_device_on_workspace(
-    group: GroupCore, x: Any, src: int, out: Any, dtype: Any, shape: Any,
-    timeout_s: float | None, async_op: bool,
-) -> Any:  # fmt: skip
+    group: GroupCore,
+    x: Any,
+    src: int,
+    out: Any,
+    dtype: Any,
+    shape: Any,
+    timeout_s: float | None,
+    async_op: bool,
+) -> Any:
     """scatter with device arrays (``get()``/``set()``, CuPy's and the stand-in's) on a
     group with a workspace: run on host copies, blocking; a Work that is done if async."""
     x_host = None if x is None else x.get()
     out_host = None if out is None else np.empty(out.shape, out.dtype)
-    call = Call("scatter", WORKSPACE_ALGO, x=x_host, out=out_host, root=src, dtype=dtype,
-                shape=shape)  # fmt: skip
+    call = Call(
+        "scatter", WORKSPACE_ALGO, x=x_host, out=out_host, root=src, dtype=dtype, shape=shape
+    )
     got = _run(group, call, timeout_s, False)
     if out is not None:
         out.set(got)
@@ -814,8 +854,9 @@ def reduce_scatter_v(
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (reduce_scatter_v is not in place)")
     algo = plan_uneven(group, "reduce_scatter_v", x.nbytes, type(x) is np.ndarray, what).algo
-    call = Call("reduce_scatter_v", algo, x=x, out=out, op=rop, dtype=x.dtype,
-                shape=(*splits, *x.shape[1:]))  # fmt: skip
+    call = Call(
+        "reduce_scatter_v", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=(*splits, *x.shape[1:])
+    )
     return _run(group, call, timeout_s, async_op)
 
 
@@ -859,6 +900,7 @@ def all_to_all_v(
         if _may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all_v is not in place)")
     algo = plan_uneven(group, "all_to_all_v", x.nbytes, type(x) is np.ndarray, what).algo
-    call = Call("all_to_all_v", algo, x=x, out=out, dtype=x.dtype,
-                shape=(*ins, *outs, *x.shape[1:]))  # fmt: skip
+    call = Call(
+        "all_to_all_v", algo, x=x, out=out, dtype=x.dtype, shape=(*ins, *outs, *x.shape[1:])
+    )
     return _run(group, call, timeout_s, async_op)

@@ -264,8 +264,17 @@ class CollectiveOp(Op):
         if plans is None:
             self.shape_cache = ShapeCache(fingerprint(call, chunk))
         else:
-            key = (type(self), call.name, call.algo, call.dtype, call.shape, call.op, call.root,
-                   comm.chunk_bytes, chunk)  # fmt: skip
+            key = (
+                type(self),
+                call.name,
+                call.algo,
+                call.dtype,
+                call.shape,
+                call.op,
+                call.root,
+                comm.chunk_bytes,
+                chunk,
+            )
             cached = plans.get(key)
             if cached is None:
                 if len(plans) >= MAX_SHAPES:
@@ -330,9 +339,10 @@ class CollectiveOp(Op):
             where = self.step_text(step)
             text = (
                 (f"{where}, " if where else "")
-                + f"piece {piece + 1}" + (f"/{npieces}" if npieces else "")
+                + f"piece {piece + 1}"
+                + (f"/{npieces}" if npieces else "")
                 + f", waiting on recv from rank {peer}"
-            )  # fmt: skip
+            )
         if self._fp_missing:
             heard = self._fp_heard or ()
             missing = [p for p in sorted(self._inboxes) if p not in heard]
@@ -453,9 +463,21 @@ class CollectiveOp(Op):
             template = self.header_template(step, piece, npieces, dtype, msg_nbytes, offset)
         else:
             template = HeaderTemplate(
-                Header(KIND_COLL, self._me_global, self.group_id, 0, step, piece, npieces, dtype,
-                       msg_nbytes, offset, shape, self.fp)
-            )  # fmt: skip
+                Header(
+                    KIND_COLL,
+                    self._me_global,
+                    self.group_id,
+                    0,
+                    step,
+                    piece,
+                    npieces,
+                    dtype,
+                    msg_nbytes,
+                    offset,
+                    shape,
+                    self.fp,
+                )
+            )
         nbytes = len(payload)
         tracker = self.progress.send(
             self.comm.ranks[peer], self.stream, template.pack(self.seq), payload, nbytes
@@ -493,9 +515,21 @@ class CollectiveOp(Op):
         template = templates.get(key)
         if template is None:
             template = HeaderTemplate(
-                Header(KIND_COLL, self._me_global, self.group_id, 0, step, piece, npieces, dtype,
-                       msg_nbytes, offset, None, self.fp)
-            )  # fmt: skip
+                Header(
+                    KIND_COLL,
+                    self._me_global,
+                    self.group_id,
+                    0,
+                    step,
+                    piece,
+                    npieces,
+                    dtype,
+                    msg_nbytes,
+                    offset,
+                    None,
+                    self.fp,
+                )
+            )
             if len(templates) < MAX_TEMPLATES:
                 templates[key] = template
         return template
@@ -545,9 +579,14 @@ class CollectiveOp(Op):
 
     # -- receiving (called by inboxes) -------------------------------------------------
     def uneven_piece(
-        self, peer: int, header: Header, payload: memoryview, recv_seg: Any, spans: Any,
+        self,
+        peer: int,
+        header: Header,
+        payload: memoryview,
+        recv_seg: Any,
+        spans: Any,
         seg_nbytes: Any,
-    ) -> tuple[int, int, int]:  # fmt: skip
+    ) -> tuple[int, int, int]:
         """For the uneven rings: the segment step ``header.step`` carries (``recv_seg``),
         and the piece's (offset, length) in it; a mismatch if the step, the piece or the
         segment's size is not what this rank's call expects."""

@@ -340,8 +340,9 @@ def choose_algorithm(
         if env_algo not in (WORKSPACE_ALGO, HIER_ALGO, IPC_ALGO) and not any(
             env_algo in t for t in ALGORITHMS.values()
         ):
-            names = sorted({a for t in ALGORITHMS.values() for a in t}
-                           | {WORKSPACE_ALGO, HIER_ALGO, IPC_ALGO})  # fmt: skip
+            names = sorted(
+                {a for t in ALGORITHMS.values() for a in t} | {WORKSPACE_ALGO, HIER_ALGO, IPC_ALGO}
+            )
             raise ValueError(f"RINGCOMM_ALGO={env_algo!r} names no algorithm; known: {names}")
     if device:
         return IPC_ALGO
@@ -459,8 +460,9 @@ def _goes_hier(group: GroupCore, collective: str, requested: str | None, nbytes:
     model = model_chooser(group)
     if model is None:
         return True
-    algo = choose_algorithm(collective, None, None, nbytes, group.world_size, model=model,
-                            hier=True)  # fmt: skip
+    algo = choose_algorithm(
+        collective, None, None, nbytes, group.world_size, model=model, hier=True
+    )
     return algo == HIER_ALGO
 
 
@@ -479,12 +481,19 @@ def _pick(
     device = not host and same_host and group.device_windows
     try:
         if group.state.costmodel is None:
-            return choose_algorithm(collective, requested, env, nbytes, group.world_size,
-                                    local=local, device=device)  # fmt: skip
+            return choose_algorithm(
+                collective, requested, env, nbytes, group.world_size, local=local, device=device
+            )
         return choose_algorithm(
-            collective, requested, env, nbytes, group.world_size, local=local,
-            model=group.chooser or model_chooser(group), device=device,
-        )  # fmt: skip
+            collective,
+            requested,
+            env,
+            nbytes,
+            group.world_size,
+            local=local,
+            model=group.chooser or model_chooser(group),
+            device=device,
+        )
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
 
@@ -519,9 +528,14 @@ def model_chooser(group: GroupCore) -> ModelChooser | None:
         return chooser  # type: ignore[no-any-return]
     topo = group.topology
     chooser = group.chooser = ModelChooser(
-        model, topo.num_hosts, topo.max_local_size, group.world_size, ALGORITHMS,
-        chunk_bytes=group.chunk_bytes, choose_chunk=group.config.chunk_bytes is None,
-    )  # fmt: skip
+        model,
+        topo.num_hosts,
+        topo.max_local_size,
+        group.world_size,
+        ALGORITHMS,
+        chunk_bytes=group.chunk_bytes,
+        choose_chunk=group.config.chunk_bytes is None,
+    )
     return chooser
 
 
@@ -558,8 +572,11 @@ def plan_uneven(group: GroupCore, collective: str, nbytes: int, host: bool, what
         and (group.workspace is not None or group.workspace_pending)
     )
     try:
-        return _plan_of(choose_algorithm(collective, None, group.config.algo, nbytes,
-                                         group.world_size, device=device))  # fmt: skip
+        return _plan_of(
+            choose_algorithm(
+                collective, None, group.config.algo, nbytes, group.world_size, device=device
+            )
+        )
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
 

@@ -89,8 +89,11 @@ class Hierarchy:
         return [(c0, min(count, c0 + per)) for c0 in range(0, count, per)] or [(0, 0)]
 
     @staticmethod
-    def _overlapped(spans: list[tuple[int, int]], start: Callable[[int, int], Any],
-                    finish: Callable[[Any], None]) -> None:  # fmt: skip
+    def _overlapped(
+        spans: list[tuple[int, int]],
+        start: Callable[[int, int], Any],
+        finish: Callable[[Any], None],
+    ) -> None:
         """``start`` each span (it returns what ``finish`` needs, e.g. an asynchronous
         inter-host Work), ``finish`` the one before: the two overlap."""
         pending: list[Any] = []
@@ -107,8 +110,12 @@ class Hierarchy:
         out = []
         for h, members in enumerate(self.topo.hosts):
             base = self.offsets[h] * count
-            out.append([(base + a, base + b)
-                        for a, b in piece_bounds(len(members) * count, self.plan.pieces)])  # fmt: skip
+            out.append(
+                [
+                    (base + a, base + b)
+                    for a, b in piece_bounds(len(members) * count, self.plan.pieces)
+                ]
+            )
         return out
 
     def all_reduce(
@@ -206,9 +213,11 @@ class Hierarchy:
                 for i, r in enumerate(members):
                     rows[r, c0:c1] = both[i, h]
 
-        self._overlapped(self._segments(int(flat_x.size), flat_x.itemsize,
-                                        self.topo.world_size, segment_bytes),
-                         start, finish)  # fmt: skip
+        self._overlapped(
+            self._segments(int(flat_x.size), flat_x.itemsize, self.topo.world_size, segment_bytes),
+            start,
+            finish,
+        )
 
     def _all_gather_uneven(self, flat_x: Any, rows: Any, t: Callable[[], float]) -> None:
         """The host's block first, then piece j of every host's block among piece j's
@@ -268,8 +277,14 @@ class Hierarchy:
             flat_out /= n
         return out
 
-    def _reduce_scatter_even(self, rows: Any, flat_out: Any, op: ReduceOp, t: Callable[[], float],
-                             segment_bytes: int | None) -> None:  # fmt: skip
+    def _reduce_scatter_even(
+        self,
+        rows: Any,
+        flat_out: Any,
+        op: ReduceOp,
+        t: Callable[[], float],
+        segment_bytes: int | None,
+    ) -> None:
         """Over the host, the rows of each local index's ranks onto that local rank;
         then across the hosts among the ranks of my local index."""
         cross, local, hosts = self.cross[self.local_rank], self.local, self.topo.hosts
@@ -283,24 +298,30 @@ class Hierarchy:
                 for i, r in enumerate(members):
                     by_local[i, h] = rows[r, c0:c1]
             host_sums = local.reduce_scatter(by_local, op=op, timeout_s=t())  # (H, w)
-            return cross.reduce_scatter(host_sums, out=flat_out[c0:c1], op=op, async_op=True,
-                                        timeout_s=t()), host_sums  # fmt: skip
+            return cross.reduce_scatter(
+                host_sums, out=flat_out[c0:c1], op=op, async_op=True, timeout_s=t()
+            ), host_sums
 
         def finish(item: Any) -> None:
             item[0].wait(timeout_s=t())
 
-        spans = self._segments(int(rows.shape[1]), rows.itemsize, self.topo.world_size,
-                               segment_bytes)  # fmt: skip
+        spans = self._segments(
+            int(rows.shape[1]), rows.itemsize, self.topo.world_size, segment_bytes
+        )
         self._overlapped(spans, start, finish)
 
-    def _reduce_scatter_uneven(self, rows: Any, flat_out: Any, op: ReduceOp,
-                               t: Callable[[], float]) -> None:  # fmt: skip
+    def _reduce_scatter_uneven(
+        self, rows: Any, flat_out: Any, op: ReduceOp, t: Callable[[], float]
+    ) -> None:
         """Piece j of every host's block of rows reduced onto its owner on each host,
         reduce-scattered among piece j's owners, broadcast on the host from the owner."""
         count, local, h = int(rows.shape[1]), self.local, self.host
         xp = get_xp(rows)
-        ordered = (rows if self.order is None  # rows in host order
-                   else xp.concatenate([rows[i : i + 1] for i in self.order]))  # fmt: skip
+        ordered = (
+            rows
+            if self.order is None  # rows in host order
+            else xp.concatenate([rows[i : i + 1] for i in self.order])
+        )
         flat = ordered.reshape(-1)
         pieces = self._block_pieces(count)
         block = xp.empty(self.local_size * count, rows.dtype)  # my host's rows, reduced
@@ -314,13 +335,13 @@ class Hierarchy:
                 local.reduce(part, dst=owner, op=op, timeout_s=t())
             a, b = spans[h]
             if j in self.cross:
-                self.cross[j].reduce_scatter_v(part, sizes, out=block[a - base : b - base],
-                                               op=op, timeout_s=t())  # fmt: skip
+                self.cross[j].reduce_scatter_v(
+                    part, sizes, out=block[a - base : b - base], op=op, timeout_s=t()
+                )
         if self.local_size > 1:
             for j in range(self.plan.pieces):
                 a, b = pieces[h][j]
-                local.broadcast(block[a - base : b - base], src=j % self.local_size,
-                                timeout_s=t())  # fmt: skip
+                local.broadcast(block[a - base : b - base], src=j % self.local_size, timeout_s=t())
         me = self.local_rank
         flat_out[...] = block[me * count : (me + 1) * count]
 
@@ -340,8 +361,7 @@ class Hierarchy:
         def start(c0: int, c1: int) -> Any:
             if cross is None:
                 return None, c0, c1
-            return cross.broadcast(flat[c0:c1], src=src_host, async_op=True,
-                                   timeout_s=t()), c0, c1  # fmt: skip
+            return cross.broadcast(flat[c0:c1], src=src_host, async_op=True, timeout_s=t()), c0, c1
 
         def finish(item: Any) -> None:
             work, c0, c1 = item

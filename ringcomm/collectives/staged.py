@@ -24,9 +24,13 @@ __all__ = ["PIPELINED", "DeviceCall", "PipelinedOp", "emit", "make_stager", "sta
 
 #: (collective, algorithm) pairs that stage piece by piece themselves.
 PIPELINED = frozenset(
-    {("all_reduce", "ring"), ("reduce_scatter", "ring"), ("all_gather", "ring"),
-     ("broadcast", "chain")}
-)  # fmt: skip
+    {
+        ("all_reduce", "ring"),
+        ("reduce_scatter", "ring"),
+        ("all_gather", "ring"),
+        ("broadcast", "chain"),
+    }
+)
 
 
 class DeviceCall(NamedTuple):

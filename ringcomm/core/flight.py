@@ -74,14 +74,26 @@ def wall_offset_s() -> float:
     desync report reads, line up best)."""
     return time.time() - time.monotonic()
 
+
 RUNNING = "running"
 DONE = "done"
 
 
 # An entry is a list (the cheapest record to build and update from Python: the recorder
 # runs on every call, and a slotted object cost ~2 µs more per call in situ); its fields:
-E_GROUP, E_SEQ, E_OP, E_DTYPE, E_SHAPE, E_BYTES, E_ALGO, E_PEERS, E_START, E_END, E_STATE = (
-    range(11))  # fmt: skip
+(
+    E_GROUP,
+    E_SEQ,
+    E_OP,
+    E_DTYPE,
+    E_SHAPE,
+    E_BYTES,
+    E_ALGO,
+    E_PEERS,
+    E_START,
+    E_END,
+    E_STATE,
+) = range(11)
 #: One operation as the recorder keeps it (fields at the ``E_*`` indices).
 Entry = list[Any]
 
@@ -163,8 +175,9 @@ class FlightRecorder:
     before it reads. Between folds each group adds fewer than :data:`FOLD_BATCH` entries.
     """
 
-    def __init__(self, capacity: int, rank: int, trace_dir: str | None = None,
-                 at_close: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, capacity: int, rank: int, trace_dir: str | None = None, at_close: bool = False
+    ) -> None:
         self.capacity = max(0, int(capacity))
         self.enabled = self.capacity > 0
         self.rank = rank
@@ -185,9 +198,16 @@ class FlightRecorder:
 
     # -- the hot path ----------------------------------------------------------------
     def start(
-        self, group: int, seq: int, op: str, dtype: Any, shape: tuple[int, ...] | None,
-        nbytes: int | None, algo: str | None, peers: Sequence[int],
-    ) -> Entry | None:  # fmt: skip
+        self,
+        group: int,
+        seq: int,
+        op: str,
+        dtype: Any,
+        shape: tuple[int, ...] | None,
+        nbytes: int | None,
+        algo: str | None,
+        peers: Sequence[int],
+    ) -> Entry | None:
         """Record an operation starting now; None when the recorder is off. ``nbytes``
         None: ``dtype.itemsize`` times the elements of ``shape`` (:func:`entry_bytes`)."""
         if not self.enabled:
@@ -266,7 +286,7 @@ class FlightRecorder:
     def newest(self) -> list[Entry]:
         """The last ``capacity`` entries (folded or not), oldest first (by start time)."""
         both = sorted([*self.entries, *self.pending], key=lambda e: e[E_START])
-        return both[-self.capacity:] if self.capacity else []
+        return both[-self.capacity :] if self.capacity else []
 
     # -- reading -----------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:
@@ -284,17 +304,25 @@ class FlightRecorder:
         for e in list(self.entries):
             if entry_state(e) == DONE:
                 recent.setdefault((e[E_OP], size_bucket(entry_bytes(e))), []).append(
-                    e[E_END] - e[E_START])
+                    e[E_END] - e[E_START]
+                )
         rows = []
         for (op, bucket), (count, nbytes, total_s, world) in sorted(self._stats.items()):
             took = recent.get((op, bucket))
             median = statistics.median(took) if took else (total_s / count if count else 0.0)
             mean_bytes = nbytes / count if count else 0.0
             busbw = mean_bytes / median * bus_factor(op, world) / 1e9 if median > 0 else 0.0
-            rows.append({
-                "op": op, "bucket_bytes": bucket, "count": count, "bytes": nbytes,
-                "total_s": total_s, "median_s": median, "busbw_GBps": busbw,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "op": op,
+                    "bucket_bytes": bucket,
+                    "count": count,
+                    "bytes": nbytes,
+                    "total_s": total_s,
+                    "median_s": median,
+                    "busbw_GBps": busbw,
+                }
+            )
         return rows
 
     # -- writing -----------------------------------------------------------------------
@@ -385,8 +413,10 @@ def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None
     lines = [f"trace files of {_ranks(seen)} (newest dump at {time.ctime(now)})"]
     missing = sorted(set(range(n)) - seen)
     if missing:
-        lines.append(f"no trace file from {_ranks(missing)} (it did not time out, see a "
-                     "failure, get SIGUSR1 or end without close())")  # fmt: skip
+        lines.append(
+            f"no trace file from {_ranks(missing)} (it did not time out, see a "
+            "failure, get SIGUSR1 or end without close())"
+        )
     for f in files:
         lines.append(f"rank {f['rank']}: dumped because {f.get('reason', '?')}")
     # group -> rank -> latest entry (by sequence number)
@@ -409,8 +439,10 @@ def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None
             ago = now - float(e["start_s"])
             state = e["state"]
             state = str(state).replace("\n", "\n      ")  # a progress map, indented
-            lines.append(f"  rank {r}: op #{e['seq']} {_what(e)} via {e.get('algo')}, entered "
-                         f"{ago:.1f} s ago, {state}")  # fmt: skip
+            lines.append(
+                f"  rank {r}: op #{e['seq']} {_what(e)} via {e.get('algo')}, entered "
+                f"{ago:.1f} s ago, {state}"
+            )
         top = max(int(e["seq"]) for e in by_rank.values())
         ahead = {r for r, e in by_rank.items() if int(e["seq"]) == top}
         behind = {r for r in by_rank if r not in ahead}
@@ -437,7 +469,8 @@ def desync_report(files: Sequence[dict[str, Any]], world_size: int | None = None
         answer = min(verdicts, key=lambda v: v[0])[1]
     else:
         answer = "no rank is behind: every rank's latest operation is the same" + (
-            f"; no trace file from {_ranks(missing)}" if missing else "")
+            f"; no trace file from {_ranks(missing)}" if missing else ""
+        )
     return "\n".join([answer, *lines])
 
 
@@ -462,25 +495,34 @@ def _verdict(
         return 0, f"mismatch at op #{top}{suffix}: the ranks called different collectives: {parts}"
     if behind:
         one = len(behind) == 1
-        waits = (f"{_ranks(waiting)} {'wait' if _live(by_rank, waiting) else 'waited'} "
-                 f"{_waited(by_rank, waiting, now):.1f} s for {'it' if one else 'them'} in {op}"
-                 if waiting else f"{_ranks(ahead)} finished {op}")  # fmt: skip
+        waits = (
+            f"{_ranks(waiting)} {'wait' if _live(by_rank, waiting) else 'waited'} "
+            f"{_waited(by_rank, waiting, now):.1f} s for {'it' if one else 'them'} in {op}"
+            if waiting
+            else f"{_ranks(ahead)} finished {op}"
+        )
         where_at = []
         for r in behind:
             e = by_rank[r]
-            done = " (finished; it has not entered the next collective)" if e["state"] == DONE else ""
+            done = (
+                " (finished; it has not entered the next collective)" if e["state"] == DONE else ""
+            )
             where_at.append(f"rank {r} is at op #{e['seq']} {_what(e)}{done}")
-        return 1, (f"{_ranks(behind)} {'is' if one else 'are'} behind{suffix}: {waits}; "
-                   + "; ".join(where_at))  # fmt: skip
+        return 1, (
+            f"{_ranks(behind)} {'is' if one else 'are'} behind{suffix}: {waits}; "
+            + "; ".join(where_at)
+        )
     first = min(float(by_rank[r]["start_s"]) for r in ahead)
     late = [r for r in ahead if float(by_rank[r]["start_s"]) - first > LATE_S]
     gave_up = [r for r in ahead if r not in late and str(by_rank[r]["state"]).startswith("failed")]
     if late and gave_up:
         r = max(late, key=lambda x: float(by_rank[x]["start_s"]))
         late_s = float(by_rank[r]["start_s"]) - first
-        return 2, (f"rank {r} is behind{suffix}: {_ranks(gave_up)} waited "
-                   f"{_waited(by_rank, gave_up, now):.1f} s for it in {op}; rank {r} entered "
-                   f"op #{top} {late_s:.1f} s late")  # fmt: skip
+        return 2, (
+            f"rank {r} is behind{suffix}: {_ranks(gave_up)} waited "
+            f"{_waited(by_rank, gave_up, now):.1f} s for it in {op}; rank {r} entered "
+            f"op #{top} {late_s:.1f} s late"
+        )
     named: set[int] = set()
     last_calls: dict[int, str] = {}
     for r in waiting:
@@ -493,12 +535,16 @@ def _verdict(
     if culprits:
         r = culprits[0]
         seen_last = f"; its last call there: {last_calls[r]}" if r in last_calls else ""
-        return 3, (f"{_ranks(culprits)} {'is' if len(culprits) == 1 else 'are'} behind{suffix} "
-                   f"(no trace file from it): {_ranks(waiting)} waited "
-                   f"{_waited(by_rank, waiting, now):.1f} s for it in {op}{seen_last}")  # fmt: skip
+        return 3, (
+            f"{_ranks(culprits)} {'is' if len(culprits) == 1 else 'are'} behind{suffix} "
+            f"(no trace file from it): {_ranks(waiting)} waited "
+            f"{_waited(by_rank, waiting, now):.1f} s for it in {op}{seen_last}"
+        )
     if named - set(ahead):
-        return 4, (f"{_ranks(waiting)} waited {_waited(by_rank, waiting, now):.1f} s in {op}"
-                   f"{suffix} for {_ranks(named - set(ahead))}")  # fmt: skip
+        return 4, (
+            f"{_ranks(waiting)} waited {_waited(by_rank, waiting, now):.1f} s in {op}"
+            f"{suffix} for {_ranks(named - set(ahead))}"
+        )
     return None
 
 
@@ -509,8 +555,11 @@ def _live(by_rank: dict[int, dict[str, Any]], ranks: Sequence[int]) -> bool:
 
 def _waited(by_rank: dict[int, dict[str, Any]], ranks: Sequence[int], now: float) -> float:
     """The longest ``ranks`` spent in their latest operation (until it ended, or ``now``)."""
-    spans = [float(by_rank[r]["end_s"] if by_rank[r]["end_s"] is not None else now)
-             - float(by_rank[r]["start_s"]) for r in ranks]  # fmt: skip
+    spans = [
+        float(by_rank[r]["end_s"] if by_rank[r]["end_s"] is not None else now)
+        - float(by_rank[r]["start_s"])
+        for r in ranks
+    ]
     return max(spans, default=0.0)
 
 
@@ -521,20 +570,47 @@ def chrome_trace(files: Sequence[dict[str, Any]]) -> dict[str, Any]:
     origin = min((float(e["start_s"]) for f in files for e in f["entries"]), default=0.0)
     for f in files:
         rank = int(f["rank"])
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                       "args": {"name": f"rank {rank}"}})  # fmt: skip
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
-                       "args": {"sort_index": rank}})  # fmt: skip
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": rank,
+                "tid": 0,
+                "args": {"name": f"rank {rank}"},
+            }
+        )
+        events.append(
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": rank,
+                "tid": 0,
+                "args": {"sort_index": rank},
+            }
+        )
         for e in f["entries"]:
             start = float(e["start_s"])
             end = e["end_s"] if e["end_s"] is not None else f.get("dumped_s", start)
-            events.append({
-                "name": e["op"], "cat": "ringcomm", "ph": "X", "pid": rank, "tid": 0,
-                "ts": (start - origin) * 1e6, "dur": max(0.0, (float(end) - start) * 1e6),
-                "args": {"seq": e["seq"], "group": e["group"], "bytes": e["bytes"],
-                         "dtype": e["dtype"], "shape": e["shape"], "algo": e["algo"],
-                         "state": e["state"]},
-            })  # fmt: skip
+            events.append(
+                {
+                    "name": e["op"],
+                    "cat": "ringcomm",
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": 0,
+                    "ts": (start - origin) * 1e6,
+                    "dur": max(0.0, (float(end) - start) * 1e6),
+                    "args": {
+                        "seq": e["seq"],
+                        "group": e["group"],
+                        "bytes": e["bytes"],
+                        "dtype": e["dtype"],
+                        "shape": e["shape"],
+                        "algo": e["algo"],
+                        "state": e["state"],
+                    },
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -543,9 +619,11 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     head = f"{'op':<16}{'bucket':>10}{'count':>9}{'bytes':>14}{'total s':>10}{'median us':>11}{'busbw GB/s':>12}"
     out = [head]
     for r in rows:
-        out.append(f"{r['op']:<16}{_size(int(r['bucket_bytes'])):>10}{r['count']:>9}"
-                   f"{r['bytes']:>14}{r['total_s']:>10.3f}{r['median_s'] * 1e6:>11.1f}"
-                   f"{r['busbw_GBps']:>12.2f}")  # fmt: skip
+        out.append(
+            f"{r['op']:<16}{_size(int(r['bucket_bytes'])):>10}{r['count']:>9}"
+            f"{r['bytes']:>14}{r['total_s']:>10.3f}{r['median_s'] * 1e6:>11.1f}"
+            f"{r['busbw_GBps']:>12.2f}"
+        )
     return "\n".join(out)
 
 

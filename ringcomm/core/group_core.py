@@ -530,13 +530,22 @@ def _peer_trouble(
     if store_host_only:
         gone = [g for g in gone if g == host]
     if not gone and not store_host_only:  # ended without a goodbye (same host: its pid)
-        dead = [g for g in core.ranks if g != core.global_rank and g in core.state.peers
-                and wait_for_exit(core.state.peers[g].pid, 0.0)]  # fmt: skip
+        dead = [
+            g
+            for g in core.ranks
+            if g != core.global_rank
+            and g in core.state.peers
+            and wait_for_exit(core.state.peers[g].pid, 0.0)
+        ]
         if dead:
             g = host if host in dead else dead[0]
-            progress.peer_failed(PeerFailedError(
-                f"rank {core.global_rank}: peer rank {g} failed: its connection dropped "
-                "without a goodbye (its process ended: killed or crashed)", peer=g))  # fmt: skip
+            progress.peer_failed(
+                PeerFailedError(
+                    f"rank {core.global_rank}: peer rank {g} failed: its connection dropped "
+                    "without a goodbye (its process ended: killed or crashed)",
+                    peer=g,
+                )
+            )
             return progress.failed_error(what)
     if not gone:
         return None
@@ -547,9 +556,14 @@ def _peer_trouble(
 
 
 def _wait_keys(
-    core: GroupCore, store: Store, keys: list[str], ranks: list[int], deadline: float,
-    what: str, timeout_s: float,
-) -> None:  # fmt: skip
+    core: GroupCore,
+    store: Store,
+    keys: list[str],
+    ranks: list[int],
+    deadline: float,
+    what: str,
+    timeout_s: float,
+) -> None:
     """``store.wait(keys)`` (set by ``ranks``) until ``deadline``, looking at the peers
     between slices."""
     while True:

@@ -27,9 +27,11 @@ def describe(core: GroupCore) -> str:
     state, cfg = core.state, core.config
     me = state.peers.get(core.global_rank)
     hosts = len({i.host_id for i in state.peers.values()}) or 1
-    head = (f"ringcomm: rank {core.rank} of {core.world_size} ({hosts} host"
-            f"{'s' if hosts > 1 else ''}), group {state.namespace or 'pg0'} at the store "
-            f"{cfg.master_addr}:{state.store_port} ({_source(cfg.source, cfg.store_external)})")  # fmt: skip
+    head = (
+        f"ringcomm: rank {core.rank} of {core.world_size} ({hosts} host"
+        f"{'s' if hosts > 1 else ''}), group {state.namespace or 'pg0'} at the store "
+        f"{cfg.master_addr}:{state.store_port} ({_source(cfg.source, cfg.store_external)})"
+    )
     lines = [head]
     paths: dict[str, list[int]] = {}
     for g in core.ranks:
@@ -50,10 +52,11 @@ def describe(core: GroupCore) -> str:
         lines.append(f"  peers {shown}{more}: {path}")
     ws = core.workspace
     lines.append(
-        "  collectives: shared workspace (all ranks on this host)" if ws is not None
+        "  collectives: shared workspace (all ranks on this host)"
+        if ws is not None
         else "  collectives: messages (no shared workspace: "
         + ("ranks on several hosts)" if hosts > 1 else "off or unavailable)")
-    )  # fmt: skip
+    )
     if cfg.algo:
         how = f"RINGCOMM_ALGO={cfg.algo}"
     elif state.costmodel is not None:
@@ -63,8 +66,10 @@ def describe(core: GroupCore) -> str:
     lines.append(f"  algorithms: {how}; pieces of {format_size(state.chunk_bytes)} bytes")
     bound = binds_to_core(cfg.bind, cfg.local_world_size, len(os.sched_getaffinity(0)))
     token = f"on ({cfg.security})" if cfg.token else "off"
-    lines.append(f"  deadline {cfg.timeout_s:g} s per call; token {token}; "
-                 f"bound to a core: {'yes' if bound else 'no'} (RINGCOMM_BIND={cfg.bind})")  # fmt: skip
+    lines.append(
+        f"  deadline {cfg.timeout_s:g} s per call; token {token}; "
+        f"bound to a core: {'yes' if bound else 'no'} (RINGCOMM_BIND={cfg.bind})"
+    )
     return "\n".join(lines)
 
 

@@ -21,8 +21,14 @@ class Work:
     """
 
     __slots__ = (
-        "_default_timeout_s", "_engine", "_error", "_label", "_op", "_result", "_source",
-    )  # fmt: skip
+        "_default_timeout_s",
+        "_engine",
+        "_error",
+        "_label",
+        "_op",
+        "_result",
+        "_source",
+    )
 
     def __init__(self, progress: Progress, op: Op, default_timeout_s: float | None) -> None:
         self._engine = progress

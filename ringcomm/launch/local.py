@@ -117,8 +117,10 @@ def config_from_args(
     per_node = getattr(args, "nproc_per_node", None)
     if per_node is not None:  # torchrun's spelling, one node: the ranks of this host
         if args.nproc is not None and args.nproc != per_node:
-            raise UsageError(f"-n {args.nproc} and --nproc-per-node {per_node} disagree on "
-                             "one host (without --hostfile / -H): give one of them")  # fmt: skip
+            raise UsageError(
+                f"-n {args.nproc} and --nproc-per-node {per_node} disagree on "
+                "one host (without --hostfile / -H): give one of them"
+            )
         nproc = per_node
     if nproc < 1:
         raise UsageError(f"-n must be >= 1, got {nproc}")
@@ -175,9 +177,12 @@ def rank_command(config: RunConfig) -> list[str]:
 
 
 def rank_env(
-    config: RunConfig, rank: int, master_port: int | str, token: str | None,
+    config: RunConfig,
+    rank: int,
+    master_port: int | str,
+    token: str | None,
     torch_port: int | str | None = None,
-) -> dict[str, str]:  # fmt: skip
+) -> dict[str, str]:
     """The variables the launcher sets for ``rank`` (on top of the inherited environment).
 
     ``--env`` values come first, so the launcher's own variables always win.
@@ -241,10 +246,13 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
     token = job_token()
     try:
         store = StoreServer(
-            config.master_addr, config.master_port, token=token, auth=token is not None,
+            config.master_addr,
+            config.master_port,
+            token=token,
+            auth=token is not None,
             world_size=config.nproc,
             world_from=f"ringcomm run -n {config.nproc} started {config.nproc} ranks",
-        ).start()  # fmt: skip
+        ).start()
     except RendezvousError as exc:
         note(f"error: {exc}")
         return 1
@@ -256,8 +264,14 @@ def run(config: RunConfig, *, poll_s: float = 0.05) -> int:
             restart = None
             if config.max_restarts > 0:
                 restart = _restarter(config, store, token, ranks, torch_port)
-            return supervise(ranks, signals, config.grace_s, poll_s, restart=restart,
-                             trace_dir=env_trace_dir({**environment(), **dict(config.env)}))  # fmt: skip
+            return supervise(
+                ranks,
+                signals,
+                config.grace_s,
+                poll_s,
+                restart=restart,
+                trace_dir=env_trace_dir({**environment(), **dict(config.env)}),
+            )
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
         store.close()
@@ -301,8 +315,10 @@ def _restarter(
             return None
         counts[failed.rank] = n
         announce(f"restarting/{failed.rank}", str(n))  # grow(wait=True) waits for it
-        note(f"{failed.describe_exit(code)}; starting it again (restart {n} of "
-             f"{config.max_restarts})")  # fmt: skip
+        note(
+            f"{failed.describe_exit(code)}; starting it again (restart {n} of "
+            f"{config.max_restarts})"
+        )
         new = _start_rank(config, failed.rank, int(store.port), token, torch_port, restart=n)
         ranks.append(new)  # reaped with the others, whatever happens
         return new

@@ -110,8 +110,14 @@ def spawn(
     from ringcomm.rendezvous import StoreServer  # lazy: `import ringcomm.launch` stays light
 
     token = job_token()
-    store = StoreServer(_LOCALHOST, 0, token=token, auth=token is not None, world_size=world_size,
-                        world_from=f"rc.spawn started {world_size} ranks").start()  # fmt: skip
+    store = StoreServer(
+        _LOCALHOST,
+        0,
+        token=token,
+        auth=token is not None,
+        world_size=world_size,
+        world_from=f"rc.spawn started {world_size} ranks",
+    ).start()
     try:
         entry = _GroupEntry(
             fn=fn,
@@ -122,8 +128,14 @@ def spawn(
             token=token,
         )
         announce = store_announcer(_LOCALHOST, int(store.port), token) if elastic else None
-        return _run_ranks(entry, world_size, timeout_s=timeout_s, elastic=elastic,
-                          max_restarts=max_restarts, announce=announce)  # fmt: skip
+        return _run_ranks(
+            entry,
+            world_size,
+            timeout_s=timeout_s,
+            elastic=elastic,
+            max_restarts=max_restarts,
+            announce=announce,
+        )
     finally:
         store.close()
 

@@ -211,9 +211,11 @@ def config_from_args(
     if max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
     if max_restarts and args.master_addr is None:
-        raise UsageError("--max-restarts across hosts: the launcher serves the job's store "
-                         "(it must outlive any rank), so pass --master-addr with this "
-                         "machine's address as the hosts reach it")  # fmt: skip
+        raise UsageError(
+            "--max-restarts across hosts: the launcher serves the job's store "
+            "(it must outlive any rank), so pass --master-addr with this "
+            "machine's address as the hosts reach it"
+        )
     start_timeout_s = DEFAULT_START_TIMEOUT_S if args.start_timeout is None else args.start_timeout
     if not start_timeout_s > 0:
         raise UsageError(f"--start-timeout must be > 0, got {args.start_timeout}")
@@ -293,9 +295,12 @@ def _env_command(config: SshRunConfig, variables: Mapping[str, str], command: li
 
 
 def rank_vars(
-    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str,
+    config: SshRunConfig,
+    placement: Placement,
+    master_addr: str,
+    master_port: int | str,
     restart: int = 0,
-) -> dict[str, str]:  # fmt: skip
+) -> dict[str, str]:
     """Every variable set for ``placement``'s rank on its host (no secret); ``restart``:
     how many times this rank slot was started again (``--max-restarts``)."""
     env = dict(config.env)
@@ -321,9 +326,12 @@ def rank_vars(
 
 
 def remote_command(
-    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str,
+    config: SshRunConfig,
+    placement: Placement,
+    master_addr: str,
+    master_port: int | str,
     restart: int = 0,
-) -> str:  # fmt: skip
+) -> str:
     """The shell command line sshd runs for ``placement``'s rank (see the module docstring)."""
     rank_argv = [config.python, "-u"]
     rank_argv += ["-m", config.target] if config.module else [config.target]
@@ -342,13 +350,17 @@ def remote_command(
 
 
 def rank_ssh_argv(
-    config: SshRunConfig, placement: Placement, master_addr: str, master_port: int | str,
+    config: SshRunConfig,
+    placement: Placement,
+    master_addr: str,
+    master_port: int | str,
     restart: int = 0,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     return ssh_argv(
-        config, placement.host,
+        config,
+        placement.host,
         remote_command(config, placement, master_addr, master_port, restart),
-    )  # fmt: skip
+    )
 
 
 def preflight_argv(config: SshRunConfig, host: str, want_port: bool) -> list[str]:
@@ -586,8 +598,7 @@ def run(config: SshRunConfig, *, poll_s: float = 0.05) -> int:
             restart = None
             if config.max_restarts:
                 restart = _restarter(config, master_addr, int(port), token, ranks)
-            return supervise(ranks, signals, config.grace_s + STOP_SLACK_S, poll_s,
-                             restart=restart)  # fmt: skip
+            return supervise(ranks, signals, config.grace_s + STOP_SLACK_S, poll_s, restart=restart)
     finally:
         reap(ranks)  # never leave one behind, whatever happened above
         if store is not None:
@@ -637,8 +648,10 @@ def _restarter(
             return None
         counts[failed.rank] = n
         announce(f"restarting/{failed.rank}", str(n))
-        note(f"{failed.describe_exit(code)}; starting it again (restart {n} of "
-             f"{config.max_restarts})")  # fmt: skip
+        note(
+            f"{failed.describe_exit(code)}; starting it again (restart {n} of "
+            f"{config.max_restarts})"
+        )
         new = _start_rank(config, by_rank[failed.rank], master_addr, port, token, n)
         ranks.append(new)  # reaped with the others, whatever happens
         return new
@@ -647,9 +660,13 @@ def _restarter(
 
 
 def _start_rank(
-    config: SshRunConfig, p: Placement, master_addr: str, port: int, token: str | None,
+    config: SshRunConfig,
+    p: Placement,
+    master_addr: str,
+    port: int,
+    token: str | None,
     restart: int = 0,
-) -> _SshRank:  # fmt: skip
+) -> _SshRank:
     popen = start_in_session(
         rank_ssh_argv(config, p, master_addr, port, restart),
         pdeathsig_preexec(),

@@ -306,8 +306,16 @@ def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, s
 
         try:
             if not held:
-                held.append(Store(host, port, token=token, timeout_s=5.0, label="launcher",
-                                  auth=token is not None))  # fmt: skip
+                held.append(
+                    Store(
+                        host,
+                        port,
+                        token=token,
+                        timeout_s=5.0,
+                        label="launcher",
+                        auth=token is not None,
+                    )
+                )
             held[0].set(key, value.encode())
         except RingcommError as exc:
             note(f"could not tell the ranks ({key}): {exc}")
@@ -316,10 +324,13 @@ def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, s
 
 
 def supervise(
-    ranks: Sequence[RankProcess], signals: LauncherSignals, grace_s: float, poll_s: float = 0.05,
+    ranks: Sequence[RankProcess],
+    signals: LauncherSignals,
+    grace_s: float,
+    poll_s: float = 0.05,
     restart: Callable[[RankProcess, int], RankProcess | None] | None = None,
     trace_dir: str | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Wait for all ranks; on the first failure or signal stop the rest. Return the status:
     0, the first failing rank's (:func:`exit_status`), or 128+N for the launcher's signal N.
     ``restart(rank, code)``: for a rank that failed, its replacement (started), or None

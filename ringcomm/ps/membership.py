@@ -84,9 +84,15 @@ class Membership:
         self.security = security_mode()
         addr, port = coordinator
         self.coord = Store(
-            addr, port, token=token, timeout_s=min(timeout_s, 30.0), prefix=prefix,
-            label=self.label, claim=self.label, auth=self.security != "none",
-        )  # fmt: skip
+            addr,
+            port,
+            token=token,
+            timeout_s=min(timeout_s, 30.0),
+            prefix=prefix,
+            label=self.label,
+            claim=self.label,
+            auth=self.security != "none",
+        )
         if self.token is None and self.security != "none":
             self.token = self.coord.token  # the coordinator handed out the job's
         self.epoch = -1

@@ -127,8 +127,15 @@ def probe(pg: Any, specs: Sequence[Sequence[Any]], iters: int, warmup: int) -> d
             t0 = time.perf_counter()
             fn(x, segment)
             times.append(time.perf_counter() - t0)
-        records.append({"kind": kind, "size": count * 4, "segment": segment,
-                        "times_s": times, "errors": errors})  # fmt: skip
+        records.append(
+            {
+                "kind": kind,
+                "size": count * 4,
+                "segment": segment,
+                "times_s": times,
+                "errors": errors,
+            }
+        )
     return {
         "host": int(topo.host_of[pg.rank]),
         "hosts": hosts,
@@ -177,8 +184,16 @@ def samples_from(per_rank: Sequence[dict[str, Any]]) -> tuple[list[HostSample], 
         wrong += sum(int(r["records"][i]["errors"]) for r in per_rank)
         med = max(statistics.median(t) for t in times)
         mins.append(max(min(t) for t in times))
-        samples.append(HostSample(rec["kind"], int(first["hosts"]), int(first["ranks_per_host"]),
-                                  int(rec["size"]), med, rec["segment"]))  # fmt: skip
+        samples.append(
+            HostSample(
+                rec["kind"],
+                int(first["hosts"]),
+                int(first["ranks_per_host"]),
+                int(rec["size"]),
+                med,
+                rec["segment"],
+            )
+        )
     return samples, mins, wrong
 
 
@@ -207,8 +222,9 @@ def run_probe(
         msg = json.loads(line.partition(MARK)[2])
         rep = msg["records"]
         per_rank[int(msg["rank"])] = rep
-        infos.append(HostInfo(int(rep["host"]), str(msg["hostname"]), str(rep["boot_id"]),
-                              int(rep["cores"])))  # fmt: skip
+        infos.append(
+            HostInfo(int(rep["host"]), str(msg["hostname"]), str(rep["boot_id"]), int(rep["cores"]))
+        )
     missing = [r for r, v in enumerate(per_rank) if v is None]
     if missing:
         raise RuntimeError(f"no report from rank(s) {', '.join(map(str, missing))}")

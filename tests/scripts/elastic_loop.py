@@ -22,8 +22,12 @@ import ringcomm as rc
 
 
 def main() -> None:
-    victim, kill_step, steps, report_dir = (int(sys.argv[1]), int(sys.argv[2]),
-                                            int(sys.argv[3]), sys.argv[4])  # fmt: skip
+    victim, kill_step, steps, report_dir = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+    )
     restart = int(os.environ.get("RINGCOMM_RESTART", "0"))
     pg = rc.init_process_group(timeout_s=30)
     slot = pg.core.state.slots[pg.rank]
@@ -69,8 +73,15 @@ def main() -> None:
         checked += 1
         step += 1
     with open(os.path.join(report_dir, f"slot.{slot}.{restart}"), "w") as f:
-        json.dump({"changes": changes, "checked": checked, "final": list(pg.core.state.slots),
-                   "last_step": step}, f)  # fmt: skip
+        json.dump(
+            {
+                "changes": changes,
+                "checked": checked,
+                "final": list(pg.core.state.slots),
+                "last_step": step,
+            },
+            f,
+        )
     pg.close()
 
 

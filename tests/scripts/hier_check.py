@@ -35,8 +35,13 @@ from ringcomm.collectives import hierarchy  # noqa: E402
 from ringcomm.collectives.base import FP_STEP, CollectiveOp  # noqa: E402
 
 NAMES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"]
-FLAT = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring",
-        "broadcast": "chain", "barrier": "dissemination"}  # fmt: skip
+FLAT = {
+    "all_reduce": "ring",
+    "reduce_scatter": "ring",
+    "all_gather": "ring",
+    "broadcast": "chain",
+    "barrier": "dissemination",
+}
 calls = dict.fromkeys(NAMES, 0)
 
 
@@ -90,8 +95,13 @@ def reference(xs: list[np.ndarray], op: str) -> np.ndarray:
     if a.dtype == bool:
         return {"sum": a.any(0), "max": a.any(0), "min": a.all(0), "prod": a.all(0)}[op]
     wide = a.astype(np.float64) if a.dtype.kind == "f" else a
-    out = {"sum": wide.sum(0), "max": wide.max(0), "min": wide.min(0), "prod": wide.prod(0),
-           "avg": wide.mean(0) if a.dtype.kind == "f" else None}[op]  # fmt: skip
+    out = {
+        "sum": wide.sum(0),
+        "max": wide.max(0),
+        "min": wide.min(0),
+        "prod": wide.prod(0),
+        "avg": wide.mean(0) if a.dtype.kind == "f" else None,
+    }[op]
     return np.asarray(out)
 
 

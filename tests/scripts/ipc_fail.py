@@ -96,8 +96,12 @@ def main() -> None:
     new = pg.shrink()
     report["ok"] = all(_all_reduce(new) for _ in range(5))
     cache = dev.cache
-    report.update(opens=cache.opens, closes=cache.closes, open_now=len(cache),
-                  dead_dropped=dead_handle not in cache)  # fmt: skip
+    report.update(
+        opens=cache.opens,
+        closes=cache.closes,
+        open_now=len(cache),
+        dead_dropped=dead_handle not in cache,
+    )
     _write(report_dir, f"peer.{me}", report)
     new.close()
     os._exit(0)

@@ -54,16 +54,23 @@ def main() -> None:
                 if op == "avg" and dtype == "int64":
                     ok = isinstance(got, StandinArray)  # (integer means go flat)
                 close = np.allclose(got.get(), want, rtol=1e-6)
-                note(f"all_reduce {dtype} {count} {op} ({pg.core.last_algo}, close {close})",
-                     ok and close)  # fmt: skip
+                note(
+                    f"all_reduce {dtype} {count} {op} ({pg.core.last_algo}, close {close})",
+                    ok and close,
+                )
         rows = standin_array(data(me, n * 301, dtype).reshape(n, 301))
         out = pg.reduce_scatter(rows)
         want = reference_reduce("sum", [data(r, n * 301, dtype).reshape(n, 301) for r in range(n)])
-        note(f"reduce_scatter {dtype}", pg.core.last_algo == "hier"
-             and np.allclose(out.get(), want[me]))  # fmt: skip
+        note(
+            f"reduce_scatter {dtype}",
+            pg.core.last_algo == "hier" and np.allclose(out.get(), want[me]),
+        )
         got = pg.all_gather(standin_array(data(me, 777, dtype)))
-        note(f"all_gather {dtype}", pg.core.last_algo == "hier"
-             and np.array_equal(got.get(), np.stack([data(r, 777, dtype) for r in range(n)])))  # fmt: skip
+        note(
+            f"all_gather {dtype}",
+            pg.core.last_algo == "hier"
+            and np.array_equal(got.get(), np.stack([data(r, 777, dtype) for r in range(n)])),
+        )
         for src in range(n):
             b = standin_array(data(me, 3001, dtype))
             pg.broadcast(b, src=src)

@@ -28,8 +28,9 @@ FORGED_VALUE = 666
 
 def forged_frame() -> bytes:
     payload = np.full(2, FORGED_VALUE, np.int64)
-    header = Header(KIND_P2P, 0, 0, FORGED_TAG, 0, 0, 1, payload.dtype.str, payload.nbytes, 0,
-                    payload.shape)  # fmt: skip
+    header = Header(
+        KIND_P2P, 0, 0, FORGED_TAG, 0, 0, 1, payload.dtype.str, payload.nbytes, 0, payload.shape
+    )
     return pack_header(header, payload.tobytes())
 
 
@@ -104,7 +105,9 @@ def main() -> None:
         result: dict[str, object] = {"frames": forge_frames(ctx, spec["endpoints"])}
         if spec.get("store"):
             host, port = spec["store"]
-            result["store"] = forge_store(ctx, host, int(port), spec.get("claim", "rank 1 of group pg0"))
+            result["store"] = forge_store(
+                ctx, host, int(port), spec.get("claim", "rank 1 of group pg0")
+            )
     finally:
         ctx.destroy(linger=0)
     print(json.dumps(result, default=repr), flush=True)

@@ -49,8 +49,12 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if "TOKEN" not in k}
         out = subprocess.run(
             [sys.executable, os.path.join(HERE, "outsider.py"), json.dumps(spec)],
-            env=env, capture_output=True, text=True, timeout=120, check=True,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         report["outsider"] = json.loads(out.stdout.strip().splitlines()[-1])
         if server is not None:
             report["store_rejected"] = getattr(server, "server", server).rejected  # (a lease on it)
