@@ -54,6 +54,10 @@ LAYERS: dict[str, int] = {
     "ringcomm.device.standin_math": 0,  # the stand-in's arithmetic (imports nothing of ours)
     "ringcomm.tuning": 0,  # the package's own __init__ (imports nothing)
     "ringcomm.tuning.costmodel": 0,  # the alpha-beta-gamma cost model (pure): its public names
+    "ringcomm.tuning.parameters": 0,  # the model's parameters and their JSON
+    "ringcomm.tuning.plans": 0,  # algorithms as data (pure)
+    "ringcomm.tuning.pricing": 0,  # predictions from plans
+    "ringcomm.tuning.fitting": 0,  # fits to measured times
     "ringcomm.tuning.hosts": 8,  # ringcomm tune --hostfile: its probe job and fit
     "ringcomm.core.lifecycle": 0,  # the one exit hook
     "ringcomm.core.flight": 0,  # the flight recorder and its report (pure but for its file)
