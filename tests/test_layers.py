@@ -65,6 +65,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.transport.base": 0,  # the transport interface and path thresholds (pure)
     "ringcomm.transport": 1,  # the transport interface and its lanes; zmq lives here only
     "ringcomm.rendezvous": 2,
+    "ringcomm.rendezvous.store_server": 2,  # the store's server (store.py: its client)
     "ringcomm.core.progress": 3,
     "ringcomm.core": 4,  # the group core and what it is made of (the __init__ imports nothing)
     "ringcomm.device": 4,  # the device side (the package's own __init__ imports nothing)
