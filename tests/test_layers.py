@@ -54,7 +54,11 @@ LAYERS: dict[str, int] = {
     "ringcomm.device.standin": 0,  # the host stand-in for cupy.ndarray; xp imports it, it imports nothing
     "ringcomm.device.standin_math": 0,  # the stand-in's arithmetic (imports nothing of ours)
     "ringcomm.tuning": 0,  # the package's own __init__ (imports nothing)
-    "ringcomm.tuning.costmodel": 0,  # the alpha-beta-gamma cost model (pure)
+    "ringcomm.tuning.costmodel": 0,  # the alpha-beta-gamma cost model (pure): its public names
+    "ringcomm.tuning.parameters": 0,  # the model's parameters and their JSON
+    "ringcomm.tuning.plans": 0,  # algorithms as data (pure)
+    "ringcomm.tuning.pricing": 0,  # predictions from plans
+    "ringcomm.tuning.fitting": 0,  # fits to measured times
     "ringcomm.tuning.hosts": 8,  # ringcomm tune --hostfile: its probe job and fit
     "ringcomm.core.lifecycle": 0,  # the one exit hook
     "ringcomm.core.flight": 0,  # the flight recorder and its report (pure but for its file)
@@ -63,6 +67,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.transport.base": 0,  # the transport interface and path thresholds (pure)
     "ringcomm.transport": 1,  # the transport interface and its lanes; zmq lives here only
     "ringcomm.rendezvous": 2,
+    "ringcomm.rendezvous.store_server": 2,  # the store's server (store.py: its client)
     "ringcomm.core.progress": 3,
     "ringcomm.core": 4,  # the group core and what it is made of (the __init__ imports nothing)
     "ringcomm.device": 4,  # the device side (the package's own __init__ imports nothing)
@@ -71,6 +76,11 @@ LAYERS: dict[str, int] = {
     "ringcomm.collectives": 5,
     "ringcomm.collectives.registry": 5,  # every collective's algorithms by name
     "ringcomm.collectives.chooser": 5,  # a call's plan: algorithm, piece size, hier segments
+    "ringcomm.collectives.shm_fingerprint": 5,  # a call's fingerprint in a workspace control line
+    "ringcomm.collectives.shm_base": 5,  # the shm job, the engine's interface, the rounds
+    "ringcomm.collectives.shm_reduce": 5,  # shm all_reduce, reduce_scatter, reduce
+    "ringcomm.collectives.shm_gather": 5,  # shm all_gather, gather, broadcast
+    "ringcomm.collectives.shm_alltoall": 5,  # shm scatter, all_to_all
     "ringcomm.core.p2p": 5,
     "ringcomm.device.p2p": 5,  # device p2p: builds on p2p and staging
     "ringcomm.group": 6,  # ProcessGroup, the facade: nothing below imports it

@@ -1,44 +1,16 @@
 """Collectives of device arrays on one host, through device windows (``algo="ipc"``).
 
-Each rank of a group exports one window of device memory (two buffers of
-``buffer_bytes``; :mod:`ringcomm.device.ipc`: CUDA IPC, or the host stand-in) and two
-interprocess events; the first ``ipc`` call of the group exchanges the handles (and the
-offset of each window in its allocation) through the group's shared workspace, and every
-rank opens its peers' windows and events once. Per round (a piece of at most a buffer;
-larger calls take several, alternating the two buffers):
-
-================ ===================================================================
-all_reduce       one-shot (2 ranks, or up to :data:`ONE_SHOT_MAX_BYTES`): copy in,
-                 sync, every rank reduces every window in rank order into ``x``.
-                 Two-shot: copy in, sync, rank j reduces slice j of every window
-                 into its own, sync, every rank copies the W slices out. Either way
-                 every element is computed once, the same way: identical bits.
-reduce_scatter   copy in (W rows), sync, rank j reduces row j of every window.
-all_gather       copy in, sync, copy every window out.
-broadcast        the root copies in, sync, the others copy out.
-reduce, gather   copy in, sync, the root reduces or copies out.
-scatter          the root copies in (W rows), sync, rank j copies row j out.
-all_to_all       copy in (W rows), sync, rank j copies row j of every window out.
-the ``_v`` forms the same with rows of each rank's own counts (a first host round
-                 shares the counts and checks them).
-================ ===================================================================
-
-Every copy is a device-to-device copy (the copy engine) and every reduction a CuPy kernel,
-enqueued on the caller's stream (taken at the call). A *sync* is the shared workspace's
-(arrival counts in its control lines: fingerprints, deadlines, the progress text, peers'
-liveness), with the GPU's ordering added: before arriving a rank records its event ``k %
-2`` on its stream (after everything it enqueued: its copies into its window, its reads of
-the others'), and after the sync its stream waits for every peer's event ``k % 2``. So a
-rank reads a peer's window only after that peer's copy into it ran, and writes its own
-window only after every peer's reads of what it held ran; a rank is at most one sync ahead
-of any peer's wait, so two events suffice. A call returns once its stream ran everything
-it enqueued (polled, watching the deadline and the peers), so a later call may reuse the
-buffers as the host workspace does.
-
-Small calls (up to :data:`SMALL_BYTES`) go through the host instead: one device-to-host
-copy into a reused pinned buffer, one wait, the host collective (``shm``), one host-to-
-device copy left on the caller's stream (MPICH does small GPU collectives on the host for
-the same reason: a few microseconds of copy beat a device round trip).
+Each rank exports one window of device memory (two buffers; :mod:`ringcomm.device.ipc`:
+CUDA IPC, or the host stand-in) and two interprocess events; the group's first ``ipc`` call
+exchanges the handles through the shared workspace, and every rank opens its peers' once.
+The collectives run round by round as the host ones (:mod:`ringcomm.collectives.workspace`)
+do, on the workspace's syncs and fingerprints, with device-to-device copies and CuPy
+reductions enqueued on the caller's stream. Guarantees: every element is reduced once, the
+same way, so all ranks get identical bits; a rank reads a peer's window only after that
+peer's copy into it ran, and writes its own only after every peer's reads of it ran (each
+sync records an event and waits for the peers'); a call returns once its stream ran
+everything it enqueued. Small calls (up to :data:`SMALL_BYTES`) go through the host
+(``shm``). docs/architecture.md ("Device windows") has the protocol.
 """
 
 from __future__ import annotations
@@ -62,7 +34,8 @@ from ringcomm.errors import (
 from ringcomm.ops import ReduceOp
 
 if TYPE_CHECKING:
-    from ringcomm.collectives.workspace import Job, WorkspaceCollectives
+    from ringcomm.collectives.shm_base import Job
+    from ringcomm.collectives.workspace import WorkspaceCollectives
 
 log = logging.getLogger("ringcomm")
 

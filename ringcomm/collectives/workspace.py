@@ -1,39 +1,17 @@
-"""Collectives of a group whose ranks share one host, through its shared workspace.
+"""Collectives of a group whose ranks share one host, through its shared workspace: the engine.
 
 No ring, no socket: each rank copies its input into its own buffer of the workspace
-(:mod:`ringcomm.transport.workspace`), the ranks synchronise, and each reads what it needs
-straight from the others' buffers. Per round (a piece of at most the workspace's buffer
-size; large calls take several, alternating each rank's two buffers):
-
-=============== ====================================================================
-all_reduce      small: copy in, sync, every rank reduces every buffer in rank order
-                into ``x``. Large: copy in, sync, rank j reduces slice j of every
-                buffer into its own buffer, sync, every rank copies the W reduced
-                slices out. Either way one rank computes each element: bit-identical.
-reduce_scatter  copy in (W rows), sync, rank j reduces row j of every buffer.
-all_gather      copy in, sync, copy every buffer out.
-broadcast       the root copies in, sync, the others copy out.
-reduce, gather  copy in, sync, the root reduces or copies out.
-scatter         the root copies in (W rows), sync, rank j copies row j out.
-all_to_all      copy in (W rows), sync, rank j copies row j of every buffer out.
-barrier         sync.
-=============== ====================================================================
-
-Before any user byte is written, each rank compares the fingerprint every rank put in its
-control line (sequence number, collective, dtype, shape, root, op) with its own: a
-difference raises :class:`~ringcomm.errors.CollectiveMismatchError` on every rank. A call
-that fails on a rank marks its control line and tells the peers (the progress engine's
-abort); every synchronisation looks at the marks before the call goes on, so a late rank
-fails that call too, with the first failure's type and reason, instead of completing it
-from what the others left in their buffers. A wait that runs long looks, between sleeps, at the peers' processes (pidfds), at the
-progress engine's goodbyes and failure reports, and at the deadline: a dead or departed
-peer raises :class:`~ringcomm.errors.PeerFailedError` naming it, a deadline
-:class:`~ringcomm.errors.CommTimeoutError` naming the ranks waited for and where ("waiting
-for rank 2 at sync 2 of all_reduce #17"). Either leaves the group failed.
-
-Calls run on the calling thread; ``async_op=True`` calls run in order on the group's
-worker thread (a blocking call queues behind them), so a rank may post point-to-point
-work after an asynchronous collective as over the socket.
+(:mod:`ringcomm.transport.workspace`), the ranks sync, and each reads what it needs straight
+from the others' buffers. :class:`WorkspaceCollectives` runs one call at a time: its queue
+and worker, the fingerprints (:mod:`~ringcomm.collectives.shm_fingerprint`), the syncs and
+how a failure spreads, the buffers and symmetric windows. The host algorithms (``shm``) are
+in :mod:`~ringcomm.collectives.shm_reduce`, :mod:`~ringcomm.collectives.shm_gather` and
+:mod:`~ringcomm.collectives.shm_alltoall`; other algorithms (``ipc``) plug in as
+:attr:`WorkspaceCollectives.extensions`. Guarantees: every rank checks the fingerprints
+before any user byte is read, so a mismatch raises on every rank; a call that fails on one
+rank fails on every rank (never completed from stale buffers); a dead or departed peer, or
+the deadline, raises naming whom it waited for and where. docs/architecture.md ("The shared
+workspace's collectives") has the protocol.
 """
 
 from __future__ import annotations
@@ -43,12 +21,24 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ringcomm.collectives.base import Call, describe_fingerprint, fingerprint
+from ringcomm.collectives import shm_alltoall, shm_gather, shm_reduce
+from ringcomm.collectives.base import Call
+from ringcomm.collectives.shm_base import HostCall, Job, barrier
+from ringcomm.collectives.shm_fingerprint import (
+    AREA_WORDS,
+    DIGEST,
+    SEQ,
+    SYM,
+    area,
+    describe_words,
+    fingerprint_row,
+    first_mismatch,
+)
+from ringcomm.collectives.shm_reduce import SMALL_ALL_REDUCE_BYTES
 from ringcomm.core.progress import Op
 from ringcomm.core.work import Work
 from ringcomm.errors import (
@@ -58,79 +48,44 @@ from ringcomm.errors import (
     PeerFailedError,
     RingcommError,
 )
-from ringcomm.ops import ReduceOp, finalize, reduce_in_order, reduce_ufunc
 from ringcomm.transport import workspace as ws_mod
-from ringcomm.transport.wire import SUPPORTED_DTYPES
-from ringcomm.transport.workspace import FP, LINE_WORDS, Window, Workspace, WorkspaceTimeout
+from ringcomm.transport.workspace import LINE_WORDS, Window, Workspace, WorkspaceTimeout
 
 if TYPE_CHECKING:
     from ringcomm.core.group_core import GroupCore
 
 log = logging.getLogger("ringcomm")
 
-__all__ = ["SMALL_ALL_REDUCE_BYTES", "WorkspaceCollectives", "WorkspaceOp"]
+__all__ = [
+    "GOODBYE_WAIT_S",
+    "HOST_CALLS",
+    "REASON_WAIT_S",
+    "SMALL_ALL_REDUCE_BYTES",
+    "Job",
+    "WorkspaceCollectives",
+    "WorkspaceOp",
+]
 
-#: all_reduce up to this many bytes: every rank reduces the whole buffer (one sync);
-#: above, each rank reduces 1/W of it (two syncs, 1/W of the reads).
-SMALL_ALL_REDUCE_BYTES = 64 * 1024
 #: How long a rank that found a peer's process gone waits for that peer's goodbye (which
 #: says why it went) before it reports the death itself.
 GOODBYE_WAIT_S = 0.1
 #: How long a rank that saw a peer's failure mark waits for the reason to arrive (the
 #: peer's abort, or the news of the rank that went; each follows the mark at once).
 REASON_WAIT_S = 1.0
-
-_OPCODES = {
-    "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "reduce": 5,
-    "gather": 6, "scatter": 7, "all_to_all": 8, "barrier": 9, "all_gather_v": 10,
-    "reduce_scatter_v": 11, "all_to_all_v": 12,
-}  # fmt: skip
-#: The algorithm of a call, in the collective's word (times 256): ranks whose arrays live
-#: in different memories (host ``shm``, device windows ``ipc``) must not meet in one call.
-_ALGO_CODES = {"ipc": 1}
-_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
-_CODE_DTYPES = {i: dt for dt, i in _DTYPE_CODES.items()}
 _ROOT_SENDS = ("broadcast", "scatter")  # only the root's input travels
-_OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
-# A fingerprint: words from an area's start, compared ones first. Two areas per line, by
-# the parity of the call's first round (as the buffers): a rank's next call may publish
-# while a slower peer still checks this one.
-_SEQ, _COLL, _DTYPE, _SHAPE, _ROOT, _ROP, _CHUNK = range(7)
-_COMPARED = 7
-_SYM, _SYM_OFFSET = 7, 8  # all_reduce: the window (index + 1, 0: none) holding x, where
-_DIGEST = 9  # of words 1.._COMPARED-1: a quick look compares seq and digest only
-_NDIM = 10  # then the dims (named in mismatch errors; scatter's root says its shape)
-_AREA_WORDS = (LINE_WORDS - FP) // 2
-_MAX_DIMS = _AREA_WORDS - _NDIM - 1
 
-
-def _shape_word(shape: tuple[int, ...]) -> int:
-    # hash() of a tuple of ints is the same in every process (no string hashing).
-    return (hash(shape) & 0x7FFF_FFFF_FFFF_FFFF) | 1
-
-
-class Job:
-    """One collective call on the workspace: what the algorithms carry from call to sync."""
-
-    __slots__ = ("call", "core", "deadline", "device", "note", "seq", "timeout_s")
-
-    def __init__(self, core: GroupCore, call: Call, seq: int, deadline: float,
-                 timeout_s: float, device: Any = None) -> None:  # fmt: skip
-        self.core = core
-        self.call = call
-        self.seq = seq
-        self.deadline = deadline
-        self.timeout_s = timeout_s
-        self.note = ""  # where it waits (a sync), for the progress map
-        #: A device algorithm's state taken at the call (the caller's stream): see
-        #: :attr:`WorkspaceCollectives.extensions`.
-        self.device = device
-
-    @property
-    def desc(self) -> str:
-        """As the engine's collectives say it, plus where it runs."""
-        fp = describe_fingerprint(fingerprint(self.call, self.core.chunk_bytes))
-        return f"{fp} (collective #{self.seq} of group {self.core.group_id}, on the shared workspace)"
+#: The host algorithm (``shm``) of each collective.
+HOST_CALLS: dict[str, HostCall] = {
+    "all_reduce": shm_reduce.all_reduce,
+    "reduce_scatter": shm_reduce.reduce_scatter,
+    "reduce": shm_reduce.reduce,
+    "all_gather": shm_gather.all_gather,
+    "gather": shm_gather.gather,
+    "broadcast": shm_gather.broadcast,
+    "scatter": shm_alltoall.scatter,
+    "all_to_all": shm_alltoall.all_to_all,
+    "barrier": barrier,
+}
 
 
 class WorkspaceOp(Op):
@@ -179,7 +134,7 @@ class WorkspaceCollectives:
         self.core = core
         self.ws = workspace
         self.round = 0  # rounds so far: buffer round % 2 is this round's
-        self._fp_base = FP  # where the current call's fingerprint sits in each line
+        self._fp_base = area(0)  # where the current call's fingerprint sits in each line
         #: Symmetric allocations (:meth:`alloc`), in the order made.
         self.windows: list[Window] = []
         self._lock = threading.Lock()  # one call at a time on the workspace
@@ -204,8 +159,15 @@ class WorkspaceCollectives:
         self.extensions: dict[str, Any] = {}
 
     # -- entry ---------------------------------------------------------------------------
-    def run(self, call: Call, seq: int, timeout_s: float, async_op: bool,
-            start_s: float | None = None, device: Any = None) -> Any:  # fmt: skip
+    def run(
+        self,
+        call: Call,
+        seq: int,
+        timeout_s: float,
+        async_op: bool,
+        start_s: float | None = None,
+        device: Any = None,
+    ) -> Any:
         """Run ``call`` here, now (or queue it behind earlier asynchronous ones); its
         deadline counts from ``start_s`` (``time.monotonic()``; default: now). ``device``:
         what a device algorithm took at the call (:attr:`Job.device`)."""
@@ -290,7 +252,7 @@ class WorkspaceCollectives:
         self.windows.append(window)
         return window.parts[core.rank][:nbytes].view(dtype).reshape(shape)
 
-    def _symmetric(self, x: np.ndarray) -> tuple[int, int]:
+    def symmetric(self, x: np.ndarray) -> tuple[int, int]:
         """(window index + 1, offset) of ``x`` in one of the windows, or (0, 0)."""
         if not self.windows:
             return 0, 0
@@ -335,31 +297,14 @@ class WorkspaceCollectives:
             ext.close()
         self.ws.close()
 
-    # -- what the extensions use (the device algorithms of ringcomm.collectives.ipc) ------
-    def publish(self, job: Job, call: Call) -> None:
-        """Put ``call``'s fingerprint in this rank's control line (before its first sync)."""
-        self._publish(job, call)
-
-    def sync(self, job: Job, where: str) -> None:
-        """Arrive at the next synchronisation and wait for every rank (``where`` names it
-        in a timeout's message); raises as any call here does."""
-        self._sync(job, where)
-
-    def check(self, job: Job) -> None:
-        """After the call's first sync: every rank is in the same call, or all raise."""
-        self._check(job)
-
-    def next_buffer(self) -> int:
-        """The buffer (0 or 1) of the next round (shared by every algorithm here)."""
-        return self._next_buffer()
-
+    # -- what the algorithms use (shm here, and the extensions: ringcomm.collectives.ipc) --
     def buffer(self, rank: int, b: int) -> np.ndarray:
         """Rank ``rank``'s host buffer ``b`` (uint8), e.g. for small control data."""
         return self.ws.buffers[rank][b]
 
     def run_host(self, job: Job, call: Call) -> Any:
         """Run ``call`` (host arrays) with the ``shm`` algorithm, inside a running job."""
-        return getattr(self, "_" + call.name)(job, call)
+        return HOST_CALLS[call.name](self, job, call)
 
     # -- the calls -----------------------------------------------------------------------
     def execute(self, op: Job) -> Any:
@@ -372,13 +317,10 @@ class WorkspaceCollectives:
         try:
             self._after_earlier(op)
             ext = self.extensions.get(call.algo)
-            if ext is not None:
-                result = ext.execute(op, call)
-            else:
-                result = getattr(self, "_" + call.name)(op, call)
+            result = ext.execute(op, call) if ext is not None else self.run_host(op, call)
             x = call.x
-            if x is not None and (call.root is None or call.name not in _ROOT_SENDS
-                                  or call.root == self.ws.rank):  # fmt: skip
+            sends = call.root is None or call.name not in _ROOT_SENDS or call.root == self.ws.rank
+            if x is not None and sends:
                 self.moved_bytes += int(x.nbytes)
         except RingcommError as exc:
             engine = isinstance(exc, PeerFailedError) and progress.failure is not None
@@ -397,7 +339,9 @@ class WorkspaceCollectives:
             log.debug("rank %d: end %s", progress.rank, op.desc)
         return result
 
-    def _sync(self, op: Job, where: str) -> None:
+    def sync(self, op: Job, where: str) -> None:
+        """Arrive at the next synchronisation and wait for every rank (``where`` names it
+        in a timeout's message); raises as any call here does."""
         ws = self.ws
         k = ws.arrive()
         if ws.complete(k):
@@ -438,20 +382,21 @@ class WorkspaceCollectives:
             time.sleep(0.002)
         return PeerFailedError(
             f"rank {core.rank}: {op.desc}: rank {r} failed collective #{seq} of this group, "
-            "so every rank fails it (its reason did not arrive)", peer=core.ranks[r],
-        )  # fmt: skip
+            "so every rank fails it (its reason did not arrive)",
+            peer=core.ranks[r],
+        )
 
     def _last_calls(self, ranks: list[int]) -> str:
         """What each of ``ranks`` last started here (its newer fingerprint)."""
         lines = self.ws.lines
         parts = []
         for r in ranks:
-            areas = [lines[r, FP + a * _AREA_WORDS : FP + (a + 1) * _AREA_WORDS] for a in (0, 1)]
-            newest = max(areas, key=lambda fp: int(fp[_SEQ]))
-            if int(newest[_SEQ]) == 0:
+            areas = [lines[r, area(a) : area(a) + AREA_WORDS] for a in (0, 1)]
+            newest = max(areas, key=lambda fp: int(fp[SEQ]))
+            if int(newest[SEQ]) == 0:
                 parts.append(f"rank {r} has not started a collective of this group")
             else:
-                parts.append(f"rank {r}'s last call here: {self._described(newest)}")
+                parts.append(f"rank {r}'s last call here: {describe_words(newest)}")
         return "; ".join(parts)
 
     def _idle(self, op: Job, k: int, where: str, marks: bool = True) -> None:
@@ -475,10 +420,14 @@ class WorkspaceCollectives:
             if progress.departed(g):
                 # As the engine does for a departed peer something still waits on: the
                 # engine fails (later calls raise too; the exit path waits for the culprit).
-                progress.peer_failed(PeerFailedError(
-                    f"rank {core.global_rank}: peer rank {g} left the group "
-                    f"({progress.departure_note(g)}) while this rank waited for it at "
-                    f"{where} of {op.call.name} #{op.seq}", peer=g))  # fmt: skip
+                progress.peer_failed(
+                    PeerFailedError(
+                        f"rank {core.global_rank}: peer rank {g} left the group "
+                        f"({progress.departure_note(g)}) while this rank waited for it at "
+                        f"{where} of {op.call.name} #{op.seq}",
+                        peer=g,
+                    )
+                )
                 raise progress.failed_error(f"{op.desc} [{where}]")
         dead = [r for r in ws.dead_peers() if r in ws.late(k)]
         if dead:
@@ -490,445 +439,108 @@ class WorkspaceCollectives:
                 raise progress.failed_error(f"{op.desc} [{where}]")
             r = dead[0]
             g = core.ranks[r]
-            progress.peer_failed(PeerFailedError(
-                f"rank {core.global_rank}: peer rank {g} failed: its connection dropped without "
-                "a goodbye (its process ended: killed or crashed)", peer=g))  # fmt: skip
+            progress.peer_failed(
+                PeerFailedError(
+                    f"rank {core.global_rank}: peer rank {g} failed: its connection dropped without "
+                    "a goodbye (its process ended: killed or crashed)",
+                    peer=g,
+                )
+            )
             raise progress.failed_error(f"{op.desc} [{where}]")
 
-    def _publish(self, op: Job, call: Call) -> None:
-        """Put the call's fingerprint in this rank's line (the area of its first round):
-        its sequence number, a digest of the rest, and the rest (for error messages)."""
-        area = self.round & 1
-        base = self._fp_base = FP + area * _AREA_WORDS
-        key = (call.name, call.algo, call.dtype, call.shape, call.root, call.op,
-               self.core.chunk_bytes)  # fmt: skip
+    def publish(self, op: Job, call: Call) -> None:
+        """Put the call's fingerprint in this rank's line (the area of its first round),
+        before its first sync: its sequence number, a digest of the rest, and the rest."""
+        parity = self.round & 1
+        base = self._fp_base = area(parity)
+        key = (
+            call.name,
+            call.algo,
+            call.dtype,
+            call.shape,
+            call.root,
+            call.op,
+            self.core.chunk_bytes,
+        )
         cached = self._rows.get(key)
         if cached is None:
             if len(self._rows) >= 256:
                 self._rows.clear()
-            cached = self._rows[key] = self._row(call)
+            cached = self._rows[key] = fingerprint_row(call, self.core.chunk_bytes, self.core.rank)
         row, digest = cached
         words = self.ws.words
         mine = self.ws.rank * LINE_WORDS + base
-        if self._published[area] != key:  # the same shape as last time: only seq changes
-            self.ws.line[base : base + _AREA_WORDS] = row
-            self._published[area] = key
-        words[mine + _SYM] = 0
-        words[mine + _SEQ] = op.seq
+        if self._published[parity] != key:  # the same shape as last time: only seq changes
+            self.ws.line[base : base + AREA_WORDS] = row
+            self._published[parity] = key
+        words[mine + SYM] = 0
+        words[mine + SEQ] = op.seq
         self._digest = digest
 
-    def _row(self, call: Call) -> tuple[np.ndarray, int]:
-        row = np.zeros(_AREA_WORDS, np.uint64)
-        row[_COLL] = _OPCODES[call.name] | _ALGO_CODES.get(call.algo, 0) << 8
-        known = call.dtype is not None and call.shape is not None
-        row[_DTYPE] = _DTYPE_CODES[call.dtype] if known else 0  # type: ignore[index]
-        row[_SHAPE] = _shape_word(call.shape) if known else 0  # type: ignore[arg-type]
-        row[_ROOT] = 0 if call.root is None else call.root + 1
-        row[_ROP] = 0 if call.op is None else _OP_CODES[call.op]
-        row[_CHUNK] = self.core.chunk_bytes  # it sets the rounds: ranks must agree
-        shape = call.shape
-        if known and shape:
-            if len(shape) > _MAX_DIMS and call.name == "scatter" and call.root == self.core.rank:
-                raise ValueError(
-                    f"rank {self.core.rank}: scatter: at most {_MAX_DIMS} dimensions on the "
-                    "shared workspace"
-                )
-            k = min(len(shape), _MAX_DIMS)
-            row[_NDIM] = len(shape)
-            row[_NDIM + 1 : _NDIM + 1 + k] = shape[:k]
-        # The digest of the compared words (after seq): equal digests, equal calls.
-        row[_DIGEST] = _shape_word(tuple(int(v) for v in row[_COLL:_COMPARED]))
-        return row, int(row[_DIGEST])
-
-    def _fingerprints(self) -> np.ndarray:
+    def fingerprints(self) -> np.ndarray:
         """Every rank's fingerprint of this call (rows), once the first sync is done."""
         base = self._fp_base
-        return self.ws.lines[:, base : base + _AREA_WORDS]
+        return self.ws.lines[:, base : base + AREA_WORDS]
 
-    def _check(self, op: Job) -> None:
-        """After the first sync: every rank is in the same call, or all raise."""
+    def own_fingerprint(self) -> np.ndarray:
+        """This rank's fingerprint of this call (a writable view of its line)."""
+        base = self._fp_base
+        line: np.ndarray = self.ws.line
+        return line[base : base + AREA_WORDS]
+
+    def check(self, op: Job) -> None:
+        """After the call's first sync: every rank is in the same call, or all raise."""
         words, seq, digest = self.ws.words, op.seq, self._digest
         base = self._fp_base
         for r in range(self.ws.world_size):
             at = r * LINE_WORDS + base
-            if words[at + _SEQ] != seq or words[at + _DIGEST] != digest:
+            if words[at + SEQ] != seq or words[at + DIGEST] != digest:
                 break
         else:
             return
-        fps = self._fingerprints()
+        fps = self.fingerprints()
         me = self.ws.rank
-        mine = fps[me, :_COMPARED]
-        for r in range(self.ws.world_size):
-            theirs = fps[r, :_COMPARED]
-            for word, (a, b) in enumerate(zip(mine.tolist(), theirs.tolist(), strict=True)):
-                if a == b or (word in (_DTYPE, _SHAPE) and 0 in (a, b)):
-                    continue
-                raise CollectiveMismatchError(
-                    f"rank {me}: {op.desc}: rank {r} called {self._described(fps[r])} "
-                    f"instead of {self._described(fps[me])}"
-                )
+        other = first_mismatch(fps, me)
+        if other is not None:
+            raise CollectiveMismatchError(
+                f"rank {me}: {op.desc}: rank {other} called {describe_words(fps[other])} "
+                f"instead of {describe_words(fps[me])}"
+            )
 
-    @staticmethod
-    def _described(fp: np.ndarray) -> str:
-        """``all_reduce(float32[10], op=sum, chunk_bytes=64) #3`` from a fingerprint."""
-        names = {v: k for k, v in _OPCODES.items()}
-        ops = {v: k for k, v in _OP_CODES.items()}
-        algos = {v: k for k, v in _ALGO_CODES.items()}
-        words = fp.tolist()
-        parts = []
-        dtype = _CODE_DTYPES.get(words[_DTYPE])
-        if dtype is not None:
-            ndim = words[_NDIM]
-            dims = [str(d) for d in words[_NDIM + 1 : _NDIM + 1 + min(ndim, _MAX_DIMS)]]
-            if ndim > _MAX_DIMS:
-                dims.append("...")
-            parts.append(f"{dtype}[{'x'.join(dims)}]")
-        if words[_ROP]:
-            parts.append(f"op={ops.get(words[_ROP], '?')}")
-        if words[_ROOT]:
-            parts.append(f"root={words[_ROOT] - 1}")
-        if words[_COLL] >> 8:  # (shm, the workspace's own, goes unsaid)
-            parts.append(f"algo={algos.get(words[_COLL] >> 8, '?')}")
-        parts.append(f"chunk_bytes={words[_CHUNK]}")
-        return f"{names.get(words[_COLL] & 0xFF, '?')}({', '.join(parts)}) #{words[_SEQ]}"
-
-    def _round_cap(self, least: int) -> int:
+    def round_cap(self, least: int) -> int:
         """Most bytes of one round (at least ``least``: one element per row)."""
         cap = min(self.ws.slot_bytes, ws_mod.ROUND_BYTES, self.core.chunk_bytes)
         return max(cap, least)
 
-    def _rounds(self, nbytes: int, itemsize: int, rows: int = 1) -> tuple[int, int]:
+    def rounds(self, nbytes: int, itemsize: int, rows: int = 1) -> tuple[int, int]:
         """(elements per round per row, number of rounds) for ``nbytes`` per row: a round
         fills at most a buffer, and at most the group's ``chunk_bytes`` (tests force many
         rounds on small arrays with it)."""
-        cap = self._round_cap(itemsize * rows)
+        cap = self.round_cap(itemsize * rows)
         per_round = max(1, cap // (rows * itemsize))
         count = nbytes // itemsize if itemsize else 0
         return per_round, max(1, -(-count // per_round))
 
-    def _next_buffer(self) -> int:
+    def next_buffer(self) -> int:
+        """The buffer (0 or 1) of the next round (shared by every algorithm here)."""
         b = self.round & 1
         self.round += 1
         return b
 
-    def _view(self, r: int, b: int, dtype: np.dtype[Any], count: int) -> np.ndarray:
+    def view(self, r: int, b: int, dtype: np.dtype[Any], count: int) -> np.ndarray:
+        """Rank ``r``'s buffer ``b`` as ``count`` elements of ``dtype``."""
         return self.ws.buffers[r][b][: count * dtype.itemsize].view(dtype)
 
-    def _all_views(self, b: int, dtype: np.dtype[Any], count: int) -> list[np.ndarray]:
+    def all_views(self, b: int, dtype: np.dtype[Any], count: int) -> list[np.ndarray]:
         """Every rank's buffer ``b`` as ``count`` elements of ``dtype`` (cached)."""
         key = (b, dtype, count)
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= 512:
                 self._views.clear()
-            views = [self._view(r, b, dtype, count) for r in range(self.ws.world_size)]
+            views = [self.view(r, b, dtype, count) for r in range(self.ws.world_size)]
             self._views[key] = views
         return views
-
-    # all_reduce -------------------------------------------------------------------------
-    def _all_reduce(self, op: Job, call: Call) -> Any:
-        x = call.x
-        assert x is not None and call.op is not None
-        n = self.ws.world_size
-        self._publish(op, call)
-        # Small calls copy in even from a window (one sync beats reading in place); every
-        # rank decides alike, by the size, which every rank's fingerprint shares.
-        small = x.nbytes <= SMALL_ALL_REDUCE_BYTES
-        sym, offset = (0, 0) if small else self._symmetric(x)
-        if sym:
-            fp = self.ws.line[self._fp_base : self._fp_base + _AREA_WORDS]
-            fp[_SYM], fp[_SYM_OFFSET] = sym, offset
-        if n > 1 and not small and self.windows:  # a peer's x may be in a window
-            return self._all_reduce_sources(op, call, x)
-        if n > 1 and x.nbytes <= SMALL_ALL_REDUCE_BYTES and x.nbytes <= self._round_cap(x.itemsize):
-            return self._all_reduce_small(op, call, x)
-        dtype = x.dtype
-        flat = x.reshape(-1)
-        me = self.ws.rank
-        ufunc = reduce_ufunc(call.op, dtype)
-        silence = dtype.kind == "f"
-        avg = call.op is ReduceOp.AVG
-        per, rounds = self._rounds(x.nbytes, dtype.itemsize)
-        small = x.nbytes <= SMALL_ALL_REDUCE_BYTES
-        for i in range(rounds):
-            lo = i * per
-            hi = min(lo + per, flat.size)
-            c = hi - lo
-            b = self._next_buffer()
-            views = self._all_views(b, dtype, c)
-            np.copyto(views[me], flat[lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
-            if small:
-                if n == 1:
-                    continue
-                reduce_in_order(ufunc, views, flat[lo:hi], silence=silence)
-                if avg:
-                    finalize(call.op, flat[lo:hi], n)
-                continue
-            bounds = [c * j // n for j in range(n + 1)]
-            s, e = bounds[me], bounds[me + 1]
-            if e > s and n > 1:
-                srcs = [views[me][s:e]] + [views[r][s:e] for r in range(n) if r != me]
-                reduce_in_order(ufunc, srcs, views[me][s:e], silence=silence)
-            if avg and e > s:
-                finalize(call.op, views[me][s:e], n)
-            self._sync(op, f"sync 2 of round {i + 1}/{rounds}")
-            for r in range(n):
-                s, e = bounds[r], bounds[r + 1]
-                if e > s:
-                    np.copyto(flat[lo + s : lo + e], views[r][s:e])
-        return x
-
-    def _all_reduce_small(self, op: Job, call: Call, x: np.ndarray) -> Any:
-        """One round: copy in, sync, every rank reduces every buffer in rank order."""
-        assert call.op is not None
-        b = self._next_buffer()
-        views = self._all_views(b, x.dtype, x.size)
-        flat = x.reshape(-1)
-        np.copyto(views[self.ws.rank], flat)
-        self._sync(op, "sync 1 of round 1/1")
-        self._check(op)
-        ufunc = reduce_ufunc(call.op, x.dtype)
-        reduce_in_order(ufunc, views, flat, silence=x.dtype.kind == "f")
-        if call.op is ReduceOp.AVG:
-            finalize(call.op, flat, self.ws.world_size)
-        return x
-
-    def _all_reduce_sources(self, op: Job, call: Call, x: np.ndarray) -> Any:
-        """all_reduce where some ranks' ``x`` lives in a window (:meth:`alloc`): those are
-        read in place, not copied in; if all are, the whole buffer is one round and no
-        byte is copied in or out of the workspace but the reduced slices. Each rank
-        reduces its slice into its own buffer (its window part, or its workspace buffer);
-        every rank copies the others' reduced slices; a last sync keeps every window
-        part unchanged until no rank reads it any more."""
-        assert call.op is not None
-        n, me = self.ws.world_size, self.ws.rank
-        dtype = x.dtype
-        flat = x.reshape(-1)
-        size = flat.size
-        ufunc = reduce_ufunc(call.op, dtype)
-        silence = dtype.kind == "f"
-        per, rounds = self._rounds(x.nbytes, dtype.itemsize)
-        mine_sym = self.ws.line[self._fp_base + _SYM] != 0
-        places: list[np.ndarray | None] = [None] * n  # rank r's x in its window part
-        any_sym = False
-        i = 0
-        while i < rounds:
-            lo = i * per
-            hi = min(lo + per, size)
-            b = self._next_buffer()
-            if not mine_sym:
-                np.copyto(self._view(me, b, dtype, hi - lo), flat[lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
-                fps = self._fingerprints()
-                for r in range(n):
-                    w, off = int(fps[r, _SYM]), int(fps[r, _SYM_OFFSET])
-                    if w:
-                        part = self.windows[w - 1].parts[r]
-                        places[r] = part[off : off + x.nbytes].view(dtype)
-                any_sym = any(p is not None for p in places)
-                self.in_place_calls += places[me] is not None
-                if all(p is not None for p in places):
-                    per, rounds, hi = max(size, 1), 1, size  # nothing was copied in
-            c = hi - lo
-            srcs_all = [
-                p[lo:hi] if p is not None else self._view(r, b, dtype, c)
-                for r, p in enumerate(places)
-            ]
-            bounds = [c * j // n for j in range(n + 1)]
-            s, e = bounds[me], bounds[me + 1]
-            if e > s:
-                srcs = [srcs_all[me][s:e]] + [srcs_all[r][s:e] for r in range(n) if r != me]
-                reduce_in_order(ufunc, srcs, srcs_all[me][s:e], silence=silence)
-                if call.op is ReduceOp.AVG:
-                    finalize(call.op, srcs_all[me][s:e], n)
-            self._sync(op, f"sync 2 of round {i + 1}/{rounds}")
-            for r in range(n):
-                s, e = bounds[r], bounds[r + 1]
-                if e > s and not (r == me and places[me] is not None):
-                    np.copyto(flat[lo + s : lo + e], srcs_all[r][s:e])
-            i += 1
-        if any_sym:
-            self._next_buffer()
-            self._sync(op, "the last sync (window parts read)")
-        return x
-
-    # reduce_scatter ---------------------------------------------------------------------
-    def _row_rounds(
-        self, op: Job, call: Call, rows: np.ndarray
-    ) -> Iterator[tuple[int, int, list[np.ndarray]]]:
-        """Rounds of a call on ``(W, m)`` rows: copy this rank's columns ``lo:hi`` of every
-        row into its buffer, sync (the first time: check); yield ``(lo, hi, blocks)``,
-        ``blocks[r]`` rank r's ``(W, hi - lo)`` copy."""
-        n, me = self.ws.world_size, self.ws.rank
-        dtype, m = rows.dtype, rows.shape[1]
-        self._publish(op, call)
-        per, rounds = self._rounds(m * dtype.itemsize, dtype.itemsize, n)
-        for i in range(rounds):
-            lo = i * per
-            hi = min(lo + per, m)
-            c = hi - lo
-            b = self._next_buffer()
-            blocks = [self._view(r, b, dtype, n * c).reshape(n, c) for r in range(n)]
-            np.copyto(blocks[me], rows[:, lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
-            yield lo, hi, blocks
-
-    def _reduce_scatter(self, op: Job, call: Call) -> Any:
-        x, out = call.x, call.out
-        assert x is not None and out is not None and call.op is not None
-        n, me = self.ws.world_size, self.ws.rank
-        res = out.reshape(-1)
-        ufunc = reduce_ufunc(call.op, x.dtype)
-        for lo, hi, blocks in self._row_rounds(op, call, x.reshape(n, -1)):
-            if hi == lo:
-                continue
-            if n == 1:
-                np.copyto(res[lo:hi], blocks[0][0])
-            else:
-                srcs = [blk[me] for blk in blocks]
-                reduce_in_order(ufunc, srcs, res[lo:hi], silence=x.dtype.kind == "f")
-            if call.op is ReduceOp.AVG:
-                finalize(call.op, res[lo:hi], n)
-        return out
-
-    # all_gather, gather, broadcast, reduce -------------------------------------------
-    def _flat_rounds(
-        self, op: Job, call: Call, flat: np.ndarray, writes: bool = True
-    ) -> Iterator[tuple[int, int, list[np.ndarray]]]:
-        """Rounds of a call on a flat buffer: copy ``flat[lo:hi]`` into this rank's buffer
-        (if it ``writes``), sync (the first time: check); yield ``(lo, hi, views)``,
-        ``views[r]`` rank r's copy."""
-        dtype = flat.dtype
-        self._publish(op, call)
-        per, rounds = self._rounds(flat.nbytes, dtype.itemsize)
-        for i in range(rounds):
-            lo = i * per
-            hi = min(lo + per, flat.size)
-            views = self._all_views(self._next_buffer(), dtype, hi - lo)
-            if writes:
-                np.copyto(views[self.ws.rank], flat[lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
-            yield lo, hi, views
-
-    def _all_gather(self, op: Job, call: Call) -> Any:
-        x, out = call.x, call.out
-        assert x is not None and out is not None
-        dst = out.reshape(self.ws.world_size, -1)
-        for lo, hi, views in self._flat_rounds(op, call, x.reshape(-1)):
-            for r, view in enumerate(views):
-                np.copyto(dst[r, lo:hi], view)
-        return out
-
-    def _gather(self, op: Job, call: Call) -> Any:
-        x, out = call.x, call.out
-        assert x is not None
-        mine = call.root == self.ws.rank
-        dst = out.reshape(self.ws.world_size, -1) if mine and out is not None else None
-        for lo, hi, views in self._flat_rounds(op, call, x.reshape(-1)):
-            if dst is not None:
-                for r, view in enumerate(views):
-                    np.copyto(dst[r, lo:hi], view)
-        return out if mine else None
-
-    def _broadcast(self, op: Job, call: Call) -> Any:
-        x = call.x
-        assert x is not None and call.root is not None
-        root = call.root
-        flat = x.reshape(-1)
-        mine = self.ws.rank == root
-        for lo, hi, views in self._flat_rounds(op, call, flat, writes=mine):
-            if not mine:
-                np.copyto(flat[lo:hi], views[root])
-        return x
-
-    def _reduce(self, op: Job, call: Call) -> Any:
-        x = call.x
-        assert x is not None and call.root is not None and call.op is not None
-        n = self.ws.world_size
-        flat = x.reshape(-1)
-        ufunc = reduce_ufunc(call.op, x.dtype)
-        mine = self.ws.rank == call.root
-        for lo, hi, views in self._flat_rounds(op, call, flat):
-            if mine and n > 1:
-                reduce_in_order(ufunc, views, flat[lo:hi], silence=x.dtype.kind == "f")
-                if call.op is ReduceOp.AVG:
-                    finalize(call.op, flat[lo:hi], n)
-        return x
-
-    # scatter, all_to_all ---------------------------------------------------------------
-    def _scatter(self, op: Job, call: Call) -> Any:
-        n, me, root = self.ws.world_size, self.ws.rank, call.root
-        assert root is not None
-        self._publish(op, call)
-        x, out = call.x, call.out
-        dtype: np.dtype[Any] = np.dtype(np.uint8)
-        rows: np.ndarray | None = None
-        m, per, rounds = 0, 1, 1
-        if me == root:
-            assert x is not None
-            dtype, rows = x.dtype, x.reshape(n, -1)
-            m = rows.shape[1]
-            per, rounds = self._rounds(m * dtype.itemsize, dtype.itemsize, n)
-        res: np.ndarray | None = None
-        i = 0
-        while i < rounds:
-            b = self._next_buffer()
-            lo = i * per
-            if rows is not None:
-                hi = min(lo + per, m)
-                blocks = self._view(root, b, dtype, n * (hi - lo)).reshape(n, hi - lo)
-                np.copyto(blocks, rows[:, lo:hi])
-            self._sync(op, f"sync 1 of round {i + 1}/{rounds}")
-            if i == 0:
-                self._check(op)
-                if me != root:  # dtype and shape as the root says
-                    words = self._fingerprints()[root].tolist()
-                    dtype = _CODE_DTYPES[words[_DTYPE]]
-                    shape = tuple(words[_NDIM + 1 : _NDIM + 1 + words[_NDIM]])
-                    if out is None:
-                        out = np.empty(shape[1:], dtype)
-                    elif out.dtype != dtype or tuple(out.shape) != shape[1:]:
-                        raise CollectiveMismatchError(
-                            f"rank {me}: {op.desc}: out is {out.dtype}{list(out.shape)} but "
-                            f"the root scatters rows of {dtype}{list(shape[1:])}"
-                        )
-                    m = int(np.prod(shape[1:], dtype=np.int64))
-                    per, rounds = self._rounds(m * dtype.itemsize, dtype.itemsize, n)
-                assert out is not None
-                res = out.reshape(-1)
-            hi = min(lo + per, m)
-            if hi > lo:
-                assert res is not None
-                blocks = self._view(root, b, dtype, n * (hi - lo)).reshape(n, hi - lo)
-                np.copyto(res[lo:hi], blocks[me])
-            i += 1
-        return out
-
-    def _all_to_all(self, op: Job, call: Call) -> Any:
-        x, out = call.x, call.out
-        assert x is not None and out is not None
-        n, me = self.ws.world_size, self.ws.rank
-        dst = out.reshape(n, -1)
-        for lo, hi, blocks in self._row_rounds(op, call, x.reshape(n, -1)):
-            for r in range(n):
-                np.copyto(dst[r, lo:hi], blocks[r][me])
-        return out
-
-    def _barrier(self, op: Job, call: Call) -> Any:
-        self._publish(op, call)
-        self._next_buffer()
-        self._sync(op, "the barrier")
-        self._check(op)
-        return None
 
 
 def _never() -> None:

@@ -1,36 +1,17 @@
 """A shared workspace: one memory segment that every rank of a group on one host maps.
 
-Collectives over it (``ringcomm.collectives.workspace``) need no ring and no socket: every
-rank can read every other rank's data. Layout of the segment (an anonymous ``memfd``,
-created by the group's rank 0 and opened by the others through ``/proc/<pid>/fd/<fd>``;
-nothing in /dev/shm, nothing left behind when the ranks end, whichever dies first)::
-
-    [ control: one 448-byte line per rank ][ bell: one page ][ slots: rank 0 buffer 0,
-      rank 0 buffer 1, rank 1 buffer 0, ... each SLOT_BYTES ]
-
-A rank's control line holds its *arrival count* (how many synchronisations it has
-reached), whether it sleeps, the first collective it failed (:meth:`Workspace.mark_failed`:
-a peer that completes that collective or a later one fails it too, :meth:`failed_peer`), and
-the fingerprint of the call it is in (sequence number, collective, dtype, count, root, op,
-where a symmetric buffer sits): only its owner writes it. A synchronisation ``k`` is complete when every rank's arrival count is at least ``k``.
-Each rank has two buffers, used by rounds alternately: writing buffer ``b`` in round ``r``
-is safe once synchronisation ``r-1`` is complete, because every rank has then finished
-reading what round ``r-2`` left in it.
-
-Waiting: look at the arrival counts for :data:`SPIN_S` (yielding the core between looks),
-then sleep on the bell, a futex word: a sleeper
-marks its line, looks once more, and sleeps while the bell keeps its value; a rank that
-completes a synchronisation and sees a sleeper rings the bell (changes it, wakes its
-sleepers). Every sleep is bounded by :data:`SLEEP_SLICE_S`, after which the caller's
-``idle`` check runs (peers' liveness, the progress engine's news, the deadline).
-
-Ordering: the data and the counts are plain stores and loads through NumPy. x86-64 keeps
-stores in order and loads in order (TSO), so a rank that sees a peer's count ``k`` sees
-everything that peer wrote before it: the workspace is only used there (``AVAILABLE``).
-TSO lets a load pass an earlier store, so a sleeper and the rank that should wake it can
-miss each other (each reads the other's old value): the sleeper then wakes at the end of
-its slice; :attr:`Workspace.late_wakes` counts how often the condition was already true
-then.
+The collectives over it (:mod:`ringcomm.collectives.workspace`) need no ring and no socket:
+every rank reads the others' buffers. The segment is an anonymous ``memfd`` made by rank 0
+and opened by the others through ``/proc/<pid>/fd/<fd>`` (nothing in /dev/shm, nothing left
+behind whichever rank dies first): a control line per rank (only its owner writes it: its
+arrival count, whether it sleeps, the first collective it failed, its call's fingerprint),
+a bell page, and two buffers per rank. Synchronisation ``k`` is complete when every rank's
+arrival count is at least ``k``; rounds alternate each rank's two buffers, so writing
+buffer ``b`` in round ``r`` is safe once sync ``r-1`` is complete. Waiting spins
+(:data:`SPIN_S`), then sleeps on the bell (a futex) in slices of :data:`SLEEP_SLICE_S`
+between which the caller's ``idle`` check runs. It relies on x86-64's store order (TSO),
+so it is only used there (``AVAILABLE``). docs/architecture.md ("The shared workspace")
+has the layout, the waiting protocol and the ordering argument.
 """
 
 from __future__ import annotations
