@@ -38,6 +38,8 @@ LAYER_NAMES = {
     2: "rendezvous",
     3: "core.progress",
     4: "core: group_core, forming, work, buffers, regroup, summary; device staging",
+    3: "the progress engine: core.progress and its parts (matching, dispatch, health, ...)",
+    4: "core: group_core, work, buffers, regroup, summary; device staging",
     5: "collectives + core.p2p",
     6: "group facade (group.py), collectives.hierarchy over its sub-groups",
     7: "ps, engine",
@@ -69,6 +71,14 @@ LAYERS: dict[str, int] = {
     "ringcomm.rendezvous": 2,
     "ringcomm.rendezvous.store_server": 2,  # the store's server (store.py: its client)
     "ringcomm.core.progress": 3,
+    "ringcomm.core.progress": 3,  # the engine: who drives, the ops; composes the parts below
+    "ringcomm.core.op": 3,  # operations, and what they may use of the engine
+    "ringcomm.core.control": 3,  # control messages: tags, sending, checking
+    "ringcomm.core.health": 3,  # peers' liveness: goodbyes, departures, failure
+    "ringcomm.core.aborts": 3,  # one outcome per collective: the aborts peers sent
+    "ringcomm.core.matching": 3,  # posted receivers and unexpected messages
+    "ringcomm.core.dispatch": 3,  # reading the transport, control messages, the query
+    "ringcomm.core.fastlane": 3,  # the small blocking exchange without bookkeeping
     "ringcomm.core": 4,  # the group core and what it is made of (the __init__ imports nothing)
     "ringcomm.device": 4,  # the device side (the package's own __init__ imports nothing)
     "ringcomm.device.staging": 4,  # device staging, beside the group core

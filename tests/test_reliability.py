@@ -116,7 +116,7 @@ def job_failed_then_close(pg: rc.ProcessGroup) -> dict[str, Any]:
     if pg.rank == 1:
         engine = pg.core.progress
         with engine._lock:  # as if rank 2 had been reported dead by rank 0
-            engine._peer_failed(2, reporter=0, text="test")
+            engine.health.peer_failed(2, reporter=0, text="test")
         for call in (lambda: pg.all_reduce(np.ones(1)), lambda: pg.send(np.ones(1), dst=0)):
             try:
                 call()
