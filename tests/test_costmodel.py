@@ -322,8 +322,9 @@ def test_fit_hosts_recovers_what_the_probes_show(gbps: float) -> None:
         want = predict(truth, "all_reduce", algo, 2, 2, 64 * MiB).time_s
         got = predict(fit.model, "all_reduce", algo, 2, 2, 64 * MiB).time_s
         assert got == pytest.approx(want, rel=0.05), (algo, got, want)
-    assert best(fit.model, 2, 2, 64 * MiB, algos=("ring", "hierarchical"))[0] == (
-        best(truth, 2, 2, 64 * MiB, algos=("ring", "hierarchical"))[0]
+    assert (
+        best(fit.model, 2, 2, 64 * MiB, algos=("ring", "hierarchical"))[0]
+        == (best(truth, 2, 2, 64 * MiB, algos=("ring", "hierarchical"))[0])
     )
 
 

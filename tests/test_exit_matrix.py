@@ -99,8 +99,16 @@ def _record(**fields: object) -> None:
             f.write(json.dumps(fields) + "\n")
 
 
-def _check_peers(report: Path, cause: str, where: str, failing: int, launcher: str,
-                 t_fail: float, may_be_stopped: bool, output: object = "") -> list[float]:
+def _check_peers(
+    report: Path,
+    cause: str,
+    where: str,
+    failing: int,
+    launcher: str,
+    t_fail: float,
+    may_be_stopped: bool,
+    output: object = "",
+) -> list[float]:
     """Each peer's report: the error naming the failing rank (within 1 s when it was
     inside a call), or a clean end after a plain departure. Under a launcher a peer may
     have been stopped before it noticed (``may_be_stopped``): the launcher said why.
@@ -145,12 +153,23 @@ def test_direct(cause: str, where: str, failing: int, tag: str, tmp_path: Path) 
     port = free_port()
     procs = []
     for rank in range(WORLD):
-        env = _env(tag, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SCRIPT), cause, where, str(failing), str(tmp_path)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        ))
+        env = _env(
+            tag,
+            RANK=str(rank),
+            WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            LOCAL_RANK=str(rank),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), cause, where, str(failing), str(tmp_path)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     ended: dict[int, float] = {}
     deadline = time.monotonic() + 40
     try:
@@ -179,9 +198,15 @@ def test_direct(cause: str, where: str, failing: int, tag: str, tmp_path: Path) 
     # the failing rank goes first: a launcher watching these reports its code
     if where != "idle":
         assert ended[failing] <= min(t for r, t in ended.items() if r != failing) + 0.1
-    _record(launcher="direct", cause=cause, where=where, failing=failing,
-            rank_exit_s=rank_exit, peer_notice_s=max(notices, default=None),
-            job_s=max(ended.values()) - t_fail)
+    _record(
+        launcher="direct",
+        cause=cause,
+        where=where,
+        failing=failing,
+        rank_exit_s=rank_exit,
+        peer_notice_s=max(notices, default=None),
+        job_s=max(ended.values()) - t_fail,
+    )
 
 
 def _run_status(cause: str, where: str) -> int:
@@ -197,9 +222,25 @@ def test_ringcomm_run(cause: str, where: str, failing: int, tag: str, tmp_path: 
     """``ringcomm run``: its status is the failing rank's, within 5 s."""
     t0 = time.time()
     res = subprocess.run(
-        [sys.executable, "-m", "ringcomm", "run", "-n", str(WORLD), str(SCRIPT), cause, where,
-         str(failing), str(tmp_path)],
-        env=_env(tag), cwd=REPO, capture_output=True, text=True, timeout=50, check=False,
+        [
+            sys.executable,
+            "-m",
+            "ringcomm",
+            "run",
+            "-n",
+            str(WORLD),
+            str(SCRIPT),
+            cause,
+            where,
+            str(failing),
+            str(tmp_path),
+        ],
+        env=_env(tag),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
     )
     t_end = time.time()
     t_fail = _read(tmp_path, f"fail.{failing}")
@@ -210,14 +251,22 @@ def test_ringcomm_run(cause: str, where: str, failing: int, tag: str, tmp_path: 
     job = t_end - t_fail
     assert job < LAUNCHER_EXIT_S + (exit_scenario.IDLE_S if cause == "normal_end" else 0), job
     notices = _check_peers(tmp_path, cause, where, failing, "run", t_fail, True, res.stderr)
-    _record(launcher="run", cause=cause, where=where, failing=failing,
-            peer_notice_s=max(notices, default=None), job_s=job, total_s=t_end - t0)
+    _record(
+        launcher="run",
+        cause=cause,
+        where=where,
+        failing=failing,
+        peer_notice_s=max(notices, default=None),
+        job_s=job,
+        total_s=t_end - t0,
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("cause", "where", "failing"), MATRIX, ids=IDS)
-def test_spawn(cause: str, where: str, failing: int, tmp_path: Path,
-               no_child_processes: None) -> None:
+def test_spawn(
+    cause: str, where: str, failing: int, tmp_path: Path, no_child_processes: None
+) -> None:
     """``rc.spawn``: RankFailedError names the failing rank first, with its exit code."""
     args = (cause, where, failing, str(tmp_path))
     error: rc.RankFailedError | None = None
@@ -241,5 +290,11 @@ def test_spawn(cause: str, where: str, failing: int, tmp_path: Path,
     job = t_end - t_fail
     assert job < LAUNCHER_EXIT_S + (exit_scenario.IDLE_S if cause == "normal_end" else 0), job
     notices = _check_peers(tmp_path, cause, where, failing, "spawn", t_fail, True, error)
-    _record(launcher="spawn", cause=cause, where=where, failing=failing,
-            peer_notice_s=max(notices, default=None), job_s=job)
+    _record(
+        launcher="spawn",
+        cause=cause,
+        where=where,
+        failing=failing,
+        peer_notice_s=max(notices, default=None),
+        job_s=job,
+    )

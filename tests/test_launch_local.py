@@ -360,7 +360,11 @@ def test_dry_run_shows_commands_but_never_the_token(tag: str) -> None:
     lines = [line for line in res.stdout.splitlines() if line.startswith("env ")]
     assert len(lines) == 2
     for r, line in enumerate(lines):
-        assert f" RANK={r} " in line and " WORLD_SIZE=2 " in line and " RINGCOMM_MASTER_PORT=29555 " in line
+        assert (
+            f" RANK={r} " in line
+            and " WORLD_SIZE=2 " in line
+            and " RINGCOMM_MASTER_PORT=29555 " in line
+        )
         assert "RC_X='a b'" in line
         assert line.endswith("print_env.py RANK")
 

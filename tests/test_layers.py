@@ -36,10 +36,8 @@ LAYER_NAMES = {
     "core.lifecycle, core.flight, the wire format",
     1: "transport",
     2: "rendezvous",
-    3: "core.progress",
-    4: "core: group_core, forming, work, buffers, regroup, summary; device staging",
     3: "the progress engine: core.progress and its parts (matching, dispatch, health, ...)",
-    4: "core: group_core, work, buffers, regroup, summary; device staging",
+    4: "core: group_core, forming, work, buffers, regroup, summary; device staging",
     5: "collectives + core.p2p",
     6: "group facade (group.py), collectives.hierarchy over its sub-groups",
     7: "ps, engine",
@@ -70,7 +68,6 @@ LAYERS: dict[str, int] = {
     "ringcomm.transport": 1,  # the transport interface and its lanes; zmq lives here only
     "ringcomm.rendezvous": 2,
     "ringcomm.rendezvous.store_server": 2,  # the store's server (store.py: its client)
-    "ringcomm.core.progress": 3,
     "ringcomm.core.progress": 3,  # the engine: who drives, the ops; composes the parts below
     "ringcomm.core.op": 3,  # operations, and what they may use of the engine
     "ringcomm.core.control": 3,  # control messages: tags, sending, checking
@@ -86,6 +83,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.collectives": 5,
     "ringcomm.collectives.registry": 5,  # every collective's algorithms by name
     "ringcomm.collectives.chooser": 5,  # a call's plan: algorithm, piece size, hier segments
+    "ringcomm.collectives.checks": 5,  # the calls' argument checks
     "ringcomm.collectives.shm_fingerprint": 5,  # a call's fingerprint in a workspace control line
     "ringcomm.collectives.shm_base": 5,  # the shm job, the engine's interface, the rounds
     "ringcomm.collectives.shm_reduce": 5,  # shm all_reduce, reduce_scatter, reduce

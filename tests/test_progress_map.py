@@ -52,7 +52,9 @@ def job_map(pg: rc.ProcessGroup) -> dict[str, str]:
 
 
 @pytest.mark.timeout(90)
-def test_progress_map_says_step_piece_and_peer(no_child_processes: None, no_workspace: None) -> None:
+def test_progress_map_says_step_piece_and_peer(
+    no_child_processes: None, no_workspace: None
+) -> None:
     """(The engine's map: on the shared workspace, test_workspace checks the timeout's text.)"""
     per_rank = rc.spawn(job_map, 3, timeout_s=80)
     ring = _lines(per_rank[0]["ring"])

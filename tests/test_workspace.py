@@ -43,7 +43,9 @@ def _pair(slot_bytes: int = 4096) -> tuple[ws_mod.Workspace, ws_mod.Workspace]:
     fd = ws_mod.create_segment(2, slot_bytes)
     other = ws_mod.open_segment(os.getpid(), fd, ws_mod.segment_bytes(2, slot_bytes))
     pids = [os.getpid(), os.getpid()]
-    return ws_mod.Workspace(fd, 0, 2, pids, slot_bytes), ws_mod.Workspace(other, 1, 2, pids, slot_bytes)
+    return ws_mod.Workspace(fd, 0, 2, pids, slot_bytes), ws_mod.Workspace(
+        other, 1, 2, pids, slot_bytes
+    )
 
 
 def test_a_sync_completes_when_both_arrive_and_data_crosses() -> None:
@@ -264,7 +266,9 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("world", "victim", "nbytes"), [(3, 2, 8), (3, 0, 1 << 20), (4, 1, 8 << 20)])
+@pytest.mark.parametrize(
+    ("world", "victim", "nbytes"), [(3, 2, 8), (3, 0, 1 << 20), (4, 1, 8 << 20)]
+)
 def test_a_rank_killed_mid_sync(world: int, victim: int, nbytes: int, tmp_path: Path) -> None:
     """SIGKILL (no goodbye) while the others wait in a sync: each survivor raises
     PeerFailedError naming the victim, within the usual bound; every process ends."""

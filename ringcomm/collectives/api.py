@@ -21,6 +21,20 @@ from typing import Any
 import numpy as np
 
 from ringcomm.collectives.base import Call, Comm
+from ringcomm.collectives.checks import (
+    call_label,
+    check_chunk_bytes,
+    check_counts,
+    check_flag,
+    check_op,
+    check_out,
+    check_root,
+    check_row_array,
+    check_rows,
+    empty_like,
+    may_share_memory,
+    same_memory,
+)
 from ringcomm.collectives.chooser import (
     hier_fits,
     plan,
@@ -33,7 +47,7 @@ from ringcomm.collectives.registry import HIER_ALGO, IPC_ALGO, WORKSPACE_ALGO, g
 from ringcomm.collectives.staged import PIPELINED, DeviceCall, staged_class
 from ringcomm.collectives.workspace import WorkspaceCollectives
 from ringcomm.config import ipc_small_bytes, ipc_window_bytes, mps_active
-from ringcomm.core.buffers import check_array, check_peer
+from ringcomm.core.buffers import check_array
 from ringcomm.core.deadline import Deadline
 from ringcomm.core.flight import E_END, FOLD_MASK, RUNNING, now
 from ringcomm.core.group_core import GroupCore, setup_workspace
@@ -41,14 +55,14 @@ from ringcomm.core.progress import Op
 from ringcomm.core.work import Work
 from ringcomm.device.ipc import ipc_device_for
 from ringcomm.device.staging import backend_for
-from ringcomm.device.xp import get_xp, is_device_array
+from ringcomm.device.xp import is_device_array
 from ringcomm.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
     PeerFailedError,
     RingcommError,
 )
-from ringcomm.ops import ReduceOp, check_op_dtype, parse_op
+from ringcomm.ops import ReduceOp
 
 __all__ = [
     "all_gather",
@@ -68,118 +82,6 @@ __all__ = [
     "reduce_scatter_v",
     "scatter",
 ]
-
-
-# -- argument checks -------------------------------------------------------------------
-def _what(group: GroupCore, name: str) -> str:
-    return f"rank {group.rank}: {name}"
-
-
-# (op as passed, dtype) -> ReduceOp, for pairs that passed _check_op (ops passed as a
-# ReduceOp or a plain str): the check is pure, and the same few pairs come back call after
-# call. Bounded (emptied when full).
-_CHECKED_OPS: dict[tuple[Any, np.dtype[Any]], ReduceOp] = {}
-_CHECKED_OPS_MAX = 256
-
-
-def _check_op(op: Any, dtype: np.dtype[Any], what: str) -> ReduceOp:
-    cacheable = type(op) is ReduceOp or type(op) is str
-    if cacheable:
-        rop = _CHECKED_OPS.get((op, dtype))
-        if rop is not None:
-            return rop
-    try:
-        rop = parse_op(op)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
-    try:
-        check_op_dtype(rop, dtype)
-    except TypeError as exc:
-        raise TypeError(f"{what}: {exc}") from None
-    if cacheable:
-        if len(_CHECKED_OPS) >= _CHECKED_OPS_MAX:
-            _CHECKED_OPS.clear()
-        _CHECKED_OPS[op, dtype] = rop
-    return rop
-
-
-def _check_flag(value: Any, what: str, name: str = "async_op") -> bool:
-    if value is False or value is True:
-        return value
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what}: {name} must be a bool, got {type(value).__name__}")
-    return bool(value)
-
-
-def _check_rows(x: np.ndarray, n: int, what: str, name: str = "x") -> None:
-    if x.ndim == 0 or x.shape[0] != n:
-        raise ValueError(
-            f"{what}: {name}.shape[0] must equal the world size {n}, got shape {x.shape}"
-        )
-
-
-def _check_out(
-    out: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str, like: Any = None
-) -> Any:
-    out = check_array(out, f"{what} (out)", writeable=True, device=True)
-    if like is not None and _kind(out) != _kind(like):
-        raise TypeError(
-            f"{what}: out is a {type(out).__name__} but x is a {type(like).__name__} "
-            "(host and device arrays cannot be mixed in one call)"
-        )
-    if out.dtype != dtype:
-        raise TypeError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
-    if out.shape != shape:
-        raise ValueError(f"{what}: out has shape {out.shape}, expected {shape}")
-    return out
-
-
-def _kind(x: Any) -> Any:
-    """What memory ``x`` lives in: "host", or its device backend."""
-    return "host" if type(x) is np.ndarray else backend_for(x)
-
-
-def _empty(like: Any, shape: tuple[int, ...]) -> Any:
-    """A new array of ``shape`` and ``like``'s dtype, in the memory ``like`` lives in."""
-    if type(like) is np.ndarray:
-        return np.empty(shape, like.dtype)
-    device = getattr(like, "device", None)  # CuPy: allocate on like's device
-    if device is not None:
-        with device:
-            return get_xp(like).empty(shape, like.dtype)
-    return get_xp(like).empty(shape, like.dtype)
-
-
-def _may_share_memory(a: Any, b: Any) -> bool:
-    if type(a) is np.ndarray:
-        return bool(np.may_share_memory(a, b))
-    return backend_for(a).may_share_memory(a, b)
-
-
-def _same_memory(a: Any, b: Any) -> bool:
-    if type(a) is not np.ndarray:
-        return backend_for(a).same_memory(a, b)
-    return bool(
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-        and a.nbytes == b.nbytes
-    )
-
-
-def _check_root(root: Any, group: GroupCore, what: str, name: str) -> int:
-    return check_peer(root, group.world_size, what, name)
-
-
-def _check_chunk_bytes(group: GroupCore, what: str, chunk: Any = None) -> int:
-    chunk = group.chunk_bytes if chunk is None else chunk
-    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
-        raise ValueError(f"{what}: pg.chunk_bytes must be a positive int, got {chunk!r}")
-    limit = group.state.config.max_piece_bytes
-    if chunk > limit:
-        raise ValueError(
-            f"{what}: chunk_bytes={chunk} is above this group's largest piece ({limit} bytes, "
-            "what its receive sockets accept; RINGCOMM_CHUNK_BYTES raises it)"
-        )
-    return int(chunk)
 
 
 # -- running ---------------------------------------------------------------------------
@@ -253,10 +155,10 @@ def _run_call(
     counts from ``start_s``, the flight recorder's start time, or from now) and run
     ``call`` (:func:`_start`)."""
     if what is None:
-        what = _what(group, call.name)
+        what = call_label(group, call.name)
     chunk = call.chunk_bytes or group.chunk_bytes
     if type(chunk) is not int or chunk <= 0 or chunk > group.state.config.max_piece_bytes:
-        chunk = _check_chunk_bytes(group, what, chunk)
+        chunk = check_chunk_bytes(group, what, chunk)
     deadline = _deadline(group, timeout_s, what, start_s)
     group.check_usable(call.name)
     return _start(group, call, chunk, deadline, async_op)
@@ -360,7 +262,7 @@ def alloc(group: GroupCore, shape: Any, dtype: Any = np.float32) -> np.ndarray:
     buffer): on a group with a shared workspace it lives in a window every rank maps, so
     an all_reduce of it copies nothing in or out. Every rank calls it, in the same order,
     with the same shape and dtype. Elsewhere: a plain ``np.zeros``."""
-    what = _what(group, "alloc")
+    what = call_label(group, "alloc")
     try:
         dt = np.dtype(dtype)
         dims = (
@@ -417,30 +319,30 @@ def _without_workspace(group: GroupCore, call: Call) -> Call:
 # -- checks of the calls that also run hierarchically (ringcomm.collectives.hierarchy, above) --------
 def check_reduce_scatter(group: GroupCore, x: Any, out: Any, op: Any) -> tuple[Any, Any, ReduceOp]:
     """reduce_scatter's arguments checked: ``(x, out, op)``, ``out`` allocated if None."""
-    what = _what(group, "reduce_scatter")
+    what = call_label(group, "reduce_scatter")
     x = check_array(x, what, device=True)
-    _check_rows(x, group.world_size, what)
-    rop = _check_op(op, x.dtype, what)
+    check_rows(x, group.world_size, what)
+    rop = check_op(op, x.dtype, what)
     shape = tuple(x.shape[1:])
-    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
-    if _may_share_memory(out, x) and not _same_memory(out, x[group.rank]):
+    out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
+    if may_share_memory(out, x) and not same_memory(out, x[group.rank]):
         raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
     return x, out, rop
 
 
 def check_all_gather(group: GroupCore, x: Any, out: Any) -> tuple[Any, Any]:
     """all_gather's arguments checked: ``(x, out)``, ``out`` allocated if None."""
-    what = _what(group, "all_gather")
+    what = call_label(group, "all_gather")
     x = check_array(x, what, device=True)
     shape = (group.world_size, *x.shape)
-    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
     return x, out
 
 
 def check_broadcast(group: GroupCore, x: Any, src: Any) -> tuple[Any, int]:
     """broadcast's arguments checked: ``(x, src)``."""
-    what = _what(group, "broadcast")
-    src = _check_root(src, group, what, "src")
+    what = call_label(group, "broadcast")
+    src = check_root(src, group, what, "src")
     return check_array(x, what, writeable=group.rank != src, device=True), src
 
 
@@ -461,12 +363,12 @@ def all_reduce(
     flat algorithm, the call is asynchronous or an integer mean; ``algo="hier"`` asks for
     it (an error on a group it does not fit)."""
     hier = async_op is False and hier_fits(group, "all_reduce", algo)
-    what = _what(group, "all_reduce")
+    what = call_label(group, "all_reduce")
     x = check_array(x, what, writeable=True, device=True)
     dtype = x.dtype
-    rop = _check_op(op, dtype, what)
+    rop = check_op(op, dtype, what)
     if async_op is not False:
-        async_op = _check_flag(async_op, what)
+        async_op = check_flag(async_op, what)
     nbytes = x.nbytes
     if hier and rop is ReduceOp.AVG and dtype.kind in "iub":
         hier = False  # integer means: flat
@@ -493,9 +395,9 @@ def reduce_scatter(
     of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified.
     Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
     hier = async_op is False and hier_fits(group, "reduce_scatter", algo)
-    what = _what(group, "reduce_scatter")
+    what = call_label(group, "reduce_scatter")
     x, out, rop = check_reduce_scatter(group, x, out, op)
-    async_op = _check_flag(async_op, what)
+    async_op = check_flag(async_op, what)
     if hier and rop is ReduceOp.AVG and x.dtype.kind in "iu":
         hier = False  # integer means: flat
     p = plan(group, "reduce_scatter", algo, x.nbytes, type(x) is np.ndarray, what, hier)
@@ -528,9 +430,9 @@ def all_gather(
     """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order.
     Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
     hier = async_op is False and hier_fits(group, "all_gather", algo)
-    what = _what(group, "all_gather")
+    what = call_label(group, "all_gather")
     x, out = check_all_gather(group, x, out)
-    async_op = _check_flag(async_op, what)
+    async_op = check_flag(async_op, what)
     p = plan(group, "all_gather", algo, x.nbytes, type(x) is np.ndarray, what, hier)
     if p.algo == HIER_ALGO:
         return _run_hier(
@@ -560,9 +462,9 @@ def broadcast(
     """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work).
     Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
     hier = async_op is False and hier_fits(group, "broadcast", algo)
-    what = _what(group, "broadcast")
+    what = call_label(group, "broadcast")
     x, src = check_broadcast(group, x, src)
-    async_op = _check_flag(async_op, what)
+    async_op = check_flag(async_op, what)
     p = plan(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what, hier)
     if p.algo == HIER_ALGO:
         return _run_hier(group, what, timeout_s, lambda h, d: h.broadcast(x, src, d))
@@ -590,11 +492,11 @@ def reduce(
 ) -> Any:
     """Reduce ``x`` over all ranks into ``dst``'s ``x`` (in place there); return ``x``.
     Other ranks' ``x`` is not modified."""
-    what = _what(group, "reduce")
-    dst = _check_root(dst, group, what, "dst")
+    what = call_label(group, "reduce")
+    dst = check_root(dst, group, what, "dst")
     x = check_array(x, what, writeable=group.rank == dst, device=True)
-    rop = _check_op(op, x.dtype, what)
-    async_op = _check_flag(async_op, what)
+    rop = check_op(op, x.dtype, what)
+    async_op = check_flag(async_op, what)
     algo = plan(group, "reduce", algo, x.nbytes, type(x) is np.ndarray, what).algo
     call = Call("reduce", algo, x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
     return _run(group, call, timeout_s, async_op)
@@ -612,13 +514,13 @@ def gather(
 ) -> Any:
     """Every rank's ``x`` as ``(world_size, *x.shape)`` on ``dst`` (in ``out`` if given
     there); None on the other ranks (which ignore ``out``)."""
-    what = _what(group, "gather")
-    dst = _check_root(dst, group, what, "dst")
+    what = call_label(group, "gather")
+    dst = check_root(dst, group, what, "dst")
     x = check_array(x, what, device=True)
-    async_op = _check_flag(async_op, what)
+    async_op = check_flag(async_op, what)
     if group.rank == dst:
         shape = (group.world_size, *x.shape)
-        out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+        out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
     else:
         out = None
     algo = plan(group, "gather", algo, x.nbytes, type(x) is np.ndarray, what).algo
@@ -648,24 +550,24 @@ def scatter(
     array (``x`` on ``src``, ``x`` or ``out`` elsewhere) and the rows move between device
     windows.
     """
-    what = _what(group, "scatter")
-    src = _check_root(src, group, what, "src")
+    what = call_label(group, "scatter")
+    src = check_root(src, group, what, "src")
     n = group.world_size
-    async_op = _check_flag(async_op, what)
+    async_op = check_flag(async_op, what)
     dtype: np.dtype[Any] | None = None
     shape: tuple[int, ...] | None = None
     if x is not None or group.rank == src:
         x = check_array(x, what, device=True)
-        _check_rows(x, n, what)
+        check_rows(x, n, what)
         dtype, shape = x.dtype, tuple(x.shape)
     if out is not None:
         if dtype is not None and shape is not None:
-            out = _check_out(out, shape[1:], dtype, what, x)
+            out = check_out(out, shape[1:], dtype, what, x)
         else:
             out = check_array(out, f"{what} (out)", writeable=True, device=True)
             dtype, shape = out.dtype, (n, *out.shape)
     elif dtype is not None and shape is not None:  # src, or a rank that passed x
-        out = _empty(x, shape[1:])
+        out = empty_like(x, shape[1:])
     host = (x is None or type(x) is np.ndarray) and (out is None or type(out) is np.ndarray)
     algo = plan_scatter(group, algo, host, x is None and out is None, what).algo
     if algo == WORKSPACE_ALGO and not host:
@@ -715,15 +617,15 @@ def all_to_all(
     algo: str | None = None,
 ) -> Any:
     """``out[j]`` is rank ``j``'s ``x[rank]`` (``x.shape[0] == world_size``); return out."""
-    what = _what(group, "all_to_all")
+    what = call_label(group, "all_to_all")
     x = check_array(x, what, device=True)
-    _check_rows(x, group.world_size, what)
-    async_op = _check_flag(async_op, what)
+    check_rows(x, group.world_size, what)
+    async_op = check_flag(async_op, what)
     if out is None:
-        out = _empty(x, tuple(x.shape))
+        out = empty_like(x, tuple(x.shape))
     else:
-        out = _check_out(out, tuple(x.shape), x.dtype, what, x)
-        if _may_share_memory(out, x):
+        out = check_out(out, tuple(x.shape), x.dtype, what, x)
+        if may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
     algo = plan(group, "all_to_all", algo, x.nbytes, type(x) is np.ndarray, what).algo
     call = Call("all_to_all", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
@@ -740,8 +642,8 @@ def barrier(
     """Return once every rank of the group has entered the barrier (hierarchically on a
     group spanning hosts, as :func:`all_reduce`)."""
     hier = async_op is False and hier_fits(group, "barrier", algo)
-    what = _what(group, "barrier")
-    async_op = _check_flag(async_op, what)
+    what = call_label(group, "barrier")
+    async_op = check_flag(async_op, what)
     p = plan(group, "barrier", algo, 0, True, what, hier)
     if p.algo == HIER_ALGO:
         return _run_hier(group, what, timeout_s, lambda h, d: h.barrier(d))
@@ -749,41 +651,6 @@ def barrier(
 
 
 # -- uneven collectives (rows of different counts per rank) ------------------------------
-def _check_counts(value: Any, n: int, what: str, name: str) -> tuple[int, ...]:
-    """``n`` row counts (ints >= 0) from a sequence (list, tuple, 1-d integer array)."""
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1 or value.dtype.kind not in "iu":
-            raise TypeError(
-                f"{what}: {name} must be a sequence of ints, got an array {value.dtype}[{value.shape}]"
-            )
-        value = value.tolist()
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-        raise TypeError(
-            f"{what}: {name} must be a sequence of {n} ints, got {type(value).__name__}"
-        )
-    counts = []
-    for c in value:
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
-            raise TypeError(
-                f"{what}: {name} must hold ints, got {type(c).__name__} in {list(value)!r}"
-            )
-        counts.append(int(c))
-    if len(counts) != n:
-        raise ValueError(
-            f"{what}: {name} must have one count per rank ({n}), got {len(counts)}: {counts}"
-        )
-    if any(c < 0 for c in counts):
-        raise ValueError(f"{what}: {name} must be >= 0, got {counts}")
-    return tuple(counts)
-
-
-def _check_row_array(x: Any, what: str, *, writeable: bool = False) -> Any:
-    x = check_array(x, what, writeable=writeable, device=True)
-    if x.ndim == 0:
-        raise ValueError(f"{what}: x must have at least one dimension (rows), got a 0-d array")
-    return x
-
-
 def all_gather_v(
     group: GroupCore,
     x: Any,
@@ -801,22 +668,22 @@ def all_gather_v(
     even with ``async_op``). Ranks that disagree on ``sizes``, the dtype or the row shape
     raise ``CollectiveMismatchError``.
     """
-    what = _what(group, "all_gather_v")
-    x = _check_row_array(x, what)
-    async_op = _check_flag(async_op, what)
+    what = call_label(group, "all_gather_v")
+    x = check_row_array(x, what)
+    async_op = check_flag(async_op, what)
     n = group.world_size
     if sizes is None:
         counts = all_gather(group, np.array([x.shape[0]], np.int64), timeout_s=timeout_s)
         sizes = tuple(int(c) for c in counts.reshape(-1))
     else:
-        sizes = _check_counts(sizes, n, what, "sizes")
+        sizes = check_counts(sizes, n, what, "sizes")
         if sizes[group.rank] != x.shape[0]:
             raise ValueError(
                 f"{what}: sizes[{group.rank}] is {sizes[group.rank]} but x has "
                 f"{x.shape[0]} rows (shape {x.shape})"
             )
     shape = (sum(sizes), *x.shape[1:])
-    out = _empty(x, shape) if out is None else _check_out(out, shape, x.dtype, what, x)
+    out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
     algo = plan_uneven(group, "all_gather_v", out.nbytes, type(x) is np.ndarray, what).algo
     call = Call("all_gather_v", algo, x=x, out=out, dtype=x.dtype, shape=(*sizes, *x.shape[1:]))
     return _run(group, call, timeout_s, async_op)
@@ -836,22 +703,22 @@ def reduce_scatter_v(
     this rank's rows of the result, ``splits[rank]`` of them from row
     ``sum(splits[:rank])`` on (shape ``(splits[rank], *x.shape[1:])``, in ``out`` if given;
     ``out`` may not overlap ``x``). ``x`` is not modified."""
-    what = _what(group, "reduce_scatter_v")
-    x = _check_row_array(x, what)
-    splits = _check_counts(splits, group.world_size, what, "splits")
+    what = call_label(group, "reduce_scatter_v")
+    x = check_row_array(x, what)
+    splits = check_counts(splits, group.world_size, what, "splits")
     if sum(splits) != x.shape[0]:
         raise ValueError(
             f"{what}: splits {list(splits)} add up to {sum(splits)} rows but x has "
             f"{x.shape[0]} (shape {x.shape})"
         )
-    rop = _check_op(op, x.dtype, what)
-    async_op = _check_flag(async_op, what)
+    rop = check_op(op, x.dtype, what)
+    async_op = check_flag(async_op, what)
     shape = (splits[group.rank], *x.shape[1:])
     if out is None:
-        out = _empty(x, shape)
+        out = empty_like(x, shape)
     else:
-        out = _check_out(out, shape, x.dtype, what, x)
-        if _may_share_memory(out, x):
+        out = check_out(out, shape, x.dtype, what, x)
+        if may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (reduce_scatter_v is not in place)")
     algo = plan_uneven(group, "reduce_scatter_v", x.nbytes, type(x) is np.ndarray, what).algo
     call = Call(
@@ -876,11 +743,11 @@ def all_to_all_v(
     ``out`` may not overlap ``x``). Rank ``r``'s ``input_splits[j]`` must equal rank
     ``j``'s ``output_splits[r]``: a rank that receives another count than it expects
     raises ``CollectiveMismatchError`` (and so does every rank of the call)."""
-    what = _what(group, "all_to_all_v")
-    x = _check_row_array(x, what)
+    what = call_label(group, "all_to_all_v")
+    x = check_row_array(x, what)
     n, r = group.world_size, group.rank
-    ins = _check_counts(input_splits, n, what, "input_splits")
-    outs = _check_counts(output_splits, n, what, "output_splits")
+    ins = check_counts(input_splits, n, what, "input_splits")
+    outs = check_counts(output_splits, n, what, "output_splits")
     if sum(ins) != x.shape[0]:
         raise ValueError(
             f"{what}: input_splits {list(ins)} add up to {sum(ins)} rows but x has "
@@ -891,13 +758,13 @@ def all_to_all_v(
             f"{what}: this rank sends itself input_splits[{r}] = {ins[r]} rows but expects "
             f"output_splits[{r}] = {outs[r]}"
         )
-    async_op = _check_flag(async_op, what)
+    async_op = check_flag(async_op, what)
     shape = (sum(outs), *x.shape[1:])
     if out is None:
-        out = _empty(x, shape)
+        out = empty_like(x, shape)
     else:
-        out = _check_out(out, shape, x.dtype, what, x)
-        if _may_share_memory(out, x):
+        out = check_out(out, shape, x.dtype, what, x)
+        if may_share_memory(out, x):
             raise ValueError(f"{what}: out must not overlap x (all_to_all_v is not in place)")
     algo = plan_uneven(group, "all_to_all_v", x.nbytes, type(x) is np.ndarray, what).algo
     call = Call(

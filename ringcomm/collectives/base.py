@@ -568,8 +568,7 @@ class CollectiveOp(Op):
             if progress.failure is not None:
                 raise progress.failed_error(self.desc)
             now = time.monotonic()
-            if now >= progress._next_health:
-                progress._check_health(drain=False)
+            progress.check_health_if_due(now, drain=False)
             if now > deadline:
                 raise CommTimeoutError(
                     f"rank {self.rank}: {self.desc}: the transport did not release a sent "

@@ -70,12 +70,6 @@ class Engine(Protocol):
 
     def on_finished(self, op: Op) -> None: ...
 
-    # Kept for collectives/base.py until it calls check_health_if_due (then remove both).
-    @property
-    def _next_health(self) -> float: ...
-
-    def _check_health(self, drain: bool = True) -> None: ...
-
 
 class SerialQueue:
     """Operations that must run one after another (a group's collectives)."""

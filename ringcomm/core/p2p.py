@@ -29,6 +29,7 @@ from ringcomm.transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
 
 __all__ = ["ANY_SOURCE", "AnySource", "RecvOp", "SendOp"]
 
+
 class AnySource:
     """The type of :data:`ANY_SOURCE` (use that one instance). Not an int, so that a negative rank
     passed by mistake is still refused at the call."""
@@ -98,7 +99,9 @@ class SendOp(Op):
                 tuple(x.shape) if i == 0 else None,
             )
             self.add_tracker(
-                self.progress.send(self.dst_global, None, pack_header(header), mv[off : off + length], length)
+                self.progress.send(
+                    self.dst_global, None, pack_header(header), mv[off : off + length], length
+                )
             )
             self.sent_pieces = i + 1
         self.settle()
@@ -173,7 +176,9 @@ class RecvOp(Op):
         if self.got == 0:
             self.npieces = header.npieces
             if header.nbytes != self.x.nbytes or header.dtype != self.x.dtype.str:
-                shape = "?" if header.shape is None else "x".join(map(str, header.shape)) or "scalar"
+                shape = (
+                    "?" if header.shape is None else "x".join(map(str, header.shape)) or "scalar"
+                )
                 self.mismatch = MessageMismatchError(
                     f"rank {self.rank}: recv from peer {self.src} (op recv, tag {self.tag}): "
                     f"message is {header.dtype}[{shape}] ({header.nbytes} bytes) but the "

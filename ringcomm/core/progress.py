@@ -508,14 +508,6 @@ class Progress:
         if now >= health.next_check:
             health.check(drain)
 
-    # Kept for collectives/base.py until it calls check_health_if_due (then remove both).
-    @property
-    def _next_health(self) -> float:
-        return self.health.next_check
-
-    def _check_health(self, drain: bool = True) -> None:
-        self.health.check(drain)
-
     def check_health(self) -> None:
         """Look at connection events from any thread, if the driver lock is free."""
         if self._lock.acquire(blocking=False):

@@ -94,9 +94,15 @@ def scenario(pg, cause: str, where: str, failing: int, report_dir: str) -> str:
         else:
             raise ValueError(f"unknown where {where!r}")
     except rc.RingcommError as exc:
-        _write(report_dir, f"peer.{rank}", {
-            "type": type(exc).__name__, "message": str(exc), "t": time.time(),
-        })
+        _write(
+            report_dir,
+            f"peer.{rank}",
+            {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "t": time.time(),
+            },
+        )
         raise
     _write(report_dir, f"peer.{rank}", {"type": "ok", "message": "", "t": time.time()})
     pg.close()

@@ -54,8 +54,7 @@ def main() -> None:
             got = pg.all_gather(mine)
             ok = np.array_equal(got, np.stack([x.reshape(n, -1)[r] for r, x in enumerate(xs)]))
         seg, spans = SEEN[-1] if SEEN else (None, 0)
-        print(f"SEG {pg.rank} {op} {'none' if seg is None else seg} {spans} {int(ok)}",
-              flush=True)
+        print(f"SEG {pg.rank} {op} {'none' if seg is None else seg} {spans} {int(ok)}", flush=True)
     pg.close()
 
 

@@ -77,8 +77,12 @@ def main() -> None:
         report.update(shrink_error=type(exc).__name__, shrink_text=str(exc), t_shrunk=time.time())
         _write(report_dir, f"peer.{me}", report)
         os._exit(3)
-    report.update(t_shrunk=time.time(), members=list(new.core.state.peers), rank=new.rank,
-                  world_size=new.world_size)
+    report.update(
+        t_shrunk=time.time(),
+        members=list(new.core.state.peers),
+        rank=new.rank,
+        world_size=new.world_size,
+    )
     ok = True
     for i in range(10):  # the next 10 collectives on the new group, checked
         y = np.full(257, float(me * 10 + i), np.float64)  # values from the old rank

@@ -49,7 +49,10 @@ dist.send(token, dst=last, tag=99)
 try:
     dist.all_reduce(t)
 except Exception as exc:
-    write(report_dir, f"peer.{rank}", {"type": type(exc).__name__, "message": str(exc),
-                                       "t": time.time()})
+    write(
+        report_dir,
+        f"peer.{rank}",
+        {"type": type(exc).__name__, "message": str(exc), "t": time.time()},
+    )
     raise
 write(report_dir, f"peer.{rank}", {"type": "ok", "message": "", "t": time.time()})

@@ -21,8 +21,14 @@ from ringcomm.bench.multihost import MARK  # noqa: E402
 from ringcomm.tuning.hosts import probe  # noqa: E402
 
 KiB = 1 << 10
-SPECS = [("cross", 4 * KiB, None), ("cross", 256 * KiB, None), ("host", 256 * KiB, None),
-         ("flat", 256 * KiB, None), ("hier", 256 * KiB, 256 * KiB), ("hier", 256 * KiB, 64 * KiB)]
+SPECS = [
+    ("cross", 4 * KiB, None),
+    ("cross", 256 * KiB, None),
+    ("host", 256 * KiB, None),
+    ("flat", 256 * KiB, None),
+    ("hier", 256 * KiB, 256 * KiB),
+    ("hier", 256 * KiB, 64 * KiB),
+]
 
 
 def main() -> None:
