@@ -462,22 +462,7 @@ class CollectiveOp(Op):
         if shape is None:
             template = self.header_template(step, piece, npieces, dtype, msg_nbytes, offset)
         else:
-            template = HeaderTemplate(
-                Header(
-                    KIND_COLL,
-                    self._me_global,
-                    self.group_id,
-                    0,
-                    step,
-                    piece,
-                    npieces,
-                    dtype,
-                    msg_nbytes,
-                    offset,
-                    shape,
-                    self.fp,
-                )
-            )
+            template = self._new_template(step, piece, npieces, dtype, msg_nbytes, offset, shape)
         nbytes = len(payload)
         tracker = self.progress.send(
             self.comm.ranks[peer], self.stream, template.pack(self.seq), payload, nbytes
@@ -506,6 +491,33 @@ class CollectiveOp(Op):
             if track and tracker is not None:
                 self.add_tracker(tracker)
 
+    def _new_template(
+        self,
+        step: int,
+        piece: int,
+        npieces: int,
+        dtype: str,
+        msg_nbytes: int,
+        offset: int,
+        shape: Any,
+    ) -> HeaderTemplate:
+        """A piece's header of this call (sequence number left to :meth:`HeaderTemplate.pack`)."""
+        header = Header(
+            KIND_COLL,
+            self._me_global,
+            self.group_id,
+            0,
+            step,
+            piece,
+            npieces,
+            dtype,
+            msg_nbytes,
+            offset,
+            shape,
+            self.fp,
+        )
+        return HeaderTemplate(header)
+
     def header_template(
         self, step: int, piece: int, npieces: int, dtype: str, msg_nbytes: int, offset: int
     ) -> HeaderTemplate:
@@ -514,22 +526,7 @@ class CollectiveOp(Op):
         templates = self.shape_cache.templates
         template = templates.get(key)
         if template is None:
-            template = HeaderTemplate(
-                Header(
-                    KIND_COLL,
-                    self._me_global,
-                    self.group_id,
-                    0,
-                    step,
-                    piece,
-                    npieces,
-                    dtype,
-                    msg_nbytes,
-                    offset,
-                    None,
-                    self.fp,
-                )
-            )
+            template = self._new_template(step, piece, npieces, dtype, msg_nbytes, offset, None)
             if len(templates) < MAX_TEMPLATES:
                 templates[key] = template
         return template
