@@ -177,10 +177,6 @@ class Progress:
         return self.matching.dropped_frames
 
     @property
-    def listeners(self) -> list[Callable[[Header], None]]:
-        return self.matching.listeners
-
-    @property
     def max_unexpected_messages(self) -> int:
         return self.matching.max_unexpected_messages
 
