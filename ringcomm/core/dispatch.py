@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ringcomm.core.aborts import GroupAborts
@@ -47,6 +48,7 @@ class Done(Protocol):
     done: bool
 
 
+@dataclass(eq=False, repr=False)
 class Dispatcher:
     """Reads and routes one engine's incoming messages.
 
@@ -55,28 +57,17 @@ class Dispatcher:
     engine fails its calls from ``seq`` on); ``closed()``: whether the engine closed.
     """
 
-    def __init__(
-        self,
-        transport: Transport,
-        rank: int,
-        matching: Matching,
-        health: Health,
-        aborts: GroupAborts,
-        where: Callable[[], str],
-        fail_collectives: Callable[[int, int], None],
-        closed: Callable[[], bool],
-    ) -> None:
-        self.transport = transport
-        self.rank = rank
-        self.matching = matching
-        self.health = health
-        self.aborts = aborts
-        self.where = where
-        self.fail_collectives = fail_collectives
-        self.closed = closed
-        self.query_ids = itertools.count(1)
-        #: The progress query under way: ``(query id, answers per global rank)``.
-        self.query: tuple[int, dict[int, str]] | None = None
+    transport: Transport
+    rank: int
+    matching: Matching
+    health: Health
+    aborts: GroupAborts
+    where: Callable[[], str]
+    fail_collectives: Callable[[int, int], None]
+    closed: Callable[[], bool]
+    query_ids: itertools.count[int] = field(init=False, default_factory=lambda: itertools.count(1))
+    #: The progress query under way: ``(query id, answers per global rank)``.
+    query: tuple[int, dict[int, str]] | None = field(init=False, default=None)
 
     # -- reading the transport ---------------------------------------------------------
     def drain(self, until: Done | None = None, ready: bool = False) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ringcomm.core.aborts import Call, GroupAborts
@@ -31,28 +32,21 @@ __all__ = ["FAST_LANE_SPIN_S", "FastLane"]
 FAST_LANE_SPIN_S = 200e-6
 
 
+@dataclass(eq=False, repr=False)
 class FastLane:
     """The lane of one engine. ``recv(ready)``: the next message off the socket (the
     engine's, None: none; False: a malformed one); ``busy()``: whether the engine needs
     more than dispatching (a submission from another thread, loopback or tracked sends,
     closing)."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        matching: Matching,
-        health: Health,
-        aborts: GroupAborts,
-        recv: Callable[[bool], Message | Literal[False] | None],
-        busy: Callable[[], bool],
-    ) -> None:
-        self.transport = transport
-        self.matching = matching
-        self.health = health
-        self.aborts = aborts
-        self.recv = recv
-        self.busy = busy
-        self.stream = Stream()  # the lane's one-message streams (reset per use)
+    transport: Transport
+    matching: Matching
+    health: Health
+    aborts: GroupAborts
+    recv: Callable[[bool], Message | Literal[False] | None]
+    busy: Callable[[], bool]
+    #: The lane's one-message streams (reset per use).
+    stream: Stream = field(init=False, default_factory=Stream)
 
     def run(
         self,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ringcomm.core.health import Health
 from ringcomm.errors import QueueLimitError
@@ -37,6 +37,9 @@ MAX_UNEXPECTED_BYTES = 1 << 30
 
 Key = tuple[int, int, int, int]
 Message = tuple[Header, memoryview]
+
+K = TypeVar("K")
+R = TypeVar("R")
 
 
 class Receiver(Protocol):
@@ -153,29 +156,11 @@ class Matching:
 
     def unpost_any(self, group: int, tag: int, receiver: AnyReceiver) -> bool:
         """Withdraw an any-source receiver not bound yet; False if it was not posted."""
-        q = self.posted_any.get((group, tag))
-        if q is None:
-            return False
-        try:
-            q.remove(receiver)
-        except ValueError:
-            return False
-        if not q:
-            del self.posted_any[(group, tag)]
-        return True
+        return _withdraw(self.posted_any, (group, tag), receiver)
 
     def unpost(self, key: Key, receiver: Receiver) -> bool:
         """Withdraw a receiver posted for ``key``; False if it was not posted."""
-        q = self.posted.get(key)
-        if q is None:
-            return False
-        try:
-            q.remove(receiver)
-        except ValueError:
-            return False
-        if not q:
-            del self.posted[key]
-        return True
+        return _withdraw(self.posted, key, receiver)
 
     def awaits(self, src: int) -> bool:
         """Whether a posted receiver still needs a message from departed peer ``src``
@@ -334,3 +319,18 @@ class Matching:
         if counts is not None:
             counts[0] -= 1
             counts[1] -= len(payload)
+
+
+def _withdraw(queues: dict[K, collections.deque[R]], key: K, receiver: R) -> bool:
+    """Take ``receiver`` out of ``queues[key]`` (dropping the queue once empty); False if
+    it was not there."""
+    q = queues.get(key)
+    if q is None:
+        return False
+    try:
+        q.remove(receiver)
+    except ValueError:
+        return False
+    if not q:
+        del queues[key]
+    return True

@@ -18,6 +18,7 @@ sender's group rank (also ``Work.source``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -78,9 +79,21 @@ class SendOp(Op):
         return f"send to peer {self.dst} (op send, tag {self.tag}, {self.x.dtype}[{self.x.size}])"
 
     def start(self) -> None:
-        x = self.x
-        data = x.reshape(-1).view(np.uint8)
+        data = self.x.reshape(-1).view(np.uint8)
         mv = memoryview(data)  # type: ignore[arg-type]
+        for header, off, length in self.pieces():
+            self.add_tracker(
+                self.progress.send(
+                    self.dst_global, None, pack_header(header), mv[off : off + length], length
+                )
+            )
+            self.sent_pieces = header.piece + 1
+        self.settle()
+
+    def pieces(self) -> Iterator[tuple[Header, int, int]]:
+        """The message cut into ``chunk_bytes`` pieces, one at a time: each one's header,
+        offset and length in bytes (the first header says the shape). Sets ``npieces``."""
+        x = self.x
         spans = chunk_spans(x.nbytes, self.chunk_bytes, x.itemsize)
         self.npieces = n = len(spans)
         dtype = dtype_to_wire(x.dtype)
@@ -98,13 +111,7 @@ class SendOp(Op):
                 off,
                 tuple(x.shape) if i == 0 else None,
             )
-            self.add_tracker(
-                self.progress.send(
-                    self.dst_global, None, pack_header(header), mv[off : off + length], length
-                )
-            )
-            self.sent_pieces = i + 1
-        self.settle()
+            yield header, off, length
 
     def progress_note(self) -> str:
         return f"{self.sent_pieces}/{self.npieces} pieces queued, waiting for the transport to release the buffer"

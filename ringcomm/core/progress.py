@@ -177,10 +177,6 @@ class Progress:
         return self.matching.dropped_frames
 
     @property
-    def listeners(self) -> list[Callable[[Header], None]]:
-        return self.matching.listeners
-
-    @property
     def max_unexpected_messages(self) -> int:
         return self.matching.max_unexpected_messages
 
@@ -237,13 +233,7 @@ class Progress:
             if tracker is not None:
                 # Only libzmq's I/O thread can finish this: wait without holding the lock.
                 self.transport.wait_sent(tracker, min(remaining, POLL_SLICE_S))
-                if self._lock.acquire(blocking=False):
-                    try:
-                        self._round(0.0)
-                    finally:
-                        self._lock.release()
-                        if self._waiting:
-                            self._hand_over()
+                self._try_round()
                 continue
             if self._lock.acquire(blocking=False):
                 try:
@@ -384,14 +374,20 @@ class Progress:
 
     def test(self, op: Op) -> bool:
         """Non-blocking progress for ``Work.done()``."""
-        if not op.done and self._lock.acquire(blocking=False):
+        if not op.done:
+            self._try_round()
+        return op.done
+
+    def _try_round(self) -> None:
+        """One round without blocking, if no other thread drives (then wake one waiting to
+        drive, as every driver that leaves does)."""
+        if self._lock.acquire(blocking=False):
             try:
                 self._round(0.0)
             finally:
                 self._lock.release()
                 if self._waiting:
                     self._hand_over()
-        return op.done
 
     # -- used by ops (driver lock held) ------------------------------------------------
     def send(

@@ -21,8 +21,7 @@ import numpy as np
 
 from ringcomm.core.p2p import RecvOp, SendOp
 from ringcomm.device.staging import DeviceStager, Slot, backend_for
-from ringcomm.schedule.chunks import chunk_spans
-from ringcomm.transport.wire import KIND_P2P, Header, dtype_to_wire, pack_header
+from ringcomm.transport.wire import Header, pack_header
 
 __all__ = ["STAGING_TIMEOUT_S", "StagedRecvOp", "StagedSendOp", "recv_op_class", "send_op_class"]
 
@@ -45,31 +44,14 @@ class StagedSendOp(SendOp):
         self.ready_event = self.backend.caller_event()  # at the call, on the caller's stream
 
     def start(self) -> None:
-        x = self.x
         st = DeviceStager(
             self.backend,
             self.ready_event,
             time.monotonic() + STAGING_TIMEOUT_S,
             self.describe(),
         )
-        data = x.reshape(-1).view(np.uint8)
-        spans = chunk_spans(x.nbytes, self.chunk_bytes, x.itemsize)
-        self.npieces = n = len(spans)
-        dtype = dtype_to_wire(x.dtype)
-        for i, (off, length) in enumerate(spans):
-            shape = tuple(x.shape) if i == 0 else None  # the first piece says the shape
-            header = Header(
-                KIND_P2P,
-                self.src_global,
-                self.group_id,
-                self.tag,
-                piece=i,
-                npieces=n,
-                dtype=dtype,
-                nbytes=x.nbytes,
-                offset=off,
-                shape=shape,
-            )
+        data = self.x.reshape(-1).view(np.uint8)
+        for header, off, length in self.pieces():
             st.send(data[off : off + length], self._send_piece, header, length)
         try:
             st.pump(0)

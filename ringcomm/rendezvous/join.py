@@ -15,7 +15,7 @@ namespace only once its host opened it. Details: docs/architecture.md, section
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ringcomm.errors import RendezvousError
@@ -74,15 +74,7 @@ class JoinRequest:
         return cls(**fields, opens=body.get("opens") is True)
 
     def to_body(self) -> dict[str, Any]:
-        return {
-            "ns": self.ns,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "version": self.version,
-            "who": self.who,
-            "nonce": self.nonce,
-            "opens": self.opens,
-        }
+        return asdict(self)
 
 
 @dataclass

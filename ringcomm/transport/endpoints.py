@@ -21,7 +21,7 @@ import socket
 import stat
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ringcomm.config import TRANSPORT_MODES  # re-exported: the modes are parsed in ringcomm.config
@@ -64,18 +64,7 @@ class EndpointInfo:
     salt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "host_id": self.host_id,
-            "ipc": self.ipc,
-            "tcp": self.tcp,
-            "pid": self.pid,
-            "version": self.version,
-            "lane": self.lane,
-            "shm": self.shm,
-            "workspace": self.workspace,
-            "salt": self.salt,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EndpointInfo:

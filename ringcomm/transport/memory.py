@@ -185,11 +185,9 @@ class MemoryHub:
     def hold(self, src: int, dst: int, n: int = 0) -> None:
         """Hold back messages from ``src`` to ``dst``: the next ``n`` still go through,
         every later one waits (in order) until :meth:`release`."""
-        self._check_rank(src)
-        self._check_rank(dst)
+        inbox = self._inbox_between(src, dst)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        inbox = self._inboxes[dst]
         with inbox.cv:
             inbox.hold_after[src] = n
 
@@ -209,18 +207,14 @@ class MemoryHub:
     def release(self, src: int, dst: int) -> None:
         """Make the held messages from ``src`` to ``dst`` visible (in order, behind what
         ``dst`` has already) and stop holding."""
-        self._check_rank(src)
-        self._check_rank(dst)
-        self._inboxes[dst].release(src)
+        self._inbox_between(src, dst).release(src)
 
     def drop_next(self, src: int, dst: int, k: int = 1) -> None:
         """Lose the next ``k`` messages from ``src`` to ``dst`` (farewells excepted: they
         take a connection of their own)."""
-        self._check_rank(src)
-        self._check_rank(dst)
+        inbox = self._inbox_between(src, dst)
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
-        inbox = self._inboxes[dst]
         with inbox.cv:
             inbox.drop[src] = inbox.drop.get(src, 0) + k
 
@@ -229,6 +223,12 @@ class MemoryHub:
         """Messages lost so far (to a killed or closed rank, from a killed one, or by
         :meth:`drop_next`)."""
         return sum(inbox.dropped for inbox in self._inboxes)
+
+    def _inbox_between(self, src: int, dst: int) -> _Inbox:
+        """The inbox of ``dst``, where messages from ``src`` arrive (both ranks checked)."""
+        self._check_rank(src)
+        self._check_rank(dst)
+        return self._inboxes[dst]
 
     # -- for MemoryTransport ---------------------------------------------------------------
     def _check_rank(self, rank: int) -> None:
