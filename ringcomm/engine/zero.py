@@ -38,18 +38,18 @@ class _GradsInFlight:
     ``limit`` (None: no limit) at a time; a buffer of ``pool``'s goes back to it once its
     reduce-scatter is done."""
 
-    def __init__(self, pg: Any, pool: BufferPool | None = None, limit: int | None = None) -> None:
-        self.pg = pg
+    def __init__(self, pool: BufferPool | None = None, limit: int | None = None) -> None:
         self.pool = pool
         self.limit = limit
         self.works: deque[tuple[Any, Any]] = deque()
 
-    def reduce_scatter(self, rows: Any, out: Any, buf: Any = None) -> None:
+    def reduce_scatter(self, pg: Any, rows: Any, out: Any, buf: Any = None) -> None:
         """Start the reduce-scatter of ``rows`` (a view of ``buf``, or of no pool's buffer:
-        None) into ``out``, after waiting for the oldest ones while ``limit`` are in flight."""
+        None) into ``out`` over ``pg``, after waiting for the oldest ones while ``limit``
+        are in flight."""
         while self.limit is not None and len(self.works) >= self.limit:
             self.retire()
-        self.works.append((self.pg.reduce_scatter(rows, out=out, async_op=True), buf))
+        self.works.append((pg.reduce_scatter(rows, out=out, async_op=True), buf))
 
     def retire(self) -> None:
         """Wait for the oldest one; its buffer goes back to the pool."""
@@ -82,7 +82,7 @@ class _BucketedZero(Strategy):
         for i in range(L):
             init_layer(self.layers, i, self.pviews[i], cfg.seed)
         self.opt = make_optimizer(cfg.optimizer, xp, self.layout.shard_size, self.dtype, cfg.lr)
-        self.in_flight = _GradsInFlight(pg)  # zero1: rows of the full gradient buffer, no limit
+        self.in_flight = _GradsInFlight()  # zero1: rows of the full gradient buffer, no limit
 
     def _rows(self, buf: Any, k: int) -> Any:
         off, size = self.layout.segments[k]
@@ -132,7 +132,7 @@ class Zero1(_BucketedZero):
         if k is None or not self.layout.segments[k][1]:
             return
         rows = self.as_comm(self._rows(self.grads, k))
-        self.in_flight.reduce_scatter(rows, rows[self.rank])
+        self.in_flight.reduce_scatter(self.pg, rows, rows[self.rank])
 
     def step(self, step: int) -> float:
         self.grads[...] = 0
@@ -154,7 +154,7 @@ class Zero2(_BucketedZero):
         self.live: dict[int, Any] = {}  # segment -> its gradient buffer, during backward
         biggest = max((size for _, size in self.layout.segments), default=0)
         self.pool = BufferPool(self.xp, biggest, self.dtype)
-        self.in_flight = _GradsInFlight(pg, self.pool, MAX_GRAD_BUFFERS_IN_FLIGHT)
+        self.in_flight = _GradsInFlight(self.pool, MAX_GRAD_BUFFERS_IN_FLIGHT)
 
     def _grads_of(self, i: int) -> dict[str, Any]:
         k = self.segment_of[i]
@@ -175,7 +175,9 @@ class Zero2(_BucketedZero):
             return
         q = self.pieces[k]
         out = self.gshard[q.shard_offset : q.shard_offset + q.size]
-        self.in_flight.reduce_scatter(self.as_comm(buf.reshape(self.n, -1)), self.as_comm(out), buf)
+        self.in_flight.reduce_scatter(
+            self.pg, self.as_comm(buf.reshape(self.n, -1)), self.as_comm(out), buf
+        )
 
     def step(self, step: int) -> float:
         loss = self._run(step, self._grads_of, self._bucket_ready)
@@ -214,7 +216,7 @@ class Zero3(Strategy):
         self.param_pool = BufferPool(xp, biggest, self.dtype)  # gathered layers
         self.grad_pool = BufferPool(xp, biggest, self.dtype)  # layer gradients in flight
         self.gathered: dict[int, tuple[Any, Any]] = {}  # layer -> (work, full buffer)
-        self.grads_in_flight = _GradsInFlight(pg, self.grad_pool, MAX_GRAD_BUFFERS_IN_FLIGHT)
+        self.grads_in_flight = _GradsInFlight(self.grad_pool, MAX_GRAD_BUFFERS_IN_FLIGHT)
         self.peak_gathered = 0
 
     def _own(self, shard: Any, i: int) -> Any:
@@ -264,7 +266,10 @@ class Zero3(Strategy):
             return
         buf, self.gbuf = self.gbuf, None
         self.grads_in_flight.reduce_scatter(
-            self.as_comm(buf.reshape(self.n, -1)), self.as_comm(self._own(self.gshard, i)), buf
+            self.pg,
+            self.as_comm(buf.reshape(self.n, -1)),
+            self.as_comm(self._own(self.gshard, i)),
+            buf,
         )
 
     def step(self, step: int) -> float:
