@@ -364,26 +364,39 @@ def binds_to_core(bind: str, local_world_size: int | None, ncores: int) -> bool:
 def staging_max_bytes(env: Mapping[str, str] | None = None) -> int:
     """``RINGCOMM_STAGING_MAX_BYTES``: most pinned bytes one staging pool keeps (suffixes
     K/M/G, powers of 1024); :data:`DEFAULT_STAGING_MAX_BYTES` (1 GiB) when unset."""
-    found = env_setting(_environ(env), "RINGCOMM_STAGING_MAX_BYTES")
-    if found is None:
-        return DEFAULT_STAGING_MAX_BYTES
-    try:
-        return parse_size(str(found.value))
-    except ValueError as exc:
-        raise ValueError(f"{found.describe()}: {exc}") from None
+    return _size_setting(env, "RINGCOMM_STAGING_MAX_BYTES", DEFAULT_STAGING_MAX_BYTES, 0)
 
 
 def _size_setting(env: Mapping[str, str] | None, name: str, default: int, least: int) -> int:
     found = env_setting(_environ(env), name)
     if found is None:
         return default
-    try:
-        value = parse_size(str(found.value))
-    except ValueError as exc:
-        raise ValueError(f"{found.describe()}: {exc}") from None
+    value = _found_size(found, ValueError)
     if value < least:
         raise ValueError(f"{found.describe()}: must be at least {least} bytes")
     return value
+
+
+def _found_size(found: Found, error: type[Exception]) -> int:
+    """A size setting (:func:`parse_size`); a bad one raises ``error`` naming the variable."""
+    try:
+        return parse_size(str(found.value))
+    except ValueError as exc:
+        raise error(f"{found.describe()}: {exc}") from None
+
+
+def _text(env: Mapping[str, str], name: str) -> str:
+    """Variable ``name`` without surrounding blanks; empty when unset."""
+    return (env.get(name) or "").strip()
+
+
+def _text_size(name: str, text: str) -> int:
+    """The size ``text`` of variable ``name`` (:func:`parse_size`); a bad one raises
+    :class:`RendezvousError` naming both."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise RendezvousError(f"{name}={text!r}: {exc}") from None
 
 
 def ipc_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -447,7 +460,7 @@ def env_token(env: Mapping[str, str] | None = None) -> str | None:
 
 def env_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
     """``RINGCOMM_TRACE_DIR``: where ranks write their flight records; None when unset."""
-    return (_environ(env).get("RINGCOMM_TRACE_DIR") or "").strip() or None
+    return _text(_environ(env), "RINGCOMM_TRACE_DIR") or None
 
 
 def env_master_addr(env: Mapping[str, str] | None = None) -> str:
@@ -532,8 +545,8 @@ def resolve_init_config(
         timeout_s=timeout,
         token=token,
         chunk_bytes=chunk,
-        algo=(env.get("RINGCOMM_ALGO") or "").strip() or None,
-        host_id=(env.get("RINGCOMM_HOST_ID") or "").strip() or None,
+        algo=_text(env, "RINGCOMM_ALGO") or None,
+        host_id=_text(env, "RINGCOMM_HOST_ID") or None,
         log=_log_level(env),
         store_external=store_external,
         source=place.source,
@@ -547,7 +560,7 @@ def resolve_init_config(
         local_world_size=place.local_world_size,
         transport=mode,
         trace_entries=trace_entries,
-        trace_dir=(env.get("RINGCOMM_TRACE_DIR") or "").strip() or None,
+        trace_dir=env_trace_dir(env),
         trace_at_close=trace_at_close,
         restart=restart,
         tune_file=tune_file,
@@ -704,10 +717,7 @@ def _resolve_chunk_bytes(env: Mapping[str, str], chunk_bytes: int | None) -> int
     chunk_f = env_setting(env, "RINGCOMM_CHUNK_BYTES")
     if chunk_f is None:
         return None
-    try:
-        value = parse_size(str(chunk_f.value))
-    except ValueError as exc:
-        raise RendezvousError(f"{chunk_f.describe()}: {exc}") from None
+    value = _found_size(chunk_f, RendezvousError)
     if value <= 0:
         raise RendezvousError(f"{chunk_f.describe()} must be > 0")
     return value
@@ -747,14 +757,11 @@ def _unexpected_caps(env: Mapping[str, str]) -> tuple[int | None, int | None]:
     """``RINGCOMM_MAX_UNEXPECTED_MESSAGES`` and ``_BYTES`` (> 0, K/M/G); None: unset."""
     caps: list[int | None] = []
     for name in ("RINGCOMM_MAX_UNEXPECTED_MESSAGES", "RINGCOMM_MAX_UNEXPECTED_BYTES"):
-        text = (env.get(name) or "").strip()
+        text = _text(env, name)
         if not text:
             caps.append(None)
             continue
-        try:
-            value = parse_size(text)
-        except ValueError as exc:
-            raise RendezvousError(f"{name}={text!r}: {exc}") from None
+        value = _text_size(name, text)
         if value <= 0:
             raise RendezvousError(f"{name} must be > 0, got {text!r}")
         caps.append(value)
@@ -769,16 +776,13 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def _trace_entries(env: Mapping[str, str]) -> int:
     """``RINGCOMM_TRACE_ENTRIES``: operations the flight recorder keeps (4096 when unset)."""
-    text = (env.get("RINGCOMM_TRACE_ENTRIES") or "").strip()
-    try:
-        return parse_size(text) if text else 4096
-    except ValueError as exc:
-        raise RendezvousError(f"RINGCOMM_TRACE_ENTRIES={text!r}: {exc}") from None
+    text = _text(env, "RINGCOMM_TRACE_ENTRIES")
+    return _text_size("RINGCOMM_TRACE_ENTRIES", text) if text else 4096
 
 
 def _restart_count(env: Mapping[str, str]) -> int:
     """``RINGCOMM_RESTART``: how many times the launcher restarted this rank (0 when unset)."""
-    text = (env.get("RINGCOMM_RESTART") or "").strip()
+    text = _text(env, "RINGCOMM_RESTART")
     if text and not text.isdigit():
         raise RendezvousError(f"RINGCOMM_RESTART must be a count >= 0, got {text!r}")
     return int(text or 0)
@@ -791,7 +795,7 @@ def _torch_agent_store(
     and MASTER_PORT names it; None otherwise."""
     if port_f is None or port_f.source != "torchrun":
         return None
-    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
+    agent = _text(env, "TORCHELASTIC_USE_AGENT_STORE").lower()
     if agent not in ("true", "1"):
         return None
     port = as_int(port_f)
@@ -829,7 +833,7 @@ def _check_launcher_world(
 def _log_level(env: Mapping[str, str]) -> str | None:
     """``RINGCOMM_LOG``: one of :data:`LOG_LEVELS` (any case, returned lower case), None
     when unset or ``off``."""
-    text = (env.get("RINGCOMM_LOG") or "").strip()
+    text = _text(env, "RINGCOMM_LOG")
     if not text:
         return None
     level = text.lower()
@@ -844,7 +848,7 @@ def _log_level(env: Mapping[str, str]) -> str | None:
 def _tune_file(env: Mapping[str, str]) -> tuple[str | None, bool]:
     """``RINGCOMM_TUNE_FILE``: (the path, whether it was named); unset or empty:
     (:data:`DEFAULT_TUNE_FILE`, False); one of :data:`TUNE_FILE_OFF`: (None, False)."""
-    text = (env.get("RINGCOMM_TUNE_FILE") or "").strip()
+    text = _text(env, "RINGCOMM_TUNE_FILE")
     if not text:
         return DEFAULT_TUNE_FILE, False
     if text.lower() in TUNE_FILE_OFF:

@@ -25,6 +25,7 @@ from ringcomm.engine.mesh import DeviceMesh
 from ringcomm.engine.nn import backward_layers, forward_layers
 from ringcomm.engine.optim import make_optimizer
 from ringcomm.engine.params import BufferPool, init_layer, layer_views, param_shapes, to_host
+from ringcomm.engine.pipeline import StageTraffic
 from ringcomm.engine.strategy import Strategy, TrainConfig, state_bytes
 from ringcomm.engine.tp import TPContext, unshard
 from ringcomm.engine.transformer import TPLayer
@@ -124,7 +125,7 @@ class Parallel3D(Strategy):
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> float | None:
-        xp, pp, s = self.xp, self.mesh.pp, self.stage
+        traffic = StageTraffic(self.mesh.pp, self.stage, self.xp, self.dtype)
         ids, targets = self.local_batch(step)
         if self.pool is not None:
             grads = self.pool.acquire(self.layout.total, zero=True)
@@ -134,7 +135,6 @@ class Parallel3D(Strategy):
         start = self.span[0]
         gviews = {start + j: layer_views(self.layout, grads, j) for j in range(len(self.my_layers))}
         caches: dict[int, Any] = {}
-        sends: list[Any] = []
         total = 0.0
         tracing = tracemalloc.is_tracing()
         if tracing:  # activation memory: traced bytes above the step's start
@@ -145,11 +145,7 @@ class Parallel3D(Strategy):
             i = act.micro
             r0, r1 = self.micro[i]
             if act.kind == FORWARD:
-                if self.first:
-                    x = ids[r0:r1]
-                else:
-                    x = xp.empty((r1 - r0, *self.act_shape), self.dtype)
-                    pp.recv(x, src=s - 1, tag=2 * i)
+                x = traffic.input_of(i, ids, r0, r1, self.act_shape)
                 y, layer_caches = forward_layers(
                     self.layers, self.my_layers, x, self.pviews.__getitem__
                 )
@@ -158,7 +154,7 @@ class Parallel3D(Strategy):
                     loss, loss_cache = self.loss.forward(y, targets[r0:r1])
                     total += float(loss)
                 else:
-                    sends.append(pp.isend(y, dst=s + 1, tag=2 * i))
+                    traffic.send_activations(i, y)
                 caches[i] = (layer_caches, loss_cache)
                 del x, y, layer_caches, loss_cache
                 if tracing:
@@ -170,8 +166,7 @@ class Parallel3D(Strategy):
                 if self.last:
                     dy = self.loss.backward(loss_cache)
                 else:
-                    dy = xp.empty((r1 - r0, *self.act_shape), self.dtype)
-                    pp.recv(dy, src=s + 1, tag=2 * i + 1)
+                    dy = traffic.recv_gradients(i, r1 - r0, self.act_shape)
                 dx = backward_layers(
                     self.layers,
                     self.my_layers,
@@ -182,10 +177,9 @@ class Parallel3D(Strategy):
                     done=self._launch_dp(grads) if k == self.last_backward else None,
                 )
                 if not self.first:
-                    sends.append(pp.isend(dx, dst=s - 1, tag=2 * i + 1))
-            sends = [w for w in sends if not w.done()]
-        for w in sends:
-            w.wait()
+                    traffic.send_gradients(i, dx)
+            traffic.prune()
+        traffic.finish()
         if tracing:
             peak = tracemalloc.get_traced_memory()[1] - base
             self.act_peak_bytes = peak

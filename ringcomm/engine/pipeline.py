@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,56 @@ from ringcomm.engine.strategy import Strategy, TrainConfig, state_bytes
 from ringcomm.schedule.partition import balance_stages, flat_layout, split_rows
 from ringcomm.schedule.pipeline import BACKWARD, FORWARD, stage_orders
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "StageTraffic"]
+
+
+class StageTraffic:
+    """One pipeline stage's messages to its neighbours over ``group`` during a step:
+    micro-batch ``i``'s activations go to the next stage with tag ``2i``, its activation
+    gradients to the one before with tag ``2i+1``. Sends are ``isend`` left to finish
+    (:meth:`prune` forgets those done); :meth:`finish` waits for the rest. ``as_comm``: the
+    array a receive or send carries for one of the stage's arrays."""
+
+    def __init__(
+        self,
+        group: Any,
+        stage: int,
+        xp: Any,
+        dtype: Any,
+        as_comm: Callable[[Any], Any] = lambda a: a,
+    ) -> None:
+        self.group, self.stage = group, stage
+        self.xp, self.dtype, self.as_comm = xp, dtype, as_comm
+        self.sends: list[Any] = []
+
+    def input_of(self, i: int, batch: Any, r0: int, r1: int, shape: tuple[int, ...]) -> Any:
+        """Micro-batch ``i``'s input: rows ``r0:r1`` of ``batch`` on the first stage, else
+        the ``(r1 - r0, *shape)`` activations of the stage before."""
+        if self.stage == 0:
+            return batch[r0:r1]
+        x = self.xp.empty((r1 - r0, *shape), self.dtype)
+        self.group.recv(self.as_comm(x), src=self.stage - 1, tag=2 * i)
+        return x
+
+    def recv_gradients(self, i: int, rows: int, shape: tuple[int, ...]) -> Any:
+        """The gradient of micro-batch ``i``'s ``(rows, *shape)`` output, from the next stage."""
+        dy = self.xp.empty((rows, *shape), self.dtype)
+        self.group.recv(self.as_comm(dy), src=self.stage + 1, tag=2 * i + 1)
+        return dy
+
+    def send_activations(self, i: int, y: Any) -> None:
+        self.sends.append(self.group.isend(self.as_comm(y), dst=self.stage + 1, tag=2 * i))
+
+    def send_gradients(self, i: int, dx: Any) -> None:
+        self.sends.append(self.group.isend(self.as_comm(dx), dst=self.stage - 1, tag=2 * i + 1))
+
+    def prune(self) -> None:
+        self.sends = [w for w in self.sends if not w.done()]
+
+    def finish(self) -> None:
+        for w in self.sends:
+            w.wait()
+        self.sends.clear()
 
 
 class Pipeline(Strategy):
@@ -71,11 +121,11 @@ class Pipeline(Strategy):
         self.used_bytes = device_used_bytes(xp)
 
     def step(self, step: int) -> float | None:
-        xp, pg, s = self.xp, self.pg, self.rank
+        pg = self.pg
         x_all, labels_all = self.local_batch(step)
         self.grads[...] = 0
         caches: dict[int, Any] = {}
-        sends: list[Any] = []
+        traffic = StageTraffic(pg, self.rank, self.xp, self.dtype, self.as_comm)
         total_loss = 0.0
         busy = 0.0
         tracing = tracemalloc.is_tracing()
@@ -91,11 +141,7 @@ class Pipeline(Strategy):
             i = act.micro
             r0, r1 = self.micro[i]
             if act.kind == FORWARD:
-                if self.first:
-                    x = x_all[r0:r1]
-                else:
-                    x = xp.empty((r1 - r0, *self.in_shape), self.dtype)
-                    pg.recv(self.as_comm(x), src=s - 1, tag=2 * i)
+                x = traffic.input_of(i, x_all, r0, r1, self.in_shape)
                 self.sync()
                 t0 = time.perf_counter()
                 y, layer_caches = forward_layers(
@@ -108,7 +154,7 @@ class Pipeline(Strategy):
                 self.sync()
                 busy += time.perf_counter() - t0
                 if not self.last:
-                    sends.append(pg.isend(self.as_comm(y), dst=s + 1, tag=2 * i))
+                    traffic.send_activations(i, y)
                 caches[i] = (layer_caches, loss_cache)
                 self.max_live = max(self.max_live, len(caches))
             else:
@@ -119,8 +165,7 @@ class Pipeline(Strategy):
                     t0 = time.perf_counter()
                     dy = self.loss.backward(loss_cache)
                 else:
-                    dy = xp.empty((r1 - r0, *self.out_shape), self.dtype)
-                    pg.recv(self.as_comm(dy), src=s + 1, tag=2 * i + 1)
+                    dy = traffic.recv_gradients(i, r1 - r0, self.out_shape)
                     self.sync()
                     t0 = time.perf_counter()
                 dx = backward_layers(
@@ -135,13 +180,12 @@ class Pipeline(Strategy):
                 busy += time.perf_counter() - t0
                 del layer_caches, loss_cache, dy
                 if not self.first:
-                    sends.append(pg.isend(self.as_comm(dx), dst=s - 1, tag=2 * i + 1))
+                    traffic.send_gradients(i, dx)
                 del dx
-            sends = [w for w in sends if not w.done()]
+            traffic.prune()
             if not tracing and self.used_bytes is not None:
                 live_peak = max(live_peak, self.used_bytes())
-        for w in sends:
-            w.wait()
+        traffic.finish()
         self.span_s.append(time.perf_counter() - t_start)
         self.busy_s.append(busy)
         if tracing:

@@ -33,6 +33,38 @@ __all__ = ["Zero1", "Zero2", "Zero3"]
 MAX_GRAD_BUFFERS_IN_FLIGHT = 2
 
 
+class _GradsInFlight:
+    """Gradient reduce-scatters started and not yet waited for, oldest first: at most
+    ``limit`` (None: no limit) at a time; a buffer of ``pool``'s goes back to it once its
+    reduce-scatter is done."""
+
+    def __init__(self, pool: BufferPool | None = None, limit: int | None = None) -> None:
+        self.pool = pool
+        self.limit = limit
+        self.works: deque[tuple[Any, Any]] = deque()
+
+    def reduce_scatter(self, pg: Any, rows: Any, out: Any, buf: Any = None) -> None:
+        """Start the reduce-scatter of ``rows`` (a view of ``buf``, or of no pool's buffer:
+        None) into ``out`` over ``pg``, after waiting for the oldest ones while ``limit``
+        are in flight."""
+        while self.limit is not None and len(self.works) >= self.limit:
+            self.retire()
+        self.works.append((pg.reduce_scatter(rows, out=out, async_op=True), buf))
+
+    def retire(self) -> None:
+        """Wait for the oldest one; its buffer goes back to the pool."""
+        work, buf = self.works.popleft()
+        work.wait()
+        if buf is not None:
+            assert self.pool is not None
+            self.pool.release(buf)
+
+    def drain(self) -> None:
+        """Wait for all of them."""
+        while self.works:
+            self.retire()
+
+
 class _BucketedZero(Strategy):
     """Shared by zero1 and zero2: full parameters, bucket segments, sharded optimizer."""
 
@@ -50,7 +82,7 @@ class _BucketedZero(Strategy):
         for i in range(L):
             init_layer(self.layers, i, self.pviews[i], cfg.seed)
         self.opt = make_optimizer(cfg.optimizer, xp, self.layout.shard_size, self.dtype, cfg.lr)
-        self.works: deque[tuple[Any, Any]] = deque()
+        self.in_flight = _GradsInFlight()  # zero1: rows of the full gradient buffer, no limit
 
     def _rows(self, buf: Any, k: int) -> Any:
         off, size = self.layout.segments[k]
@@ -67,12 +99,8 @@ class _BucketedZero(Strategy):
 
     def _run(self, step: int, grads_of: Any, ready: Any) -> Any:
         loss = self.forward_backward(step, self.pviews.__getitem__, grads_of, done=ready)
-        while self.works:
-            self._retire()
+        self.in_flight.drain()
         return loss
-
-    def _retire(self) -> None:
-        self.works.popleft()[0].wait()
 
     def _update(self, grads: Any, sharded: bool) -> None:
         """Optimizer step on the owned rows: parameters from the full buffer, gradients from
@@ -104,7 +132,7 @@ class Zero1(_BucketedZero):
         if k is None or not self.layout.segments[k][1]:
             return
         rows = self.as_comm(self._rows(self.grads, k))
-        self.works.append((self.pg.reduce_scatter(rows, out=rows[self.rank], async_op=True), None))
+        self.in_flight.reduce_scatter(self.pg, rows, rows[self.rank])
 
     def step(self, step: int) -> float:
         self.grads[...] = 0
@@ -126,6 +154,7 @@ class Zero2(_BucketedZero):
         self.live: dict[int, Any] = {}  # segment -> its gradient buffer, during backward
         biggest = max((size for _, size in self.layout.segments), default=0)
         self.pool = BufferPool(self.xp, biggest, self.dtype)
+        self.in_flight = _GradsInFlight(self.pool, MAX_GRAD_BUFFERS_IN_FLIGHT)
 
     def _grads_of(self, i: int) -> dict[str, Any]:
         k = self.segment_of[i]
@@ -144,19 +173,11 @@ class Zero2(_BucketedZero):
         if not buf.size:
             self.pool.release(buf)
             return
-        while len(self.works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
-            self._retire()
         q = self.pieces[k]
         out = self.gshard[q.shard_offset : q.shard_offset + q.size]
-        work = self.pg.reduce_scatter(
-            self.as_comm(buf.reshape(self.n, -1)), out=self.as_comm(out), async_op=True
+        self.in_flight.reduce_scatter(
+            self.pg, self.as_comm(buf.reshape(self.n, -1)), self.as_comm(out), buf
         )
-        self.works.append((work, buf))
-
-    def _retire(self) -> None:
-        work, buf = self.works.popleft()
-        work.wait()
-        self.pool.release(buf)
 
     def step(self, step: int) -> float:
         loss = self._run(step, self._grads_of, self._bucket_ready)
@@ -195,7 +216,7 @@ class Zero3(Strategy):
         self.param_pool = BufferPool(xp, biggest, self.dtype)  # gathered layers
         self.grad_pool = BufferPool(xp, biggest, self.dtype)  # layer gradients in flight
         self.gathered: dict[int, tuple[Any, Any]] = {}  # layer -> (work, full buffer)
-        self.grad_works: deque[tuple[Any, Any]] = deque()
+        self.grads_in_flight = _GradsInFlight(self.grad_pool, MAX_GRAD_BUFFERS_IN_FLIGHT)
         self.peak_gathered = 0
 
     def _own(self, shard: Any, i: int) -> Any:
@@ -244,19 +265,12 @@ class Zero3(Strategy):
         if i not in self.position:
             return
         buf, self.gbuf = self.gbuf, None
-        while len(self.grad_works) >= MAX_GRAD_BUFFERS_IN_FLIGHT:
-            self._retire_grad()
-        work = self.pg.reduce_scatter(
+        self.grads_in_flight.reduce_scatter(
+            self.pg,
             self.as_comm(buf.reshape(self.n, -1)),
-            out=self.as_comm(self._own(self.gshard, i)),
-            async_op=True,
+            self.as_comm(self._own(self.gshard, i)),
+            buf,
         )
-        self.grad_works.append((work, buf))
-
-    def _retire_grad(self) -> None:
-        work, buf = self.grad_works.popleft()
-        work.wait()
-        self.grad_pool.release(buf)
 
     def step(self, step: int) -> float:
         x, labels = self.local_batch(step)
@@ -274,8 +288,7 @@ class Zero3(Strategy):
             self._grads_of,
             done=self._backward_done,
         )
-        while self.grad_works:
-            self._retire_grad()
+        self.grads_in_flight.drain()
         assert not self.gathered, (
             f"rank {self.rank}: zero3 left gathered layers {list(self.gathered)}"
         )

@@ -1,8 +1,10 @@
 """What every call of one torch group needs: its ringcomm group and the steps around a call.
 
 A call starts with :meth:`BackendCore.start` (the group is open; the call's device scope
-begins on this thread), makes its ringcomm calls through :meth:`BackendCore.call` (ordered
-after the caller's stream; a failure worded as torch words it and noted for shutdown), and
+begins on this thread; :meth:`BackendCore.start_with` also fills in torch's default options),
+makes its ringcomm calls through :meth:`BackendCore.call` (ordered after the caller's stream;
+a failure worded as torch words it and noted for shutdown; :meth:`BackendCore.call_with`
+passes the options' ``asyncOp`` and timeout), and
 ends with :meth:`BackendCore.issue`, which wraps them in the :class:`RingcommWork` it
 returns. The collective and point-to-point modules are functions of a ``BackendCore``.
 """
@@ -18,7 +20,7 @@ from ringcomm.core.work import Work as RcWork
 from ringcomm.errors import RingcommError
 from ringcomm.group import ProcessGroup as RcGroup
 from ringcomm.torch_backend.device import DeviceBinding, current_call, start_call
-from ringcomm.torch_backend.tensors import Post, check_tensor, timeout_of
+from ringcomm.torch_backend.tensors import Post, check_tensor, is_async, timeout_of
 from ringcomm.torch_backend.work import Completer, RingcommWork, torch_wording
 
 __all__ = ["BackendCore"]
@@ -55,6 +57,11 @@ class BackendCore:
         start_call(what, self.binding)
         return what
 
+    def start_with(self, name: str, opts: Any, options: Callable[[], Any]) -> tuple[str, Any]:
+        """:meth:`start` of a call taking torch options: its :meth:`what` and ``opts``
+        (None: torch's defaults, ``options()``)."""
+        return self.start(name), (opts if opts is not None else options())
+
     def timeout_of(self, opts: Any) -> float:
         """The call's timeout: torch's options, else the group's."""
         return timeout_of(opts, self.timeout_s)
@@ -77,6 +84,13 @@ class BackendCore:
             if error is exc:
                 raise
             raise error from exc
+
+    def call_with(self, opts: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` of a collective as torch's ``opts`` ask: started and left to run
+        (``asyncOp``) or blocking, within the call's timeout."""
+        return self.call(
+            fn, *args, async_op=is_async(opts), timeout_s=self.timeout_of(opts), **kwargs
+        )
 
     def issue(
         self,

@@ -31,8 +31,8 @@ from ringcomm.torch_backend.tensors import (
     by_dtype,
     check_tensor,
     contig,
+    copy_back,
     from_move_view,
-    is_async,
     move_view,
     rows_view,
     run_all,
@@ -55,19 +55,12 @@ __all__ = [
 
 
 def broadcast(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
-    what = g.start("broadcast")
-    opts = opts if opts is not None else BroadcastOptions()
+    what, opts = g.start_with("broadcast", opts, BroadcastOptions)
     t = g.one(tensors, what)
     src = opts.rootRank
     c, copied = contig(t)
-    w = g.call(
-        g.rc.broadcast,
-        move_view(c),
-        src=src,
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
-    post = (lambda: t.detach().copy_(c)) if copied and g.rc.rank != src else None
+    w = g.call_with(opts, g.rc.broadcast, move_view(c), src=src)
+    post = copy_back(t, c, copied and g.rc.rank != src)
     return g.issue([w], [t], post, "broadcast", opts)
 
 
@@ -86,21 +79,14 @@ def _all_gather_into(
     o, copied = contig(out)
     x = move_view(i).reshape(-1)
     o_arr = move_view(o).reshape(n, -1)
-    w = g.call(
-        g.rc.all_gather,
-        x,
-        out=o_arr,
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
-    return w, ((lambda: out.detach().copy_(o)) if copied else None)
+    w = g.call_with(opts, g.rc.all_gather, x, out=o_arr)
+    return w, copy_back(out, o, copied)
 
 
 def allgather_base(
     g: BackendCore, output: torch.Tensor, input: torch.Tensor, opts: Any = None
 ) -> RingcommWork:
-    what = g.start("all_gather_into_tensor")
-    opts = opts if opts is not None else AllgatherOptions()
+    what, opts = g.start_with("all_gather_into_tensor", opts, AllgatherOptions)
     out, inp = check_tensor(output, what), check_tensor(input, what)
     w, post = _all_gather_into(g, out, inp, what, opts)
     return g.issue([w], [out], post, "all_gather_into_tensor", opts)
@@ -111,8 +97,7 @@ def allgather_into_tensor_coalesced(
 ) -> RingcommWork:
     """All-gathers into tensors (the coalescing manager's ``all_gather_into_tensor``):
     one ringcomm all_gather per dtype, of the inputs' concatenation."""
-    what = g.start("allgather_into_tensor_coalesced")
-    opts = opts if opts is not None else AllgatherOptions()
+    what, opts = g.start_with("allgather_into_tensor_coalesced", opts, AllgatherOptions)
     n = g.rc.world_size
     outs = [check_tensor(o, what) for o in outputs]
     ins = [check_tensor(i, what) for i in inputs]
@@ -141,8 +126,7 @@ def allgather_into_tensor_coalesced(
 def allgather(
     g: BackendCore, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
 ) -> RingcommWork:
-    what = g.start("allgather")
-    opts = opts if opts is not None else AllgatherOptions()
+    what, opts = g.start_with("allgather", opts, AllgatherOptions)
     inp = g.one(inputs, what)
     if len(outputs) != 1 or len(outputs[0]) != g.rc.world_size:
         raise ValueError(f"{what}: expected one list of world-size output tensors")
@@ -179,14 +163,7 @@ def _allgather_uneven(
     size = inp.element_size()
     sizes = [o.numel() * size for o in outs]
     gathered = torch.empty(sum(sizes), dtype=torch.uint8, device=inp.device)
-    w = g.call(
-        g.rc.all_gather_v,
-        x,
-        sizes,
-        out=array_of(gathered),
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
+    w = g.call_with(opts, g.rc.all_gather_v, x, sizes, out=array_of(gathered))
 
     def post() -> None:
         for o, part in zip(outs, torch.split(gathered, sizes), strict=True):
@@ -201,8 +178,7 @@ def allgather_coalesced(
     """``dist.all_gather_coalesced``: ``outputs[r][i]`` receives rank r's ``inputs[i]``
     (torch's layout: one list per *rank*, each as long as ``inputs``). All inputs of one
     dtype go as one ringcomm all_gather of their concatenation."""
-    what = g.start("allgather_coalesced")
-    opts = opts if opts is not None else AllgatherOptions()
+    what, opts = g.start_with("allgather_coalesced", opts, AllgatherOptions)
     n = g.rc.world_size
     if len(outputs) != n or any(len(outs) != len(inputs) for outs in outputs):
         raise ValueError(
@@ -261,18 +237,11 @@ def _gather_batched(
 def gather(
     g: BackendCore, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
 ) -> RingcommWork:
-    what = g.start("gather")
-    opts = opts if opts is not None else GatherOptions()
+    what, opts = g.start_with("gather", opts, GatherOptions)
     inp = g.one(inputs, what)
     dst = opts.rootRank
     i, _ = contig(inp)
-    w = g.call(
-        g.rc.gather,
-        move_view(i),
-        dst=dst,
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
+    w = g.call_with(opts, g.rc.gather, move_view(i), dst=dst)
     outs: list[torch.Tensor] = []
     post = None
     if g.rc.rank == dst:
@@ -291,8 +260,7 @@ def gather(
 def scatter(
     g: BackendCore, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
 ) -> RingcommWork:
-    what = g.start("scatter")
-    opts = opts if opts is not None else ScatterOptions()
+    what, opts = g.start_with("scatter", opts, ScatterOptions)
     out = g.one(outputs, what)
     src = opts.rootRank
     x = None
@@ -301,15 +269,8 @@ def scatter(
             raise ValueError(f"{what}: the root needs one list of world-size inputs")
         x = move_view(torch.stack([check_tensor(p, what).detach() for p in inputs[0]]))
     o, copied = contig(out)
-    w = g.call(
-        g.rc.scatter,
-        x,
-        src=src,
-        out=move_view(o),
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
-    post = (lambda: out.detach().copy_(o)) if copied else None
+    w = g.call_with(opts, g.rc.scatter, x, src=src, out=move_view(o))
+    post = copy_back(out, o, copied)
     return g.issue([w], [out], post, "scatter", opts)
 
 
@@ -321,8 +282,7 @@ def alltoall_base(
     input_split_sizes: list[int],
     opts: Any = None,
 ) -> RingcommWork:
-    what = g.start("all_to_all_single")
-    opts = opts if opts is not None else AllToAllOptions()
+    what, opts = g.start_with("all_to_all_single", opts, AllToAllOptions)
     out, inp = check_tensor(output, what), check_tensor(input, what)
     n = g.rc.world_size
     if inp.dtype != out.dtype:
@@ -334,14 +294,10 @@ def alltoall_base(
             )
         i, _ = contig(inp)
         o, copied = contig(out)
-        w = g.call(
-            g.rc.all_to_all,
-            move_view(i).reshape(n, -1),
-            out=move_view(o).reshape(n, -1),
-            async_op=is_async(opts),
-            timeout_s=g.timeout_of(opts),
+        w = g.call_with(
+            opts, g.rc.all_to_all, move_view(i).reshape(n, -1), out=move_view(o).reshape(n, -1)
         )
-        post = (lambda: out.detach().copy_(o)) if copied else None
+        post = copy_back(out, o, copied)
         return g.issue([w], [out], post, "all_to_all_single", opts)
     # Uneven splits: ringcomm's all_to_all_v on rows of dim 0.
     in_rows = splits(input_split_sizes, inp.shape[0], n, what, "input")
@@ -353,24 +309,22 @@ def alltoall_base(
         )
     i, _ = contig(inp)
     o, copied = contig(out)
-    w = g.call(
+    w = g.call_with(
+        opts,
         g.rc.all_to_all_v,
         rows_view(i),
         [b - a for a, b in in_rows],
         [b - a for a, b in out_rows],
         out=rows_view(o),
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
     )
-    post = (lambda: out.detach().copy_(o)) if copied else None
+    post = copy_back(out, o, copied)
     return g.issue([w], [out], post, "all_to_all_single", opts)
 
 
 def alltoall(
     g: BackendCore, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
 ) -> RingcommWork:
-    what = g.start("all_to_all")
-    opts = opts if opts is not None else AllToAllOptions()
+    what, opts = g.start_with("all_to_all", opts, AllToAllOptions)
     n = g.rc.world_size
     if len(outputs) != n or len(inputs) != n:
         raise ValueError(f"{what}: expected {n} input and {n} output tensors")
@@ -380,12 +334,8 @@ def alltoall(
     if same:
         x = torch.stack(ins)
         y = torch.empty_like(x)
-        w = g.call(
-            g.rc.all_to_all,
-            move_view(x).reshape(n, -1),
-            out=move_view(y).reshape(n, -1),
-            async_op=is_async(opts),
-            timeout_s=g.timeout_of(opts),
+        w = g.call_with(
+            opts, g.rc.all_to_all, move_view(x).reshape(n, -1), out=move_view(y).reshape(n, -1)
         )
 
         def post() -> None:
@@ -407,7 +357,6 @@ def alltoall(
 
 
 def barrier(g: BackendCore, opts: Any = None) -> RingcommWork:
-    g.start("barrier")
-    opts = opts if opts is not None else BarrierOptions()
-    w = g.call(g.rc.barrier, async_op=is_async(opts), timeout_s=g.timeout_of(opts))
+    _, opts = g.start_with("barrier", opts, BarrierOptions)
+    w = g.call_with(opts, g.rc.barrier)
     return g.issue([w], [], None, "barrier", opts)

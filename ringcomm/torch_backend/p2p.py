@@ -15,10 +15,10 @@ import time
 import numpy as np
 import torch
 
-from ringcomm.core.p2p import ANY_SOURCE
+from ringcomm.core.p2p import ANY_SOURCE, AnySource
 from ringcomm.errors import RingcommError
 from ringcomm.torch_backend.core import BackendCore
-from ringcomm.torch_backend.tensors import contig, move_view
+from ringcomm.torch_backend.tensors import contig, copy_back, move_view
 from ringcomm.torch_backend.work import RingcommWork
 
 __all__ = ["monitored_barrier", "recv", "recv_anysource", "send"]
@@ -36,24 +36,24 @@ def send(g: BackendCore, tensors: list[torch.Tensor], dst: int, tag: int) -> Rin
 
 
 def recv(g: BackendCore, tensors: list[torch.Tensor], src: int, tag: int) -> RingcommWork:
-    what = g.start("recv")
-    t = g.one(tensors, what)
-    c, copied = contig(t)
-    w = g.call(g.rc.irecv, move_view(c), src=src, tag=tag)
-    post = (lambda: t.detach().copy_(c)) if copied else None
-    return g.issue([w], [t], post, f"recv from {src} tag {tag}", None, p2p=True)
+    return _recv(g, tensors, src, tag, f"recv from {src} tag {tag}")
 
 
 def recv_anysource(g: BackendCore, tensors: list[torch.Tensor], tag: int) -> RingcommWork:
     """``dist.recv(t)`` / ``dist.irecv(t)`` without ``src``: the next message with
     ``tag`` from any rank (ringcomm's ``ANY_SOURCE``); the work's ``_source_rank()``
     is the sender's group rank (what ``dist.recv`` returns)."""
+    return _recv(g, tensors, ANY_SOURCE, tag, f"recv from any source tag {tag}")
+
+
+def _recv(
+    g: BackendCore, tensors: list[torch.Tensor], src: int | AnySource, tag: int, desc: str
+) -> RingcommWork:
     what = g.start("recv")
     t = g.one(tensors, what)
     c, copied = contig(t)
-    w = g.call(g.rc.irecv, move_view(c), src=ANY_SOURCE, tag=tag)
-    post = (lambda: t.detach().copy_(c)) if copied else None
-    return g.issue([w], [t], post, f"recv from any source tag {tag}", None, p2p=True)
+    w = g.call(g.rc.irecv, move_view(c), src=src, tag=tag)
+    return g.issue([w], [t], copy_back(t, c, copied), desc, None, p2p=True)
 
 
 def monitored_barrier(

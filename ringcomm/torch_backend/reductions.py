@@ -28,9 +28,9 @@ from ringcomm.torch_backend.tensors import (
     Post,
     Reduction,
     check_tensor,
-    contig,
-    is_async,
+    copy_back,
     move_view,
+    reduce_out,
     reduce_view,
     run_all,
 )
@@ -47,8 +47,7 @@ __all__ = [
 
 
 def allreduce(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
-    what = g.start("allreduce")
-    opts = opts if opts is not None else AllreduceOptions()
+    what, opts = g.start_with("allreduce", opts, AllreduceOptions)
     if isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):  # allreduce(tensors, op)
         op, opts = opts, AllreduceOptions()
     else:
@@ -58,13 +57,7 @@ def allreduce(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> 
         return _sparse_allreduce(g, ts[0], op, what, opts)
     t = g.one(ts, what)
     red = Reduction(t, op, what, in_place=True)
-    w = g.call(
-        g.rc.all_reduce,
-        red.array,
-        op=red.op,
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
+    w = g.call_with(opts, g.rc.all_reduce, red.array, op=red.op)
     return g.issue([w], [t], red.copy_back if red.post else None, "allreduce", opts)
 
 
@@ -126,10 +119,8 @@ def allreduce_coalesced(
     """``dist.all_reduce_coalesced`` and the coalescing manager's all-reduces (any mix
     of dtypes): one ringcomm all_reduce per dtype, of the tensors' concatenation (a
     lone tensor of its dtype is reduced in place, without the copy)."""
-    what = g.start("allreduce_coalesced")
-    opts = opts if opts is not None else AllreduceCoalescedOptions()
+    what, opts = g.start_with("allreduce_coalesced", opts, AllreduceCoalescedOptions)
     reds = [Reduction(check_tensor(t, what), opts.reduceOp, what, in_place=True) for t in tensors]
-    timeout_s = g.timeout_of(opts)
     groups: dict[tuple[torch.dtype, str], list[Reduction]] = {}
     for r in reds:  # in order of first appearance: the same on every rank
         groups.setdefault((r.flat.dtype, r.op), []).append(r)
@@ -141,9 +132,7 @@ def allreduce_coalesced(
             cat = torch.cat([m.flat.reshape(-1) for m in members])
             unpack.append((cat, members))
             flat = array_of(cat)
-        works.append(
-            g.call(g.rc.all_reduce, flat, op=op, async_op=is_async(opts), timeout_s=timeout_s)
-        )
+        works.append(g.call_with(opts, g.rc.all_reduce, flat, op=op))
 
     def post() -> None:
         for cat, members in unpack:
@@ -159,20 +148,12 @@ def allreduce_coalesced(
 
 
 def reduce(g: BackendCore, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
-    what = g.start("reduce")
-    opts = opts if opts is not None else ReduceOptions()
+    what, opts = g.start_with("reduce", opts, ReduceOptions)
     t = g.one(tensors, what)
     dst = opts.rootRank
     # Only the root's tensor is written (a pre-scaled input elsewhere is a copy).
     red = Reduction(t, opts.reduceOp, what, in_place=g.rc.rank == dst)
-    w = g.call(
-        g.rc.reduce,
-        red.array,
-        dst=dst,
-        op=red.op,
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
+    w = g.call_with(opts, g.rc.reduce, red.array, dst=dst, op=red.op)
     post = red.copy_back if red.post else None
     return g.issue([w], [t], post, "reduce", opts)
 
@@ -190,28 +171,16 @@ def _reduce_scatter_into(
         raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
     red = Reduction(inp, op, what, in_place=False)
     rows = red.array.reshape(n, -1)
-    o, o_copied = contig(out)
-    if out.dtype == torch.bfloat16:
-        o, o_copied = torch.empty(o.shape, dtype=torch.float32, device=o.device), True
+    o, o_copied = reduce_out(out)
     o_arr = reduce_view(o)
-    w = g.call(
-        g.rc.reduce_scatter,
-        rows,
-        out=o_arr.reshape(rows.shape[1:]),
-        op=red.op,
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
-    )
-    if not o_copied:
-        return w, None
-    return w, lambda: out.detach().copy_(o.reshape(out.shape))
+    w = g.call_with(opts, g.rc.reduce_scatter, rows, out=o_arr.reshape(rows.shape[1:]), op=red.op)
+    return w, copy_back(out, o, o_copied)
 
 
 def reduce_scatter_single(
     g: BackendCore, output: torch.Tensor, input: torch.Tensor, opts: Any = None
 ) -> RingcommWork:
-    what = g.start("reduce_scatter_tensor")
-    opts = opts if opts is not None else ReduceScatterOptions()
+    what, opts = g.start_with("reduce_scatter_tensor", opts, ReduceScatterOptions)
     out, inp = check_tensor(output, what), check_tensor(input, what)
     w, post = _reduce_scatter_into(g, out, inp, opts.reduceOp, what, opts)
     return g.issue([w], [out], post, "reduce_scatter_tensor", opts)
@@ -220,8 +189,7 @@ def reduce_scatter_single(
 def reduce_scatter_tensor_coalesced(
     g: BackendCore, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
 ) -> RingcommWork:
-    what = g.start("reduce_scatter_tensor_coalesced")
-    opts = opts if opts is not None else ReduceScatterOptions()
+    what, opts = g.start_with("reduce_scatter_tensor_coalesced", opts, ReduceScatterOptions)
     works, posts = [], []
     for out, inp in zip(outputs, inputs, strict=True):
         w, p = _reduce_scatter_into(
@@ -236,8 +204,7 @@ def reduce_scatter_tensor_coalesced(
 def reduce_scatter(
     g: BackendCore, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
 ) -> RingcommWork:
-    what = g.start("reduce_scatter")
-    opts = opts if opts is not None else ReduceScatterOptions()
+    what, opts = g.start_with("reduce_scatter", opts, ReduceScatterOptions)
     out = g.one(outputs, what)
     if len(inputs) != 1 or len(inputs[0]) != g.rc.world_size:
         raise ValueError(f"{what}: expected one list of world-size tensors as input")
@@ -267,18 +234,15 @@ def _reduce_scatter_uneven(
     flat = torch.cat([p.detach().reshape(-1) for p in parts])
     red = Reduction(flat, op, what, in_place=False)
     rows = red.array.reshape(flat.numel(), -1)  # complex: a row is (real, imag)
-    o, o_copied = contig(out)
-    if out.dtype == torch.bfloat16:
-        o, o_copied = torch.empty(o.shape, dtype=torch.float32, device=o.device), True
+    o, o_copied = reduce_out(out)
     o_arr = reduce_view(o)
-    w = g.call(
+    w = g.call_with(
+        opts,
         g.rc.reduce_scatter_v,
         rows,
         splits,
         out=o_arr.reshape(out.numel(), rows.shape[1]),
         op=red.op,
-        async_op=is_async(opts),
-        timeout_s=g.timeout_of(opts),
     )
-    post = (lambda: out.detach().copy_(o.reshape(out.shape))) if o_copied else None
+    post = copy_back(out, o, o_copied)
     return g.issue([w], [out], post, "reduce_scatter", opts)

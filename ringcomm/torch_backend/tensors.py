@@ -26,10 +26,12 @@ __all__ = [
     "by_dtype",
     "check_tensor",
     "contig",
+    "copy_back",
     "from_move_view",
     "is_async",
     "move_view",
     "parse_op",
+    "reduce_out",
     "reduce_view",
     "rows_view",
     "run_all",
@@ -82,6 +84,23 @@ def contig(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if t.is_contiguous():
         return t, False
     return t.contiguous(), True
+
+
+def copy_back(dest: torch.Tensor, work: torch.Tensor, copied: bool) -> Post | None:
+    """The post step that copies the results in ``work`` (``dest``'s contiguous copy, from
+    :func:`contig` or :func:`reduce_out`) into ``dest``; None where nothing was copied."""
+    if not copied:
+        return None
+    return lambda: dest.detach().copy_(work.reshape(dest.shape))
+
+
+def reduce_out(out: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The contiguous tensor a reduction writes for ``out``: :func:`contig`, but a float32
+    one for bfloat16 (ringcomm reduces bfloat16 in float32); and whether it is a copy."""
+    o, copied = contig(out)
+    if out.dtype == torch.bfloat16:
+        return torch.empty(o.shape, dtype=torch.float32, device=o.device), True
+    return o, copied
 
 
 def move_view(t: torch.Tensor) -> Any:

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ringcomm.config import DEFAULT_CHUNK_BYTES
@@ -64,6 +64,16 @@ def busbw_factor(op: str, world_size: int) -> float:
 
 
 # --- the parameters ------------------------------------------------------------------------
+def _check_non_negative(model: object, names: tuple[str, ...]) -> None:
+    """Refuse, naming it, a field of ``model`` among ``names`` that is not a finite number >= 0."""
+    for name in names:
+        v = getattr(model, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(
+                f"{type(model).__name__}.{name} must be a finite number >= 0, got {v!r}"
+            )
+
+
 @dataclass(frozen=True)
 class LinkModel:
     """One link class: ``alpha_s`` seconds per message, ``beta_s_per_byte`` per byte."""
@@ -72,10 +82,7 @@ class LinkModel:
     beta_s_per_byte: float
 
     def __post_init__(self) -> None:
-        for name in ("alpha_s", "beta_s_per_byte"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"LinkModel.{name} must be a finite number >= 0, got {v!r}")
+        _check_non_negative(self, ("alpha_s", "beta_s_per_byte"))
 
     @classmethod
     def from_rate(cls, gbps: float, latency_us: float) -> LinkModel:
@@ -129,16 +136,16 @@ class CpuModel:
     hier_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "net_s_per_byte",
-            "local_s_per_byte",
-            "reduce_s_per_byte",
-            "segment_s",
-            "hier_s_per_byte",
-        ):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"CpuModel.{name} must be a finite number >= 0, got {v!r}")
+        _check_non_negative(
+            self,
+            (
+                "net_s_per_byte",
+                "local_s_per_byte",
+                "reduce_s_per_byte",
+                "segment_s",
+                "hier_s_per_byte",
+            ),
+        )
         if not (
             isinstance(self.cores, (int, float)) and math.isfinite(self.cores) and self.cores > 0
         ):
@@ -155,15 +162,7 @@ class CpuModel:
         return hosts if self.shared_hosts == 0 else min(self.shared_hosts, hosts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "net_s_per_byte": self.net_s_per_byte,
-            "local_s_per_byte": self.local_s_per_byte,
-            "reduce_s_per_byte": self.reduce_s_per_byte,
-            "segment_s": self.segment_s,
-            "cores": self.cores,
-            "shared_hosts": self.shared_hosts,
-            "hier_s_per_byte": self.hier_s_per_byte,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> CpuModel:
@@ -211,10 +210,7 @@ class CostModel:
     cpu: CpuModel | None = None  # None: CPU is not a shared resource (format version 1)
 
     def __post_init__(self) -> None:
-        for name in ("gamma_s_per_byte", "overhead_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
+        _check_non_negative(self, ("gamma_s_per_byte", "overhead_s"))
         if isinstance(self.chunk_bytes, bool) or not (
             isinstance(self.chunk_bytes, int) and self.chunk_bytes > 0
         ):
@@ -231,15 +227,10 @@ class CostModel:
         term, version 2 with one."""
         data: dict[str, Any] = {
             "version": 1 if self.cpu is None else FORMAT_VERSION,
-            "local": {"alpha_s": self.local.alpha_s, "beta_s_per_byte": self.local.beta_s_per_byte},
-            "net": {"alpha_s": self.net.alpha_s, "beta_s_per_byte": self.net.beta_s_per_byte},
-            "gamma_s_per_byte": self.gamma_s_per_byte,
-            "overhead_s": self.overhead_s,
-            "chunk_bytes": self.chunk_bytes,
-            "source": self.source,
+            **asdict(self),
         }
-        if self.cpu is not None:
-            data["cpu"] = self.cpu.to_dict()
+        if self.cpu is None:
+            del data["cpu"]
         return data
 
     @classmethod
