@@ -444,8 +444,9 @@ def mps_active(env: Mapping[str, str] | None = None) -> bool:
 
 
 def security_mode(env: Mapping[str, str] | None = None) -> str:
-    """``RINGCOMM_SECURITY`` (:data:`SECURITY_MODES`, any case; default ``handshake``)."""
-    text = (_environ(env).get("RINGCOMM_SECURITY") or "handshake").strip().lower()
+    """``RINGCOMM_SECURITY`` (:data:`SECURITY_MODES`, any case; default ``handshake`` when
+    unset or blank, as every text setting)."""
+    text = (_text(_environ(env), "RINGCOMM_SECURITY") or "handshake").lower()
     if text not in SECURITY_MODES:
         raise ValueError(
             f"RINGCOMM_SECURITY must be one of {', '.join(SECURITY_MODES)}, got {text!r}"
@@ -471,15 +472,13 @@ def env_master_addr(env: Mapping[str, str] | None = None) -> str:
 
 
 def env_chunk_bytes(env: Mapping[str, str] | None = None) -> int:
-    """``RINGCOMM_CHUNK_BYTES`` as ``ringcomm tune`` reads it (K/M/G suffixes):
-    :data:`DEFAULT_CHUNK_BYTES` when unset or empty; a bad size raises naming it."""
-    text = _environ(env).get("RINGCOMM_CHUNK_BYTES")
-    if not text:
+    """``RINGCOMM_CHUNK_BYTES`` as a group reads it (K/M/G suffixes, > 0), for ``ringcomm
+    tune``: :data:`DEFAULT_CHUNK_BYTES` when unset or blank; a bad size raises ValueError
+    naming the variable, in the group's words."""
+    found = env_setting(_environ(env), "RINGCOMM_CHUNK_BYTES")
+    if found is None:
         return DEFAULT_CHUNK_BYTES
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise ValueError(f"RINGCOMM_CHUNK_BYTES: {exc}") from None
+    return _chunk_size(found, ValueError)
 
 
 def bench_mpi_interfaces(env: Mapping[str, str] | None = None) -> str | None:
@@ -715,11 +714,14 @@ def _resolve_chunk_bytes(env: Mapping[str, str], chunk_bytes: int | None) -> int
             )
         return int(chunk_bytes)
     chunk_f = env_setting(env, "RINGCOMM_CHUNK_BYTES")
-    if chunk_f is None:
-        return None
-    value = _found_size(chunk_f, RendezvousError)
+    return None if chunk_f is None else _chunk_size(chunk_f, RendezvousError)
+
+
+def _chunk_size(found: Found, error: type[Exception]) -> int:
+    """``RINGCOMM_CHUNK_BYTES``'s size (> 0); a bad one raises ``error`` naming it."""
+    value = _found_size(found, error)
     if value <= 0:
-        raise RendezvousError(f"{chunk_f.describe()} must be > 0")
+        raise error(f"{found.describe()} must be > 0")
     return value
 
 

@@ -602,6 +602,33 @@ def test_chunk_bytes_variable_rejects(text: str) -> None:
         resolve_init_config(env={"RINGCOMM_CHUNK_BYTES": text})
 
 
+@pytest.mark.parametrize("text", ["0", "0K", "-1", "1.5M", "big"])
+def test_tune_reads_chunk_bytes_as_the_group_does(text: str) -> None:
+    # ringcomm tune's reading (config.env_chunk_bytes) refuses what a group refuses, in
+    # the same words, and takes what a group takes, blanks around it included.
+    from ringcomm.config import env_chunk_bytes
+
+    env = {"RINGCOMM_CHUNK_BYTES": text}
+    with pytest.raises(RendezvousError) as by_group:
+        resolve_init_config(env=env)
+    with pytest.raises(ValueError) as by_tune:
+        env_chunk_bytes(env)
+    assert str(by_tune.value) == str(by_group.value)
+    assert env_chunk_bytes({"RINGCOMM_CHUNK_BYTES": " 64K "}) == 64 << 10
+    assert resolve_init_config(env={"RINGCOMM_CHUNK_BYTES": " 64K "}).chunk_bytes == 64 << 10
+    assert env_chunk_bytes({"RINGCOMM_CHUNK_BYTES": "  "}) == DEFAULT_CHUNK_BYTES
+    assert env_chunk_bytes({}) == DEFAULT_CHUNK_BYTES
+
+
+def test_security_mode_blank_is_unset() -> None:
+    from ringcomm.config import security_mode
+
+    assert security_mode({"RINGCOMM_SECURITY": "  "}) == "handshake"
+    assert security_mode({"RINGCOMM_SECURITY": " CURVE "}) == "curve"
+    with pytest.raises(ValueError, match="RINGCOMM_SECURITY must be one of"):
+        security_mode({"RINGCOMM_SECURITY": "tls"})
+
+
 def test_init_process_group_refuses_chunk_bytes_0() -> None:
     import ringcomm as rc
 
