@@ -30,7 +30,7 @@ __all__ = ["AllGatherRing"]
 class AllGatherRing(RingOp, SpansOp, PipelinedOp):
     name = "all_gather"
     algo = "ring"
-    step_name = "all-gather"  # step 0 (our row) goes right at once
+    step_name = "all-gather"
 
     def start(self) -> None:
         x, out = self.call.x, self.call.out

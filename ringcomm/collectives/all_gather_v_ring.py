@@ -31,7 +31,7 @@ __all__ = ["AllGatherVRing"]
 class AllGatherVRing(UnevenRingOp):
     name = "all_gather_v"
     algo = "ring"
-    step_name = "all-gather-v"  # step 0 (our rows) goes right at once
+    step_name = "all-gather-v"
 
     def start(self) -> None:
         x, out, shape = self.call.x, self.call.out, self.call.shape
