@@ -84,6 +84,7 @@ LAYERS: dict[str, int] = {
     "ringcomm.collectives.registry": 5,  # every collective's algorithms by name
     "ringcomm.collectives.chooser": 5,  # a call's plan: algorithm, piece size, hier segments
     "ringcomm.collectives.checks": 5,  # the calls' argument checks
+    "ringcomm.collectives.stepped": 5,  # bases of the stepped algorithms (ring, spans, peer rows)
     "ringcomm.collectives.shm_fingerprint": 5,  # a call's fingerprint in a workspace control line
     "ringcomm.collectives.shm_base": 5,  # the shm job, the engine's interface, the rounds
     "ringcomm.collectives.shm_reduce": 5,  # shm all_reduce, reduce_scatter, reduce

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.stepped import RingOp, SpansOp
 from ringcomm.device.staging import DeviceStager
-from ringcomm.errors import CollectiveMismatchError
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.ring import all_gather_steps, ring_neighbors
 from ringcomm.transport.wire import Header
@@ -27,20 +27,10 @@ from ringcomm.transport.wire import Header
 __all__ = ["AllGatherRing"]
 
 
-class AllGatherRing(PipelinedOp):
+class AllGatherRing(RingOp, SpansOp, PipelinedOp):
     name = "all_gather"
     algo = "ring"
-    maps_steps = True
-
-    def start_peers(self, rank: int) -> tuple[int, ...]:
-        # step 0 (our row) goes right at once
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)
-
-    def step_text(self, step: int) -> str:
-        return f"all-gather step {step + 1}/{self.n - 1}"
-
-    def message_pieces(self, step: int) -> int | None:
-        return len(self.spans)
+    step_name = "all-gather"
 
     def start(self) -> None:
         x, out = self.call.x, self.call.out
@@ -103,10 +93,7 @@ class AllGatherRing(PipelinedOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
         spans = self.spans
-        if k >= self.n - 1:
-            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
-        self.piece_span(peer, header, payload, spans, "the schedule")
-        off, length = spans[j]
+        off, length = self.ring_piece(peer, header, payload, spans)
         row = self.recv_row[k]
         st = self.stager
         if not self.touched:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.collectives.base import byte_view
+from ringcomm.collectives.stepped import UnevenRingOp
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.partition import split_offsets
 from ringcomm.schedule.ring import all_gather_steps, ring_neighbors
@@ -27,20 +28,10 @@ from ringcomm.transport.wire import Header
 __all__ = ["AllGatherVRing"]
 
 
-class AllGatherVRing(CollectiveOp):
+class AllGatherVRing(UnevenRingOp):
     name = "all_gather_v"
     algo = "ring"
-    maps_steps = True
-
-    def start_peers(self, rank: int) -> tuple[int, ...]:
-        # step 0 (our rows) goes right at once
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)
-
-    def step_text(self, step: int) -> str:
-        return f"all-gather-v step {step + 1}/{self.n - 1}"
-
-    def message_pieces(self, step: int) -> int | None:
-        return len(self.spans[self.recv_seg[step]])
+    step_name = "all-gather-v"
 
     def start(self) -> None:
         x, out, shape = self.call.x, self.call.out, self.call.shape
@@ -65,7 +56,7 @@ class AllGatherVRing(CollectiveOp):
             src = src.copy()  # x overlaps segments we receive into: send from a private copy
         self.src = src
         chunk = self.comm.chunk_bytes
-        self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
+        self.seg_spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
         self.dtype_str = x.dtype.str
         self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         self.recv_seg = [rs for _, rs in all_gather_steps(r, n, self.comm.ring_order)]
@@ -73,15 +64,13 @@ class AllGatherVRing(CollectiveOp):
         self.expect(self.left, n - 1)
         # Step 0 goes out from x itself; our segment of out is filled once the left
         # neighbour's first piece proved its call matches ours.
-        self.send_message(self.right, 0, byte_view(src), self.spans[r], 0, self.dtype_str)
+        self.send_message(self.right, 0, byte_view(src), self.seg_spans[r], 0, self.dtype_str)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        seg, off, length = self.uneven_piece(
-            peer, header, payload, self.recv_seg, self.spans, self.seg_nbytes
-        )
-        spans = self.spans[seg]
+        seg, off, length = self.uneven_piece(peer, header, payload)
+        spans = self.seg_spans[seg]
         if not self.touched:
             self.touched = True
             self.own[...] = self.src

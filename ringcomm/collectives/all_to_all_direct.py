@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.collectives.base import byte_view
+from ringcomm.collectives.stepped import PeerRowsOp
 from ringcomm.schedule.chunks import chunk_spans
-from ringcomm.transport.wire import Header
 
 __all__ = ["AllToAllDirect"]
 
 
-class AllToAllDirect(CollectiveOp):
+class AllToAllDirect(PeerRowsOp):
     name = "all_to_all"
     algo = "direct"
     fp_messages = False  # every rank hears from every peer at start
@@ -44,13 +44,3 @@ class AllToAllDirect(CollectiveOp):
         for k in range(1, n):
             self.expect((r - k) % n, 1)
         self.post_inboxes()
-
-    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
-        j = header.piece
-        spans = self.spans
-        self.piece_span(peer, header, payload, spans)
-        off, length = spans[j]
-        if not self.touched:  # the first matching piece: now out may be written
-            self.touched = True
-            self.out_u8[self.rank] = self.own
-        self.out_u8[peer, off : off + length] = np.frombuffer(payload, np.uint8)

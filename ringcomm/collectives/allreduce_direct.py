@@ -95,18 +95,25 @@ class AllReduceDirect(CollectiveOp):
         keys = [(g, group, KIND_COLL, seq) for g in peers]
         self._sent_early = True  # before: a hand-over starts us inside exchange
         got = self.progress.exchange(self, header, payload, nbytes, peers, keys, self.fp, deadline)
-        if got is False:
-            self._sent_early = False  # nothing was sent: the regular way, from the start
+        received = self.received(got)
+        if received is None:
             return False
-        if got is True:
-            return False  # handed over to the engine
         pieces: list[memoryview | None] = [None] * n
         self.pieces = pieces
-        for p, data in zip(plan.peers, got):
+        for p, data in zip(plan.peers, received):
             pieces[p] = data
         self.all_received()
         self.result = x
         return True
+
+    def received(self, got: list[memoryview] | bool) -> list[memoryview] | None:
+        """What the fast lane's ``Progress.exchange`` received (its answer ``got``), or
+        None where the call goes the regular way: ``got`` False (nothing was sent: from
+        the start) or True (handed over to the engine)."""
+        if got is False:
+            self._sent_early = False  # nothing was sent: the regular way, from the start
+            return None
+        return None if got is True else got
 
     def start(self) -> None:
         x = self.begin()

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.collectives.base import byte_view
+from ringcomm.collectives.stepped import SpansOp
 from ringcomm.core.progress import ZERO_COPY_MIN_BYTES
 from ringcomm.ops import finalize, reduce_into
 from ringcomm.schedule.chunks import chunk_spans
@@ -38,10 +39,9 @@ _RECEIVING = ("recv_reduce", "exchange", "recv_result")
 _REDUCING = ("recv_reduce", "exchange")
 
 
-class AllReduceRd(CollectiveOp):
+class AllReduceRd(SpansOp):
     name = "all_reduce"
     algo = "rd"
-    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         # Every piece runs its plan at start up to the first receive: a first step that
@@ -59,9 +59,6 @@ class AllReduceRd(CollectiveOp):
         st = self.plan[step]
         what = st.kind.replace("_", " ")
         return f"recursive doubling step {step + 1}/{len(self.plan)} ({what} with rank {st.peer})"
-
-    def message_pieces(self, step: int) -> int | None:
-        return len(self.spans)
 
     def start(self) -> None:
         x, op = self.call.x, self.call.op

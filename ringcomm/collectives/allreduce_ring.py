@@ -17,6 +17,7 @@ table, copies per byte and the zero-copy argument: docs/architecture.md, section
 from __future__ import annotations
 
 from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.stepped import RingOp
 from ringcomm.errors import CollectiveMismatchError
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.ring import (
@@ -30,13 +31,9 @@ from ringcomm.transport.wire import Header
 __all__ = ["AllReduceRing"]
 
 
-class AllReduceRing(PipelinedOp):
+class AllReduceRing(RingOp, PipelinedOp):
     name = "all_reduce"
     algo = "ring"
-    maps_steps = True
-
-    def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 goes right at once
 
     def step_text(self, step: int) -> str:
         steps = self.n - 1
@@ -96,8 +93,7 @@ class AllReduceRing(PipelinedOp):
             raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {t}")
         seg = self.recv_seg[t]
         spans = self.seg_spans[seg]
-        self.piece_span(peer, header, payload, spans, f"segment {seg}")
-        off, length = spans[j]
+        off, length = self.piece_span(peer, header, payload, spans, f"segment {seg}")
         start = self.seg_first[seg] + off // self.itemsize
         stop = start + length // self.itemsize
         target = self.flat[start:stop]

@@ -68,11 +68,8 @@ class AllReduceStar(AllReduceDirect):
                 self.touched = True
                 flat = x if x.ndim == 1 else x.reshape(-1)
                 np.copyto(flat, np.frombuffer(result[0], x.dtype))
-        if result is False:
-            self._sent_early = False  # nothing was sent: the regular way, from the start
+        if self.received(result) is None:
             return False
-        if result is True:
-            return False  # handed over to the engine
         self.result = x
         return True
 

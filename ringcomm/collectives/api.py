@@ -28,6 +28,8 @@ from ringcomm.collectives.checks import (
     check_flag,
     check_op,
     check_out,
+    check_out_apart,
+    check_out_or_new,
     check_root,
     check_row_array,
     check_rows,
@@ -237,6 +239,44 @@ def _run_hier(
     return result
 
 
+def _call_on(
+    group: GroupCore,
+    name: str,
+    algo: str,
+    x: Any,
+    timeout_s: float | None,
+    async_op: bool,
+    **fields: Any,
+) -> Any:
+    """Run collective ``name`` on ``x`` (its dtype and shape) as flat algorithm ``algo``;
+    ``fields``: the call's other :class:`Call` fields."""
+    call = Call(name, algo, x=x, dtype=x.dtype, shape=tuple(x.shape), **fields)
+    return _run(group, call, timeout_s, async_op)
+
+
+def _hier_or_flat(
+    group: GroupCore,
+    name: str,
+    algo: str | None,
+    x: Any,
+    what: str,
+    hier: bool,
+    timeout_s: float | None,
+    async_op: bool,
+    on_hier: Callable[[Any, Deadline, int | None], Any],
+    **fields: Any,
+) -> Any:
+    """Plan collective ``name`` on ``x`` (``hier``: it may run hierarchically) and run
+    it: ``on_hier(hierarchy, deadline, segment_bytes)`` if planned hierarchical, else
+    :func:`_call_on` with the plan's algorithm and piece size."""
+    p = plan(group, name, algo, x.nbytes, type(x) is np.ndarray, what, hier)
+    if p.algo == HIER_ALGO:
+        return _run_hier(group, what, timeout_s, lambda h, d: on_hier(h, d, p.segment_bytes))
+    return _call_on(
+        group, name, p.algo, x, timeout_s, async_op, chunk_bytes=p.chunk_bytes, **fields
+    )
+
+
 def _workspace_calls(group: GroupCore, timeout_s: float) -> WorkspaceCollectives | None:
     """The group's collectives on its workspace; a sub-group sets the workspace up at its
     first call (all members are in it; within that call's ``timeout_s``); None if that
@@ -324,7 +364,7 @@ def check_reduce_scatter(group: GroupCore, x: Any, out: Any, op: Any) -> tuple[A
     check_rows(x, group.world_size, what)
     rop = check_op(op, x.dtype, what)
     shape = tuple(x.shape[1:])
-    out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
+    out = check_out_or_new(out, shape, x, what)
     if may_share_memory(out, x) and not same_memory(out, x[group.rank]):
         raise ValueError(f"{what}: out may overlap x only as x[rank] (the in-place form)")
     return x, out, rop
@@ -335,7 +375,7 @@ def check_all_gather(group: GroupCore, x: Any, out: Any) -> tuple[Any, Any]:
     what = call_label(group, "all_gather")
     x = check_array(x, what, device=True)
     shape = (group.world_size, *x.shape)
-    out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
+    out = check_out_or_new(out, shape, x, what)
     return x, out
 
 
@@ -400,22 +440,19 @@ def reduce_scatter(
     async_op = check_flag(async_op, what)
     if hier and rop is ReduceOp.AVG and x.dtype.kind in "iu":
         hier = False  # integer means: flat
-    p = plan(group, "reduce_scatter", algo, x.nbytes, type(x) is np.ndarray, what, hier)
-    if p.algo == HIER_ALGO:
-        return _run_hier(
-            group, what, timeout_s, lambda h, d: h.reduce_scatter(x, out, rop, d, p.segment_bytes)
-        )
-    call = Call(
+    return _hier_or_flat(
+        group,
         "reduce_scatter",
-        p.algo,
-        x=x,
+        algo,
+        x,
+        what,
+        hier,
+        timeout_s,
+        async_op,
+        lambda h, d, seg: h.reduce_scatter(x, out, rop, d, seg),
         out=out,
         op=rop,
-        dtype=x.dtype,
-        shape=tuple(x.shape),
-        chunk_bytes=p.chunk_bytes,
     )
-    return _run(group, call, timeout_s, async_op)
 
 
 def all_gather(
@@ -433,21 +470,18 @@ def all_gather(
     what = call_label(group, "all_gather")
     x, out = check_all_gather(group, x, out)
     async_op = check_flag(async_op, what)
-    p = plan(group, "all_gather", algo, x.nbytes, type(x) is np.ndarray, what, hier)
-    if p.algo == HIER_ALGO:
-        return _run_hier(
-            group, what, timeout_s, lambda h, d: h.all_gather(x, out, d, p.segment_bytes)
-        )
-    call = Call(
+    return _hier_or_flat(
+        group,
         "all_gather",
-        p.algo,
-        x=x,
+        algo,
+        x,
+        what,
+        hier,
+        timeout_s,
+        async_op,
+        lambda h, d, seg: h.all_gather(x, out, d, seg),
         out=out,
-        dtype=x.dtype,
-        shape=tuple(x.shape),
-        chunk_bytes=p.chunk_bytes,
     )
-    return _run(group, call, timeout_s, async_op)
 
 
 def broadcast(
@@ -465,19 +499,18 @@ def broadcast(
     what = call_label(group, "broadcast")
     x, src = check_broadcast(group, x, src)
     async_op = check_flag(async_op, what)
-    p = plan(group, "broadcast", algo, x.nbytes, type(x) is np.ndarray, what, hier)
-    if p.algo == HIER_ALGO:
-        return _run_hier(group, what, timeout_s, lambda h, d: h.broadcast(x, src, d))
-    call = Call(
+    return _hier_or_flat(
+        group,
         "broadcast",
-        p.algo,
-        x=x,
+        algo,
+        x,
+        what,
+        hier,
+        timeout_s,
+        async_op,
+        lambda h, d, _seg: h.broadcast(x, src, d),
         root=src,
-        dtype=x.dtype,
-        shape=tuple(x.shape),
-        chunk_bytes=p.chunk_bytes,
     )
-    return _run(group, call, timeout_s, async_op)
 
 
 def reduce(
@@ -498,8 +531,7 @@ def reduce(
     rop = check_op(op, x.dtype, what)
     async_op = check_flag(async_op, what)
     algo = plan(group, "reduce", algo, x.nbytes, type(x) is np.ndarray, what).algo
-    call = Call("reduce", algo, x=x, op=rop, root=dst, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(group, call, timeout_s, async_op)
+    return _call_on(group, "reduce", algo, x, timeout_s, async_op, op=rop, root=dst)
 
 
 def gather(
@@ -520,12 +552,11 @@ def gather(
     async_op = check_flag(async_op, what)
     if group.rank == dst:
         shape = (group.world_size, *x.shape)
-        out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
+        out = check_out_or_new(out, shape, x, what)
     else:
         out = None
     algo = plan(group, "gather", algo, x.nbytes, type(x) is np.ndarray, what).algo
-    call = Call("gather", algo, x=x, out=out, root=dst, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(group, call, timeout_s, async_op)
+    return _call_on(group, "gather", algo, x, timeout_s, async_op, out=out, root=dst)
 
 
 def scatter(
@@ -621,15 +652,9 @@ def all_to_all(
     x = check_array(x, what, device=True)
     check_rows(x, group.world_size, what)
     async_op = check_flag(async_op, what)
-    if out is None:
-        out = empty_like(x, tuple(x.shape))
-    else:
-        out = check_out(out, tuple(x.shape), x.dtype, what, x)
-        if may_share_memory(out, x):
-            raise ValueError(f"{what}: out must not overlap x (all_to_all is not in place)")
+    out = check_out_apart(out, tuple(x.shape), x, what, "all_to_all")
     algo = plan(group, "all_to_all", algo, x.nbytes, type(x) is np.ndarray, what).algo
-    call = Call("all_to_all", algo, x=x, out=out, dtype=x.dtype, shape=tuple(x.shape))
-    return _run(group, call, timeout_s, async_op)
+    return _call_on(group, "all_to_all", algo, x, timeout_s, async_op, out=out)
 
 
 def barrier(
@@ -683,7 +708,7 @@ def all_gather_v(
                 f"{x.shape[0]} rows (shape {x.shape})"
             )
     shape = (sum(sizes), *x.shape[1:])
-    out = empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
+    out = check_out_or_new(out, shape, x, what)
     algo = plan_uneven(group, "all_gather_v", out.nbytes, type(x) is np.ndarray, what).algo
     call = Call("all_gather_v", algo, x=x, out=out, dtype=x.dtype, shape=(*sizes, *x.shape[1:]))
     return _run(group, call, timeout_s, async_op)
@@ -714,12 +739,7 @@ def reduce_scatter_v(
     rop = check_op(op, x.dtype, what)
     async_op = check_flag(async_op, what)
     shape = (splits[group.rank], *x.shape[1:])
-    if out is None:
-        out = empty_like(x, shape)
-    else:
-        out = check_out(out, shape, x.dtype, what, x)
-        if may_share_memory(out, x):
-            raise ValueError(f"{what}: out must not overlap x (reduce_scatter_v is not in place)")
+    out = check_out_apart(out, shape, x, what, "reduce_scatter_v")
     algo = plan_uneven(group, "reduce_scatter_v", x.nbytes, type(x) is np.ndarray, what).algo
     call = Call(
         "reduce_scatter_v", algo, x=x, out=out, op=rop, dtype=x.dtype, shape=(*splits, *x.shape[1:])
@@ -760,12 +780,7 @@ def all_to_all_v(
         )
     async_op = check_flag(async_op, what)
     shape = (sum(outs), *x.shape[1:])
-    if out is None:
-        out = empty_like(x, shape)
-    else:
-        out = check_out(out, shape, x.dtype, what, x)
-        if may_share_memory(out, x):
-            raise ValueError(f"{what}: out must not overlap x (all_to_all_v is not in place)")
+    out = check_out_apart(out, shape, x, what, "all_to_all_v")
     algo = plan_uneven(group, "all_to_all_v", x.nbytes, type(x) is np.ndarray, what).algo
     call = Call(
         "all_to_all_v", algo, x=x, out=out, dtype=x.dtype, shape=(*ins, *outs, *x.shape[1:])

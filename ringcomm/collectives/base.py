@@ -574,30 +574,6 @@ class CollectiveOp(Op):
             time.sleep(0.00005)
 
     # -- receiving (called by inboxes) -------------------------------------------------
-    def uneven_piece(
-        self,
-        peer: int,
-        header: Header,
-        payload: memoryview,
-        recv_seg: Any,
-        spans: Any,
-        seg_nbytes: Any,
-    ) -> tuple[int, int, int]:
-        """For the uneven rings: the segment step ``header.step`` carries (``recv_seg``),
-        and the piece's (offset, length) in it; a mismatch if the step, the piece or the
-        segment's size is not what this rank's call expects."""
-        k = header.step
-        if k >= self.n - 1:
-            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
-        seg = recv_seg[k]
-        off, length = self.piece_span(peer, header, payload, spans[seg], f"segment {seg}")
-        if header.nbytes != seg_nbytes[seg]:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {self.desc}: segment {seg} from rank {peer} has "
-                f"{header.nbytes} bytes, expected {seg_nbytes[seg]}"
-            )
-        return seg, off, length
-
     def piece_span(
         self,
         peer: int,

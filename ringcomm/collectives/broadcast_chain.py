@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.stepped import SpansOp
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.tree import chain_neighbors
 from ringcomm.transport.wire import Header
@@ -23,10 +24,9 @@ from ringcomm.transport.wire import Header
 __all__ = ["BroadcastChain"]
 
 
-class BroadcastChain(PipelinedOp):
+class BroadcastChain(SpansOp, PipelinedOp):
     name = "broadcast"
     algo = "chain"
-    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         if rank != self.call.root:
@@ -36,9 +36,6 @@ class BroadcastChain(PipelinedOp):
 
     def step_text(self, step: int) -> str:
         return f"chain from rank {self.call.root}"
-
-    def message_pieces(self, step: int) -> int | None:
-        return len(self.spans)
 
     def start(self) -> None:
         x, root = self.call.x, self.call.root
@@ -79,8 +76,7 @@ class BroadcastChain(PipelinedOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         j = header.piece
         spans = self.spans
-        self.piece_span(peer, header, payload, spans)
-        off, length = spans[j]
+        off, length = self.piece_span(peer, header, payload, spans)
         self.touched = True
         st = self.stager
         target = self.u8[off : off + length]

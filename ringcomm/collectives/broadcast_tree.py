@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.collectives.base import byte_view
+from ringcomm.collectives.stepped import SpansOp
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.tree import binomial_children, binomial_parent
 from ringcomm.transport.wire import Header
@@ -22,10 +23,9 @@ from ringcomm.transport.wire import Header
 __all__ = ["BroadcastTree"]
 
 
-class BroadcastTree(CollectiveOp):
+class BroadcastTree(SpansOp):
     name = "broadcast"
     algo = "tree"
-    maps_steps = True
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         root = self.call.root
@@ -33,9 +33,6 @@ class BroadcastTree(CollectiveOp):
 
     def step_text(self, step: int) -> str:
         return f"tree from rank {self.call.root}"
-
-    def message_pieces(self, step: int) -> int | None:
-        return len(self.spans)
 
     def start(self) -> None:
         x, root = self.call.x, self.call.root
@@ -66,10 +63,7 @@ class BroadcastTree(CollectiveOp):
             self.send_piece(child, 0, j, len(self.spans), len(self.u8), off, piece, self.dtype_str)
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
-        j = header.piece
-        spans = self.spans
-        self.piece_span(peer, header, payload, spans)
-        off, length = spans[j]
+        off, length = self.piece_span(peer, header, payload, self.spans)
         self.touched = True
         self.u8[off : off + length] = np.frombuffer(payload, np.uint8)
-        self._forward(j)
+        self._forward(header.piece)

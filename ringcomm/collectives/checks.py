@@ -20,6 +20,8 @@ __all__ = [
     "check_flag",
     "check_op",
     "check_out",
+    "check_out_apart",
+    "check_out_or_new",
     "check_root",
     "check_row_array",
     "check_rows",
@@ -90,6 +92,23 @@ def check_out(
         raise TypeError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
     if out.shape != shape:
         raise ValueError(f"{what}: out has shape {out.shape}, expected {shape}")
+    return out
+
+
+def check_out_or_new(out: Any, shape: tuple[int, ...], x: Any, what: str) -> Any:
+    """``out`` checked (:func:`check_out`, of ``x``'s dtype and memory), or a new array of
+    ``shape`` like ``x`` if None."""
+    return empty_like(x, shape) if out is None else check_out(out, shape, x.dtype, what, x)
+
+
+def check_out_apart(out: Any, shape: tuple[int, ...], x: Any, what: str, name: str) -> Any:
+    """:func:`check_out_or_new` for a call that is not in place (``name``): a given ``out``
+    must not overlap ``x``."""
+    if out is None:
+        return empty_like(x, shape)
+    out = check_out(out, shape, x.dtype, what, x)
+    if may_share_memory(out, x):
+        raise ValueError(f"{what}: out must not overlap x ({name} is not in place)")
     return out
 
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.collectives.base import byte_view
+from ringcomm.collectives.stepped import PeerRowsOp
 from ringcomm.schedule.chunks import chunk_spans
-from ringcomm.transport.wire import Header
 
 __all__ = ["GatherDirect"]
 
 
-class GatherDirect(CollectiveOp):
+class GatherDirect(PeerRowsOp):
     name = "gather"
     algo = "direct"
     fp_messages = False  # the root hears from every peer; others write nothing
@@ -49,13 +49,3 @@ class GatherDirect(CollectiveOp):
             if peer != root:
                 self.expect(peer, 1)
         self.post_inboxes()
-
-    def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
-        j = header.piece
-        spans = self.spans
-        self.piece_span(peer, header, payload, spans)
-        off, length = spans[j]
-        if not self.touched:  # the first matching piece: now out may be written
-            self.touched = True
-            self.out_u8[self.rank] = self.own
-        self.out_u8[peer, off : off + length] = np.frombuffer(payload, np.uint8)

@@ -505,22 +505,32 @@ class IpcCollectives:
         raw = self._exchange(job, json.dumps(mine).encode(), where, check=True)
         return [json.loads(r) for r in raw]
 
+    def _same_counts(
+        self, job: Job, call: Call, name: str, where: str
+    ) -> tuple[list[int], list[int]]:
+        """all_gather_v's sizes or reduce_scatter_v's splits (``name``; ``call.shape``'s
+        first ``n``), the same on every rank (:meth:`_counts`, ``where``), as element
+        counts per rank; and where each rank's segment starts."""
+        assert call.shape is not None
+        n = self.world_size
+        mine = list(call.shape[:n])
+        row = int(np.prod(call.shape[n:], dtype=np.int64))
+        theirs = self._counts(job, _shared(call, n), mine, where)
+        for r, got in enumerate(theirs):
+            if got != mine:
+                raise CollectiveMismatchError(
+                    f"rank {self.core.rank}: {job.desc}: rank {r} passed {name} {got}, this rank "
+                    f"{mine}"
+                )
+        counts = [s * row for s in mine]
+        return counts, [sum(counts[:r]) for r in range(n)]
+
     def _all_gather_v(self, job: Job, call: Call, dev: IpcDevice, stream: Any,
                       watch: Any) -> Any:  # fmt: skip
         x, out = call.x, call.out
-        assert x is not None and out is not None and call.shape is not None
-        n, me = self.world_size, self.rank
-        sizes = list(call.shape[:n])
-        row = int(np.prod(call.shape[n:], dtype=np.int64))
-        theirs = self._counts(job, _shared(call, n), sizes, "sharing the row counts")
-        for r, got in enumerate(theirs):
-            if got != sizes:
-                raise CollectiveMismatchError(
-                    f"rank {self.core.rank}: {job.desc}: rank {r} passed sizes {got}, this rank "
-                    f"{sizes}"
-                )
-        counts = [s * row for s in sizes]
-        starts = [sum(counts[:r]) for r in range(n)]
+        assert x is not None and out is not None
+        me = self.rank
+        counts, starts = self._same_counts(job, call, "sizes", "sharing the row counts")
         flat, dst = x.reshape(-1), out.reshape(-1)
         per, rounds = self._rounds(max(counts, default=0), x.dtype.itemsize)
         for i in range(rounds):
@@ -541,19 +551,8 @@ class IpcCollectives:
                           watch: Any) -> Any:  # fmt: skip
         x, out = call.x, call.out
         assert x is not None and out is not None and call.op is not None
-        assert call.shape is not None
         n, me = self.world_size, self.rank
-        splits = list(call.shape[:n])
-        row = int(np.prod(call.shape[n:], dtype=np.int64))
-        theirs = self._counts(job, _shared(call, n), splits, "sharing the splits")
-        for r, got in enumerate(theirs):
-            if got != splits:
-                raise CollectiveMismatchError(
-                    f"rank {self.core.rank}: {job.desc}: rank {r} passed splits {got}, this rank "
-                    f"{splits}"
-                )
-        counts = [s * row for s in splits]
-        starts = [sum(counts[:r]) for r in range(n)]
+        counts, starts = self._same_counts(job, call, "splits", "sharing the splits")
         flat, res = x.reshape(-1), out.reshape(-1)
         per, rounds = self._rounds(max(counts, default=0), x.dtype.itemsize, n)
         for i in range(rounds):

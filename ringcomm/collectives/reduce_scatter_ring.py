@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
+from ringcomm.collectives.stepped import RingOp, SpansOp
 from ringcomm.device.staging import DeviceStager
-from ringcomm.errors import CollectiveMismatchError
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.ring import reduce_scatter_steps, ring_neighbors
 from ringcomm.transport.wire import Header
@@ -29,19 +29,10 @@ from ringcomm.transport.wire import Header
 __all__ = ["ReduceScatterRing"]
 
 
-class ReduceScatterRing(PipelinedOp):
+class ReduceScatterRing(RingOp, SpansOp, PipelinedOp):
     name = "reduce_scatter"
     algo = "ring"
-    maps_steps = True
-
-    def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 goes right at once
-
-    def step_text(self, step: int) -> str:
-        return f"reduce-scatter step {step + 1}/{self.n - 1}"
-
-    def message_pieces(self, step: int) -> int | None:
-        return len(self.spans)
+    step_name = "reduce-scatter"
 
     def start(self) -> None:
         x, out, op = self.call.x, self.call.out, self.call.op
@@ -100,12 +91,9 @@ class ReduceScatterRing(PipelinedOp):
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
         spans = self.spans
-        if k >= self.n - 1:
-            raise CollectiveMismatchError(f"rank {self.rank}: {self.desc}: unexpected step {k}")
-        self.piece_span(peer, header, payload, spans, "the schedule")
+        off, length = self.ring_piece(peer, header, payload, spans)
         op = self.call.op
         assert op is not None
-        off, length = spans[j]
         a = off // self.itemsize
         b = a + length // self.itemsize
         row = self.recv_row[k]

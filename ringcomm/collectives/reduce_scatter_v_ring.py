@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ringcomm.collectives.base import CollectiveOp, byte_view
+from ringcomm.collectives.base import byte_view
+from ringcomm.collectives.stepped import UnevenRingOp
 from ringcomm.ops import finalize, reduce_out
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.partition import split_offsets
@@ -29,19 +30,10 @@ from ringcomm.transport.wire import Header
 __all__ = ["ReduceScatterVRing"]
 
 
-class ReduceScatterVRing(CollectiveOp):
+class ReduceScatterVRing(UnevenRingOp):
     name = "reduce_scatter_v"
     algo = "ring"
-    maps_steps = True
-
-    def start_peers(self, rank: int) -> tuple[int, ...]:
-        return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 goes right at once
-
-    def step_text(self, step: int) -> str:
-        return f"reduce-scatter-v step {step + 1}/{self.n - 1}"
-
-    def message_pieces(self, step: int) -> int | None:
-        return len(self.spans[self.recv_seg[step]])
+    step_name = "reduce-scatter-v"
 
     def start(self) -> None:
         x, out, op, shape = self.call.x, self.call.out, self.call.op, self.call.shape
@@ -64,7 +56,7 @@ class ReduceScatterVRing(CollectiveOp):
         self.dtype_str = x.dtype.str
         self.seg_nbytes = [s * row_size * x.itemsize for s in splits]
         chunk = self.comm.chunk_bytes
-        self.spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
+        self.seg_spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
         self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         steps = reduce_scatter_steps(r, n, self.comm.ring_order)
         self.recv_seg = [rs for _, rs in steps]
@@ -76,16 +68,14 @@ class ReduceScatterVRing(CollectiveOp):
         self.expect(self.left, n - 1)
         first = steps[0][0]
         self.send_message(
-            self.right, 0, byte_view(self.segs[first]), self.spans[first], 0, self.dtype_str
+            self.right, 0, byte_view(self.segs[first]), self.seg_spans[first], 0, self.dtype_str
         )
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:
         k, j = header.step, header.piece
-        seg, off, length = self.uneven_piece(
-            peer, header, payload, self.recv_seg, self.spans, self.seg_nbytes
-        )
-        spans = self.spans[seg]
+        seg, off, length = self.uneven_piece(peer, header, payload)
+        spans = self.seg_spans[seg]
         op = self.call.op
         assert op is not None
         a = off // self.itemsize

@@ -11,6 +11,7 @@ fingerprint check, before any rank reads a byte of another's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -24,29 +25,19 @@ if TYPE_CHECKING:
 __all__ = ["HostCall", "Job", "ShmEngine", "barrier", "flat_rounds", "row_rounds"]
 
 
+@dataclass(slots=True, eq=False)
 class Job:
-    """One collective call on the workspace: what the algorithms carry from call to sync."""
+    """One collective call on the workspace: what the algorithms carry from call to sync.
+    ``device``: a device algorithm's state taken at the call (the caller's stream): see
+    :attr:`WorkspaceCollectives.extensions`."""
 
-    __slots__ = ("call", "core", "deadline", "device", "note", "seq", "timeout_s")
-
-    def __init__(
-        self,
-        core: GroupCore,
-        call: Call,
-        seq: int,
-        deadline: float,
-        timeout_s: float,
-        device: Any = None,
-    ) -> None:
-        self.core = core
-        self.call = call
-        self.seq = seq
-        self.deadline = deadline
-        self.timeout_s = timeout_s
-        self.note = ""  # where it waits (a sync), for the progress map
-        #: A device algorithm's state taken at the call (the caller's stream): see
-        #: :attr:`WorkspaceCollectives.extensions`.
-        self.device = device
+    core: GroupCore
+    call: Call
+    seq: int
+    deadline: float
+    timeout_s: float
+    device: Any = None
+    note: str = ""  # where it waits (a sync), for the progress map
 
     @property
     def desc(self) -> str:
