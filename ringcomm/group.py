@@ -156,7 +156,6 @@ class ProcessGroup:
             group_id=core.group_id,
             tag=tag,
             chunk_bytes=core.chunk_bytes,
-            rank=core.rank,
             async_op=async_op,
         )
 

@@ -102,8 +102,6 @@ class Matching:
         self.unexpected_by_src: dict[int, list[int]] = {}
         #: Messages dropped: malformed, from an unknown sender, or over the cap.
         self.dropped_frames = 0
-        #: Called with the header of each message queued as unexpected.
-        self.listeners: list[Callable[[Header], None]] = []
 
     # -- posting receivers -------------------------------------------------------------
     def post(self, key: Key, receiver: Receiver) -> None:
@@ -251,8 +249,6 @@ class Matching:
             if arrivals is None:
                 self.arrivals[where] = arrivals = collections.deque()
             arrivals.append(header.src)
-        for listener in self.listeners:
-            listener(header)
 
     def take(self, key: Key) -> Message | None:
         """The first unexpected message with ``key`` (a collective's), taken off its queue

@@ -61,7 +61,6 @@ class SendOp(Op):
         group_id: int,
         tag: int,
         chunk_bytes: int,
-        rank: int,
         async_op: bool = False,
     ) -> None:
         super().__init__(progress, async_op=async_op)
