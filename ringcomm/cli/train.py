@@ -24,6 +24,7 @@ import json
 import sys
 from typing import Any
 
+from ringcomm.cli.options import add_consistency_options, add_nproc_option
 from ringcomm.config import (
     UsageError,
     check_output_path,
@@ -90,9 +91,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     d = TrainConfig  # the defaults, written once
     p.add_argument("--strategy", choices=STRATEGY_NAMES, required=True)
-    p.add_argument(
-        "-n", "--nproc", type=int, default=d.world_size, metavar="N", help="number of ranks"
-    )
+    add_nproc_option(p, "number of ranks", default=d.world_size)
     p.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
     )
@@ -189,9 +188,7 @@ def _add_ps_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig
     s = p.add_argument_group("parameter server (--strategy ps)")
     s.add_argument("--ps-servers", type=int, default=d.ps_servers, metavar="S")
-    s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default=d.consistency)
-    s.add_argument("--staleness", type=int, default=d.staleness, metavar="K")
-    s.add_argument("--ps-update", choices=("server", "worker"), default=d.ps_update)
+    add_consistency_options(s, consistency=d.consistency, staleness=d.staleness, update=d.ps_update)
     s.add_argument("--checkpoint-dir", metavar="DIR", help="servers checkpoint here (and resume)")
     s.add_argument(
         "--checkpoint-interval",
