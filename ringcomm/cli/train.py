@@ -232,6 +232,36 @@ def _add_elastic_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: The :class:`TrainConfig` fields that take the option of their name as it was parsed
+#: (checked in :func:`config_from_args`); the others are worked out there.
+_AS_GIVEN = (
+    "strategy",
+    "steps",
+    "device",
+    "dtype",
+    "seed",
+    "optimizer",
+    "lr",
+    "batch_size",
+    "in_features",
+    "hidden",
+    "depth",
+    "classes",
+    "act",
+    "micro_batches",
+    "schedule",
+    "timeout_s",
+    "comm_summary",
+    "ps_servers",
+    "consistency",
+    "staleness",
+    "ps_update",
+    "ps_split_min_bytes",
+    "elastic",
+    "max_restarts",
+)
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     check_output_path(args.json, "--json")
     check_output_path(getattr(args, "checkpoint_dir", None), "--checkpoint-dir", directory=True)
@@ -291,36 +321,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     except StrategyUnavailable as exc:
         raise UsageError(str(exc)) from None
     return TrainConfig(
-        strategy=args.strategy,
         world_size=n,
-        steps=args.steps,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        in_features=args.in_features,
-        hidden=args.hidden,
-        depth=args.depth,
-        classes=args.classes,
-        act=args.act,
         bucket_bytes=bucket,
-        micro_batches=args.micro_batches,
-        schedule=args.schedule,
-        timeout_s=args.timeout_s,
         verbose=not args.quiet,
-        comm_summary=args.comm_summary,
-        ps_servers=args.ps_servers,
-        consistency=args.consistency,
-        staleness=args.staleness,
-        ps_update=args.ps_update,
         ps_checkpoint_dir=args.checkpoint_dir,
         ps_checkpoint_interval=args.checkpoint_interval,
-        ps_split_min_bytes=args.ps_split_min_bytes,
-        elastic=args.elastic,
-        max_restarts=args.max_restarts,
         fail_at=fail_at,
+        **{name: getattr(args, name) for name in _AS_GIVEN},
         **mesh,
     )
 
