@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ringcomm.bench.spec import GLOO_DTYPES, BenchConfig, SizeSpec
-from ringcomm.bench.sweep import Record, Step, run_sweep
+from ringcomm.bench.sweep import Record, Step, returning, run_sweep
 from ringcomm.config import environment
 
 if TYPE_CHECKING:
@@ -149,50 +149,19 @@ class GlooImpl:
             t = x = t.to(self.device)
         op = spec.op
         if op == "all_reduce":
-            redop = _redop(spec.redop)
-
-            def all_reduce() -> np.ndarray:
-                dist.all_reduce(t, op=redop)
-                return x
-
-            return all_reduce
+            return returning(x, dist.all_reduce, t, _redop(spec.redop))
         out: Any = np.empty(spec.out_shape, dtype=data.dtype)
         o = torch.from_numpy(out)
         if self.cuda:
             o = out = o.to(self.device)
         if op == "reduce_scatter":
-            redop = _redop(spec.redop)
-            flat = t.view(-1)
-
-            def reduce_scatter() -> np.ndarray:
-                dist.reduce_scatter_tensor(o, flat, op=redop)
-                return out
-
-            return reduce_scatter
+            return returning(out, dist.reduce_scatter_tensor, o, t.view(-1), _redop(spec.redop))
         if op == "all_gather":
-            flat_out = o.view(-1)
-
-            def all_gather() -> np.ndarray:
-                dist.all_gather_into_tensor(flat_out, t)
-                return out
-
-            return all_gather
+            return returning(out, dist.all_gather_into_tensor, o.view(-1), t)
         if op == "broadcast":
-            root = spec.root
-
-            def broadcast() -> np.ndarray:
-                dist.broadcast(t, src=root)
-                return x
-
-            return broadcast
+            return returning(x, dist.broadcast, t, spec.root)
         if op == "all_to_all":
-            flat_in, flat_out = t.view(-1), o.view(-1)
-
-            def all_to_all() -> np.ndarray:
-                dist.all_to_all_single(flat_out, flat_in)
-                return out
-
-            return all_to_all
+            return returning(out, dist.all_to_all_single, o.view(-1), t.view(-1))
         if op == "sendrecv":
             n, rank = self.world_size, self.rank
 

@@ -31,9 +31,13 @@ from typing import Any
 import numpy as np
 
 from ringcomm.bench.spec import BenchConfig, SizeSpec
-from ringcomm.bench.sweep import MARK, Record, Step, run_sweep
+from ringcomm.bench.sweep import MARK, Record, Step, returning, run_sweep
 
-__all__ = ["MpiImpl", "bench", "mpi_missing", "mpirun_command", "run_mpi"]
+__all__ = ["MPI_TCP_ARGS", "MpiImpl", "bench", "mpi_missing", "mpirun_command", "run_mpi"]
+
+#: mpirun options for the TCP transport (Open MPI's ob1 with the tcp and self BTLs); the
+#: interfaces it may use are added apart (loopback on one host).
+MPI_TCP_ARGS: tuple[str, ...] = ("--mca", "pml", "ob1", "--mca", "btl", "tcp,self")
 
 
 def mpi_missing() -> str | None:
@@ -64,17 +68,7 @@ def mpirun_command(
     if hosts_args is not None:
         cmd += list(hosts_args)
     elif config.mpi_tcp:
-        cmd += [
-            "--mca",
-            "pml",
-            "ob1",
-            "--mca",
-            "btl",
-            "tcp,self",
-            "--mca",
-            "btl_tcp_if_include",
-            "lo",
-        ]
+        cmd += [*MPI_TCP_ARGS, "--mca", "btl_tcp_if_include", "lo"]
     cmd += [sys.executable, "-m", "ringcomm.bench.mpi", config_path, out_path]
     return cmd
 
@@ -135,42 +129,16 @@ class MpiImpl:
             if x.dtype == np.bool_:
                 mpi_op = MPI.LOR if spec.redop in ("sum", "max") else MPI.LAND
         if op == "all_reduce":
-
-            def all_reduce() -> np.ndarray:
-                comm.Allreduce(MPI.IN_PLACE, x, op=mpi_op)
-                return x
-
-            return all_reduce
+            return returning(x, comm.Allreduce, MPI.IN_PLACE, x, mpi_op)
         out = np.empty(spec.out_shape, dtype=x.dtype)
         if op == "reduce_scatter":
-
-            def reduce_scatter() -> np.ndarray:
-                comm.Reduce_scatter_block(x, out, op=mpi_op)
-                return out
-
-            return reduce_scatter
+            return returning(out, comm.Reduce_scatter_block, x, out, mpi_op)
         if op == "all_gather":
-
-            def all_gather() -> np.ndarray:
-                comm.Allgather(x, out)
-                return out
-
-            return all_gather
+            return returning(out, comm.Allgather, x, out)
         if op == "broadcast":
-            root = spec.root
-
-            def broadcast() -> np.ndarray:
-                comm.Bcast(x, root=root)
-                return x
-
-            return broadcast
+            return returning(x, comm.Bcast, x, spec.root)
         if op == "all_to_all":
-
-            def all_to_all() -> np.ndarray:
-                comm.Alltoall(x, out)
-                return out
-
-            return all_to_all
+            return returning(out, comm.Alltoall, x, out)
         if op == "sendrecv":
             n, rank = comm.Get_size(), comm.Get_rank()
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ringcomm.bench.mpi import mpirun_command
+from ringcomm.bench.mpi import MPI_TCP_ARGS, mpirun_command
 from ringcomm.bench.report import Result, aggregate, merge_rounds
 from ringcomm.bench.spec import BenchConfig
 from ringcomm.bench.sweep import MARK, Record
@@ -207,12 +207,7 @@ def mpi_hosts_args(hosts: HostsSpec, if_include: str | None = None) -> list[str]
         "--mca",
         "plm_rsh_agent",
         agent,
-        "--mca",
-        "pml",
-        "ob1",
-        "--mca",
-        "btl",
-        "tcp,self",
+        *MPI_TCP_ARGS,
         *if_args,
         "-x",
         "PYTHONPATH",

@@ -52,22 +52,9 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = 
                 continue
             color, marker = _STYLE.get(impl, (None, "x"))
             xs = [r["bytes"] for r in mine]
-            ax_bw.plot(
-                xs,
-                [r["busbw_GBps"] for r in mine],
-                marker=marker,
-                color=color,
-                label=impl,
-                markersize=4,
-            )
-            ax_t.plot(
-                xs,
-                [r["time_us"] for r in mine],
-                marker=marker,
-                color=color,
-                label=impl,
-                markersize=4,
-            )
+            for ax, key in ((ax_bw, "busbw_GBps"), (ax_t, "time_us")):
+                ys = [r[key] for r in mine]
+                ax.plot(xs, ys, marker=marker, color=color, label=impl, markersize=4)
         world = next((r["world_size"] for r in rows if r["op"] == op), "?")
         dtype = next((r["dtype"] for r in rows if r["op"] == op), "?")
         for ax, what in ((ax_bw, "bus bandwidth (GB/s)"), (ax_t, "time (µs, median)")):

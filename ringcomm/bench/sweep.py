@@ -30,7 +30,7 @@ import numpy as np
 from ringcomm.bench.inputs import count_wrong, expected_output, rank_input
 from ringcomm.bench.spec import BenchConfig, SizeSpec
 
-__all__ = ["MARK", "Impl", "Record", "run_sweep"]
+__all__ = ["MARK", "Impl", "Record", "returning", "run_sweep"]
 
 Record = dict[str, Any]
 #: Prefix of the line a rank (or MPI's rank 0) prints with its records, for the parent to
@@ -40,6 +40,19 @@ Step = Callable[[], np.ndarray]
 
 #: Progress lines start once a sweep has run this long (short sweeps stay silent).
 PROGRESS_AFTER_S = 2.0
+
+
+def returning(result: Any, call: Callable[..., object], *args: Any) -> Step:
+    """A step that runs ``call(*args)`` and returns ``result``, the buffer the call fills.
+
+    Positional arguments only: a timed step then costs what the call written out in a
+    closure costs (the bound method and its arguments are looked up once, here)."""
+
+    def step() -> Any:
+        call(*args)
+        return result
+
+    return step
 
 
 class Impl(Protocol):

@@ -22,6 +22,7 @@ from typing import Any
 from ringcomm.bench.multihost import HostsSpec
 from ringcomm.bench.report import Result, format_footer, format_table, json_row
 from ringcomm.bench.spec import DEVICES, GLOO_DTYPES, OPS, REDUCING_OPS, BenchConfig
+from ringcomm.cli.options import add_hosts_options, add_nproc_option, add_ssh_config_option
 from ringcomm.config import (
     BIND_MODES,
     UsageError,
@@ -69,30 +70,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     """``bench``'s operation, ranks and sizes, and its iterations per size."""
     p.add_argument("op", choices=OPS, metavar="OP", help=f"one of: {', '.join(OPS)}")
-    p.add_argument(
-        "-n",
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="number of ranks (required on one host; with --hostfile/-H default every slot)",
+    add_nproc_option(
+        p, "number of ranks (required on one host; with --hostfile/-H default every slot)"
     )
-    p.add_argument(
-        "-b",
-        "--minbytes",
-        type=size_arg,
-        default=BenchConfig.begin,
-        metavar="SIZE",
-        help=f"smallest size (default {format_size(BenchConfig.begin)}; K/M/G suffixes)",
-    )
-    p.add_argument(
-        "-e",
-        "--maxbytes",
-        type=size_arg,
-        default=BenchConfig.end,
-        metavar="SIZE",
-        help=f"largest size (default {format_size(BenchConfig.end)})",
-    )
+    for flags, default, what, more in (
+        (("-b", "--minbytes"), BenchConfig.begin, "smallest", "; K/M/G suffixes"),
+        (("-e", "--maxbytes"), BenchConfig.end, "largest", ""),
+    ):
+        text = f"{what} size (default {format_size(default)}{more})"
+        p.add_argument(*flags, type=size_arg, default=default, metavar="SIZE", help=text)
     p.add_argument(
         "-f",
         "--stepfactor",
@@ -213,16 +199,12 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     """``bench``'s ``--plot``, hosts (multi-host over ssh), time bound and quiet mode."""
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw and time vs size")
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument(
-        "--hostfile",
-        metavar="FILE",
-        help="multi-host: ranks on these hosts over ssh (one host a line, 'host slots=N')",
+    add_hosts_options(
+        p,
+        hostfile_help="multi-host: ranks on these hosts over ssh (one host a line, 'host slots=N')",
+        hosts_help="multi-host: hosts and slots",
     )
-    hosts.add_argument("-H", "--hosts", metavar="h1:2,h2:2", help="multi-host: hosts and slots")
-    p.add_argument(
-        "--ssh-config", default=None, metavar="F", help="multi-host: ssh config for ssh/mpirun"
-    )
+    add_ssh_config_option(p, "multi-host: ssh config for ssh/mpirun")
     p.add_argument(
         "--timeout-s",
         type=float,

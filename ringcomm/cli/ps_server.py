@@ -20,6 +20,7 @@ import logging
 import sys
 from typing import Any
 
+from ringcomm.cli.options import add_consistency_options
 from ringcomm.config import UsageError, check_output_path, default_of, env_token, ps_log_level
 
 __all__ = ["add_parser", "config_from_args", "main"]
@@ -36,7 +37,7 @@ def _address(text: str) -> tuple[str, int]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ps-server`` on the CLI's subparsers (see :mod:`ringcomm.cli`)."""
-    from ringcomm.ps.config import CONSISTENCY_MODES, UPDATE_MODES, PSConfig
+    from ringcomm.ps.config import PSConfig
     from ringcomm.ps.updaters import UPDATERS
 
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -57,19 +58,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--ps-servers", type=int, default=1, metavar="S", help="number of servers (default 1)"
     )
     p.add_argument("--num-workers", type=int, required=True, metavar="W", help="number of workers")
-    p.add_argument("--consistency", choices=CONSISTENCY_MODES, default=PSConfig.consistency)
-    p.add_argument(
-        "--staleness",
-        type=int,
-        default=PSConfig.staleness,
-        metavar="K",
-        help="ssp bound (default %(default)s)",
-    )
-    p.add_argument(
-        "--ps-update",
-        choices=UPDATE_MODES,
-        default=PSConfig.update,
-        help="server: apply the optimizer here; worker: only average",
+    add_consistency_options(
+        p,
+        consistency=PSConfig.consistency,
+        staleness=PSConfig.staleness,
+        update=PSConfig.update,
+        staleness_help="ssp bound (default %(default)s)",
+        update_help="server: apply the optimizer here; worker: only average",
     )
     p.add_argument(
         "--reduce",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ringcomm.cli.options import add_hosts_options, add_nproc_option, add_ssh_config_option
 from ringcomm.launch import local, ssh
 from ringcomm.launch.supervise import DEFAULT_GRACE_S
 
@@ -27,22 +28,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "Options end at the script (or at --): what follows is the script's.",
         allow_abbrev=False,
     )
-    p.add_argument(
-        "-n",
-        "-np",
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="number of ranks (default: 1; multi-host: every slot); -np as mpirun's",
+    add_nproc_option(
+        p,
+        "number of ranks (default: 1; multi-host: every slot); -np as mpirun's",
+        mpirun_alias=True,
     )
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument(
-        "--hostfile",
-        metavar="FILE",
-        help="multi-host: one host a line, 'host slots=N' or 'host:N'",
+    add_hosts_options(
+        p,
+        hostfile_help="multi-host: one host a line, 'host slots=N' or 'host:N'",
+        hosts_help="multi-host: hosts and slots",
     )
-    hosts.add_argument("-H", "--hosts", metavar="h1:2,h2:2", help="multi-host: hosts and slots")
     p.add_argument(
         "--nproc-per-node",
         type=int,
@@ -53,7 +48,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--master-addr", default=None, metavar="A", help="store address")
     p.add_argument("--master-port", type=int, default=None, metavar="P", help="store port")
-    p.add_argument("--ssh-config", default=None, metavar="F", help="multi-host: ssh config")
+    add_ssh_config_option(p, "multi-host: ssh config")
     p.add_argument("--ssh-port", type=int, default=None, metavar="P", help="multi-host: ssh port")
     p.add_argument("--ssh-identity", default=None, metavar="F", help="multi-host: ssh key")
     p.add_argument(

@@ -24,6 +24,7 @@ import json
 import sys
 from typing import Any
 
+from ringcomm.cli.options import add_consistency_options, add_nproc_option
 from ringcomm.config import (
     UsageError,
     check_output_path,
@@ -90,9 +91,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     d = TrainConfig  # the defaults, written once
     p.add_argument("--strategy", choices=STRATEGY_NAMES, required=True)
-    p.add_argument(
-        "-n", "--nproc", type=int, default=d.world_size, metavar="N", help="number of ranks"
-    )
+    add_nproc_option(p, "number of ranks", default=d.world_size)
     p.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
     )
@@ -189,9 +188,7 @@ def _add_ps_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig
     s = p.add_argument_group("parameter server (--strategy ps)")
     s.add_argument("--ps-servers", type=int, default=d.ps_servers, metavar="S")
-    s.add_argument("--consistency", choices=("bsp", "ssp", "asp"), default=d.consistency)
-    s.add_argument("--staleness", type=int, default=d.staleness, metavar="K")
-    s.add_argument("--ps-update", choices=("server", "worker"), default=d.ps_update)
+    add_consistency_options(s, consistency=d.consistency, staleness=d.staleness, update=d.ps_update)
     s.add_argument("--checkpoint-dir", metavar="DIR", help="servers checkpoint here (and resume)")
     s.add_argument(
         "--checkpoint-interval",
@@ -233,6 +230,36 @@ def _add_elastic_args(p: argparse.ArgumentParser) -> None:
         "step, or mid-step once its BUCKET-th gradient all-reduce (ps: push_pull) "
         "is done",
     )
+
+
+#: The :class:`TrainConfig` fields that take the option of their name as it was parsed
+#: (checked in :func:`config_from_args`); the others are worked out there.
+_AS_GIVEN = (
+    "strategy",
+    "steps",
+    "device",
+    "dtype",
+    "seed",
+    "optimizer",
+    "lr",
+    "batch_size",
+    "in_features",
+    "hidden",
+    "depth",
+    "classes",
+    "act",
+    "micro_batches",
+    "schedule",
+    "timeout_s",
+    "comm_summary",
+    "ps_servers",
+    "consistency",
+    "staleness",
+    "ps_update",
+    "ps_split_min_bytes",
+    "elastic",
+    "max_restarts",
+)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -294,36 +321,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     except StrategyUnavailable as exc:
         raise UsageError(str(exc)) from None
     return TrainConfig(
-        strategy=args.strategy,
         world_size=n,
-        steps=args.steps,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        in_features=args.in_features,
-        hidden=args.hidden,
-        depth=args.depth,
-        classes=args.classes,
-        act=args.act,
         bucket_bytes=bucket,
-        micro_batches=args.micro_batches,
-        schedule=args.schedule,
-        timeout_s=args.timeout_s,
         verbose=not args.quiet,
-        comm_summary=args.comm_summary,
-        ps_servers=args.ps_servers,
-        consistency=args.consistency,
-        staleness=args.staleness,
-        ps_update=args.ps_update,
         ps_checkpoint_dir=args.checkpoint_dir,
         ps_checkpoint_interval=args.checkpoint_interval,
-        ps_split_min_bytes=args.ps_split_min_bytes,
-        elastic=args.elastic,
-        max_restarts=args.max_restarts,
         fail_at=fail_at,
+        **{name: getattr(args, name) for name in _AS_GIVEN},
         **mesh,
     )
 

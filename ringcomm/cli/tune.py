@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ringcomm.cli.options import add_hosts_options, add_nproc_option, add_ssh_config_option
 from ringcomm.config import (
     DEFAULT_TUNE_FILE,
     UsageError,
@@ -76,22 +77,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="where to write the model (default %(default)s: where a group "
         "started here finds it; elsewhere set RINGCOMM_TUNE_FILE)",
     )
-    p.add_argument(
-        "-n",
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="ranks of the probe (default 2 on one host; every slot with --hostfile/-H)",
+    add_nproc_option(p, "ranks of the probe (default 2 on one host; every slot with --hostfile/-H)")
+    add_hosts_options(
+        p,
+        hostfile_help="probe across these hosts over ssh ('host slots=N' a line)",
+        hosts_help="probe across these hosts",
     )
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument(
-        "--hostfile",
-        metavar="FILE",
-        help="probe across these hosts over ssh ('host slots=N' a line)",
-    )
-    hosts.add_argument("-H", "--hosts", metavar="h1:2,h2:2", help="probe across these hosts")
-    p.add_argument("--ssh-config", default=None, metavar="F", help="ssh config for the hosts")
+    add_ssh_config_option(p, "ssh config for the hosts")
     p.add_argument(
         "--size",
         type=size_arg,
@@ -148,6 +140,16 @@ def _chunk_bytes() -> int:
         raise UsageError(str(exc)) from None
 
 
+def _check_timing(args: argparse.Namespace, default_timeout_s: float) -> None:
+    """Check --iters and --warmup; set --timeout-s (``default_timeout_s`` when not given)."""
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.timeout_s is None:
+        args.timeout_s = default_timeout_s
+    if not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+
+
 def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = sorted({parse_size(t) for t in text.split(",") if t.strip()})
@@ -193,12 +195,7 @@ def main(args: argparse.Namespace) -> int:
     n = 2 if args.nproc is None else args.nproc
     if n < 2:
         raise UsageError(f"-n must be >= 2 (a link needs two ranks), got {n}")
-    if args.iters < 1 or args.warmup < 0:
-        raise UsageError("--iters must be >= 1 and --warmup >= 0")
-    if args.timeout_s is None:
-        args.timeout_s = 60.0
-    if not args.timeout_s > 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    _check_timing(args, default_timeout_s=60.0)
     sizes = _parse_sizes(args.sizes)
     chunk = _chunk_bytes()
     net_model = model_from_args(args, CostModel())  # the --net-* options, checked up front
@@ -289,12 +286,7 @@ def _main_hosts(args: argparse.Namespace) -> int:
         samples_from,
     )
 
-    if args.iters < 1 or args.warmup < 0:
-        raise UsageError("--iters must be >= 1 and --warmup >= 0")
-    if args.timeout_s is None:
-        args.timeout_s = 300.0
-    if not args.timeout_s > 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    _check_timing(args, default_timeout_s=300.0)
     if args.net_gbps is not None or args.net_latency_us is not None:
         raise UsageError("--net-gbps/--net-latency-us: across hosts the network is measured")
     size = DEFAULT_SIZE if args.size is None else args.size

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from ringcomm.config import UsageError
 
-__all__ = ["RESERVED_VARS", "TOKEN_VAR", "is_var_name", "parse_env_options"]
+__all__ = ["RESERVED_VARS", "TOKEN_VAR", "is_var_name", "parse_env_options", "position_vars"]
 
 #: The job token's variable: never on a command line (``--dry-run`` does not show it).
 TOKEN_VAR = "RINGCOMM_TOKEN"
@@ -57,3 +57,32 @@ def parse_env_options(
             value = copied
         out[name] = value
     return tuple(out.items())
+
+
+def position_vars(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    master_addr: str,
+    master_port: int | str,
+    torch_port: int | str | None = None,
+) -> dict[str, str]:
+    """Where a rank stands in its job, under torchrun's names and ringcomm's own.
+
+    ``MASTER_PORT`` (torch's ``env://``) is ``torch_port`` where given, else the store's
+    ``master_port`` (``RINGCOMM_MASTER_PORT``)."""
+    rank_s, world, port = str(rank), str(world_size), str(master_port)
+    return {
+        "RANK": rank_s,
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": port if torch_port is None else str(torch_port),
+        "RINGCOMM_RANK": rank_s,
+        "RINGCOMM_WORLD_SIZE": world,
+        "RINGCOMM_MASTER_ADDR": master_addr,
+        "RINGCOMM_MASTER_PORT": port,
+    }

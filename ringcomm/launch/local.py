@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringcomm.config import UsageError, env_trace_dir, environment
-from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options
+from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options, position_vars
 from ringcomm.launch.supervise import (
     DEFAULT_GRACE_S,
     LauncherSignals,
@@ -191,21 +191,18 @@ def rank_env(
     holds: so the torch backend runs under ``ringcomm run`` as under torchrun.
     """
     env = dict(config.env)
-    world, addr, port = str(config.nproc), config.master_addr, str(master_port)
     env.update(
-        RANK=str(rank),
-        WORLD_SIZE=world,
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=world,
-        MASTER_ADDR=addr,
-        MASTER_PORT=port if torch_port is None else str(torch_port),
-        RINGCOMM_RANK=str(rank),
-        RINGCOMM_WORLD_SIZE=world,
-        RINGCOMM_MASTER_ADDR=addr,
-        RINGCOMM_MASTER_PORT=port,
-        RINGCOMM_STORE_EXTERNAL="1",
-        PYTHONUNBUFFERED="1",
+        position_vars(
+            rank=rank,
+            world_size=config.nproc,
+            local_rank=rank,
+            local_world_size=config.nproc,
+            master_addr=config.master_addr,
+            master_port=master_port,
+            torch_port=torch_port,
+        )
     )
+    env.update(RINGCOMM_STORE_EXTERNAL="1", PYTHONUNBUFFERED="1")
     if token is not None:
         env[TOKEN_VAR] = token
     return env

@@ -30,7 +30,13 @@ from typing import Any
 
 from ringcomm._version import __version__
 from ringcomm.config import UsageError, environment
-from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, is_var_name, parse_env_options
+from ringcomm.launch.envvars import (
+    RESERVED_VARS,
+    TOKEN_VAR,
+    is_var_name,
+    parse_env_options,
+    position_vars,
+)
 from ringcomm.launch.hostfile import (
     HostfileError,
     HostSlots,
@@ -308,20 +314,17 @@ def rank_vars(
         env["RINGCOMM_STORE_EXTERNAL"] = "1"  # the launcher serves it
     if restart:
         env["RINGCOMM_RESTART"] = str(restart)
-    rank, world, port = str(placement.rank), str(config.world_size), str(master_port)
     env.update(
-        RANK=rank,
-        WORLD_SIZE=world,
-        LOCAL_RANK=str(placement.local_rank),
-        LOCAL_WORLD_SIZE=str(placement.local_world_size),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=port,
-        RINGCOMM_RANK=rank,
-        RINGCOMM_WORLD_SIZE=world,
-        RINGCOMM_MASTER_ADDR=master_addr,
-        RINGCOMM_MASTER_PORT=port,
-        PYTHONUNBUFFERED="1",
+        position_vars(
+            rank=placement.rank,
+            world_size=config.world_size,
+            local_rank=placement.local_rank,
+            local_world_size=placement.local_world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
     )
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
@@ -400,20 +403,26 @@ def format_dry_run(config: SshRunConfig, master_addr: str) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def _run_captured(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``argv`` run to its end with no stdin and its output kept as text (raises as
+    :func:`subprocess.run`: OSError, TimeoutExpired)."""
+    return subprocess.run(
+        argv,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 def resolve_hostname(config: SshRunConfig, host: str, timeout_s: float = 10.0) -> str:
     """``host``'s HostName after ssh_config (``ssh -G``, no connection); else the host
     itself, without any ``user@``."""
     argv = ssh_argv(config, host, "true")
     argv = [argv[0], "-G", *argv[1:-1]]  # -G prints the configuration and exits
     try:
-        res = subprocess.run(
-            argv,
-            check=False,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
+        res = _run_captured(argv, timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         res = None
     if res is not None and res.returncode == 0:
@@ -444,14 +453,7 @@ def _tail(text: str, lines: int = 3) -> str:
 def _preflight_one(config: SshRunConfig, host: str, want_port: bool) -> PreflightResult:
     argv = preflight_argv(config, host, want_port)
     try:
-        res = subprocess.run(
-            argv,
-            check=False,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=config.start_timeout_s,
-        )
+        res = _run_captured(argv, config.start_timeout_s)
     except subprocess.TimeoutExpired:
         return PreflightResult(host, f"no answer within {config.start_timeout_s:g} s")
     except OSError as exc:

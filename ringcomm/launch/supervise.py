@@ -17,14 +17,12 @@ itself, or the ssh client that runs it) and then:
   (:func:`pdeathsig_preexec`).
 
 How a process ended is told in one wording (:func:`describe_exit`), which ``rc.spawn``
-(:mod:`.spawn`) uses too. (The remote :mod:`.watchdog` keeps its own copies of the
-parent-death and status helpers: it must run as a bare file, importing nothing of ringcomm.)
+(:mod:`.spawn`) uses too. The parent-death and status helpers are the remote
+:mod:`.watchdog`'s (which imports only the standard library), re-exported here.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import secrets
 import select
@@ -37,6 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
+
+from ringcomm.launch.watchdog import exit_status, pdeathsig_preexec
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -104,11 +104,6 @@ def describe_exit(returncode: int | None, *, raw_code: bool = False) -> str:
     return f"exited with {'exit code' if raw_code else 'code'} {returncode}"
 
 
-def exit_status(returncode: int) -> int:
-    """A shell-style status: the code itself, or 128+N for a death by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def note(message: str) -> None:
     """Print ``ringcomm run: message`` to stderr, whole, between the ranks' lines."""
     with _STDERR_LOCK:
@@ -118,31 +113,6 @@ def note(message: str) -> None:
 # --------------------------------------------------------------------------------------
 # Processes
 # --------------------------------------------------------------------------------------
-
-
-def pdeathsig_preexec() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies (Linux).
-
-    The kernel sends it when the *thread* that forked the child exits, so ranks must be
-    started from a thread that outlives them (the launchers start them from their caller's).
-    None where the system has no ``prctl``.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def start_in_session(

@@ -36,7 +36,15 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
-__all__ = ["DEFAULT_GRACE_S", "EXIT_USAGE", "main", "read_env_line", "watch"]
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "EXIT_USAGE",
+    "exit_status",
+    "main",
+    "pdeathsig_preexec",
+    "read_env_line",
+    "watch",
+]
 
 DEFAULT_GRACE_S = 3.0
 #: Exit status for a bad command line or a malformed ``--env-stdin`` line.
@@ -71,8 +79,13 @@ def read_env_line(fd: int) -> tuple[dict[str, str], bytes]:
     return value, rest
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """Child gets SIGKILL if the watchdog itself is SIGKILLed (Linux; best effort)."""
+def pdeathsig_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (Linux).
+
+    The kernel sends it when the *thread* that forked the child exits, so children must be
+    started from a thread that outlives them (the launchers and the watchdog start them from
+    their caller's). None where the system has no ``prctl``.
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -80,11 +93,12 @@ def _pdeathsig_preexec() -> Callable[[], None] | None:
         prctl = libc.prctl
     except (OSError, AttributeError):
         return None
+    pr_set_pdeathsig = 1
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
 
     return preexec
@@ -97,7 +111,8 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def _status(returncode: int) -> int:
+def exit_status(returncode: int) -> int:
+    """A shell-style status: the code itself, or 128+N for a death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
@@ -138,7 +153,7 @@ def watch(
             env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_pdeathsig_preexec(),  # noqa: PLW1509  (prctl + getppid only)
+            preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509  (prctl + getppid only)
         )
     except OSError as exc:
         _note(f"cannot start {command[0]!r}: {exc}")
@@ -166,7 +181,7 @@ def watch(
             pass
     _killpg(child.pid, signal.SIGKILL)  # also sweeps what the rank left in its group
     code = child.wait()
-    return _status(code)
+    return exit_status(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
