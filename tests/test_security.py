@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,19 +28,28 @@ from ringcomm.rendezvous import Store, StoreServer
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 JOB = SCRIPTS / "outsider_job.py"
-_LINE = re.compile(r"OUTSIDER (\d+) (\{.*\})")
 
 
-def _reports(stdout: str) -> dict[int, dict[str, Any]]:
-    return {int(m.group(1)): json.loads(m.group(2)) for m in _LINE.finditer(stdout)}
+def _reports(report_dir: Path) -> dict[int, dict[str, Any]]:
+    """Each rank's report, from the file it wrote (never from a launcher's merged stdout)."""
+    return {int(f.stem): json.loads(f.read_text()) for f in sorted(report_dir.glob("*.json"))}
 
 
-def _run_ranks(envs: list[dict[str, str]], timeout_s: float = 150.0) -> dict[int, dict[str, Any]]:
+def _job_env(report_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    base = clean_env() if env is None else env
+    out = {k: v for k, v in base.items() if "TOKEN" not in k}
+    out["OUTSIDER_REPORT_DIR"] = str(report_dir)
+    return out
+
+
+def _run_ranks(
+    envs: list[dict[str, str]], report_dir: Path, timeout_s: float = 150.0
+) -> dict[int, dict[str, Any]]:
     """Start one process per environment (the same job), wait for all, parse their reports."""
     procs = [
         subprocess.Popen(
             [sys.executable, str(JOB)],
-            env=env,
+            env=_job_env(report_dir, env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -60,7 +68,7 @@ def _run_ranks(envs: list[dict[str, str]], timeout_s: float = 150.0) -> dict[int
                 p.wait(10)
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
-    return _reports("".join(outs))
+    return _reports(report_dir)
 
 
 def _check(reports: dict[int, dict[str, Any]], rank0_serves: bool) -> None:
@@ -105,45 +113,45 @@ CONVENTIONS = {
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("convention", sorted(CONVENTIONS))
-def test_outsider_is_refused_under_each_convention(convention: str) -> None:
+def test_outsider_is_refused_under_each_convention(convention: str, tmp_path: Path) -> None:
     """No launcher token: rank 0 mints one and hands it to rank 1 sealed, once."""
     port = free_port()
-    reports = _run_ranks([CONVENTIONS[convention](r, port) for r in range(2)])
+    reports = _run_ranks([CONVENTIONS[convention](r, port) for r in range(2)], tmp_path)
     _check(reports, rank0_serves=True)
 
 
 @pytest.mark.timeout(200)
-def test_outsider_is_refused_under_ringcomm_run() -> None:
+def test_outsider_is_refused_under_ringcomm_run(tmp_path: Path) -> None:
     """``ringcomm run``: the launcher's token, its store; the outsider gets neither."""
-    env = {k: v for k, v in clean_env().items() if "TOKEN" not in k}
     proc = subprocess.run(
         [sys.executable, "-m", "ringcomm", "run", "-n", "2", str(JOB)],
-        env=env,
+        env=_job_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check(_reports(proc.stdout), rank0_serves=False)
+    _check(_reports(tmp_path), rank0_serves=False)
 
 
 @pytest.mark.needs_mpi
 @pytest.mark.timeout(200)
-def test_outsider_is_refused_under_mpirun() -> None:
+def test_outsider_is_refused_under_mpirun(tmp_path: Path) -> None:
+    """A real mpirun; reports come back as files, since mpirun may merge the ranks' lines."""
     cmd = ["mpirun"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     cmd += ["--oversubscribe", "--bind-to", "none", "-np", "2", "-x", "PYTHONPATH"]
-    env = {k: v for k, v in clean_env().items() if "TOKEN" not in k}
+    cmd += ["-x", "OUTSIDER_REPORT_DIR"]
     proc = subprocess.run(
         [*cmd, sys.executable, str(JOB)],
-        env=env,
+        env=_job_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check(_reports(proc.stdout), rank0_serves=True)
+    _check(_reports(tmp_path), rank0_serves=True)
 
 
 def job_security_none(pg: rc.ProcessGroup) -> list[object]:

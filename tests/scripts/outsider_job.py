@@ -3,8 +3,9 @@
 Rank 0 starts ``outsider.py`` (a process of its own, with no token in its environment)
 against rank 1's data endpoints and rank 0's store (when rank 0 serves it), while rank 1
 has a receive posted for the tag the forged frames carry. Then the real message goes, and
-an all_reduce runs. Each rank prints ``OUTSIDER <rank> <json>``: what it received, its
-refusal counters, and (rank 0) what the outsider got.
+an all_reduce runs. Each rank reports what it received, its refusal counters, and (rank 0)
+what the outsider got: as ``<rank>.json`` in ``$OUTSIDER_REPORT_DIR`` when that is set (a
+launcher such as mpirun may interleave the ranks' stdout), else as ``OUTSIDER <rank> <json>``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,14 @@ def main() -> None:
     pg.all_reduce(x)
     report["all_reduce"] = x.tolist()
     report["auth_failures"] = pg.stats()["auth_failures"]
-    print(f"OUTSIDER {pg.rank} {json.dumps(report)}", flush=True)
+    report_dir = os.environ.get("OUTSIDER_REPORT_DIR")
+    if report_dir:
+        part = os.path.join(report_dir, f"{pg.rank}.json.part")
+        with open(part, "w") as f:
+            json.dump(report, f)
+        os.replace(part, os.path.join(report_dir, f"{pg.rank}.json"))
+    else:
+        print(f"OUTSIDER {pg.rank} {json.dumps(report)}", flush=True)
     pg.close()
 
 
