@@ -16,6 +16,7 @@ call, file by file: docs/architecture.md ("One collective call").
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -254,26 +255,44 @@ def _call_on(
     return _run(group, call, timeout_s, async_op)
 
 
+@dataclass(frozen=True, slots=True)
+class _Begun:
+    """A collective call begun: its group, name and label (``what``), the algorithm asked
+    for, whether it may run hierarchically (:func:`~ringcomm.collectives.chooser.hier_fits`,
+    asked before the arguments are checked) and its ``timeout_s`` (checked when it runs)."""
+
+    group: GroupCore
+    name: str
+    what: str
+    algo: str | None
+    hier: bool
+    timeout_s: float | None
+
+
+def _begin(
+    group: GroupCore, name: str, algo: str | None, async_op: Any, timeout_s: float | None
+) -> _Begun:
+    """Begin collective ``name``: only a blocking call may run hierarchically."""
+    hier = async_op is False and hier_fits(group, name, algo)
+    return _Begun(group, name, call_label(group, name), algo, hier, timeout_s)
+
+
 def _hier_or_flat(
-    group: GroupCore,
-    name: str,
-    algo: str | None,
+    b: _Begun,
     x: Any,
-    what: str,
-    hier: bool,
-    timeout_s: float | None,
     async_op: bool,
     on_hier: Callable[[Any, Deadline, int | None], Any],
     **fields: Any,
 ) -> Any:
-    """Plan collective ``name`` on ``x`` (``hier``: it may run hierarchically) and run
-    it: ``on_hier(hierarchy, deadline, segment_bytes)`` if planned hierarchical, else
-    :func:`_call_on` with the plan's algorithm and piece size."""
-    p = plan(group, name, algo, x.nbytes, type(x) is np.ndarray, what, hier)
+    """Plan call ``b`` on ``x`` and run it: ``on_hier(hierarchy, deadline, segment_bytes)``
+    if planned hierarchical, else :func:`_call_on` with the plan's algorithm and piece
+    size."""
+    group, what = b.group, b.what
+    p = plan(group, b.name, b.algo, x.nbytes, type(x) is np.ndarray, what, b.hier)
     if p.algo == HIER_ALGO:
-        return _run_hier(group, what, timeout_s, lambda h, d: on_hier(h, d, p.segment_bytes))
+        return _run_hier(group, what, b.timeout_s, lambda h, d: on_hier(h, d, p.segment_bytes))
     return _call_on(
-        group, name, p.algo, x, timeout_s, async_op, chunk_bytes=p.chunk_bytes, **fields
+        group, b.name, p.algo, x, b.timeout_s, async_op, chunk_bytes=p.chunk_bytes, **fields
     )
 
 
@@ -434,24 +453,13 @@ def reduce_scatter(
     """Reduce ``x`` (``x.shape[0] == world_size``) and return this rank's row ``x[rank]``
     of the result (shape ``x.shape[1:]``, in ``out`` if given). ``x`` is not modified.
     Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
-    hier = async_op is False and hier_fits(group, "reduce_scatter", algo)
-    what = call_label(group, "reduce_scatter")
+    b = _begin(group, "reduce_scatter", algo, async_op, timeout_s)
     x, out, rop = check_reduce_scatter(group, x, out, op)
-    async_op = check_flag(async_op, what)
-    if hier and rop is ReduceOp.AVG and x.dtype.kind in "iu":
-        hier = False  # integer means: flat
+    async_op = check_flag(async_op, b.what)
+    if b.hier and rop is ReduceOp.AVG and x.dtype.kind in "iu":
+        b = replace(b, hier=False)  # integer means: flat
     return _hier_or_flat(
-        group,
-        "reduce_scatter",
-        algo,
-        x,
-        what,
-        hier,
-        timeout_s,
-        async_op,
-        lambda h, d, seg: h.reduce_scatter(x, out, rop, d, seg),
-        out=out,
-        op=rop,
+        b, x, async_op, lambda h, d, seg: h.reduce_scatter(x, out, rop, d, seg), out=out, op=rop
     )
 
 
@@ -466,22 +474,10 @@ def all_gather(
 ) -> Any:
     """Every rank's ``x`` (same shape everywhere) as ``(world_size, *x.shape)``, rank order.
     Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
-    hier = async_op is False and hier_fits(group, "all_gather", algo)
-    what = call_label(group, "all_gather")
+    b = _begin(group, "all_gather", algo, async_op, timeout_s)
     x, out = check_all_gather(group, x, out)
-    async_op = check_flag(async_op, what)
-    return _hier_or_flat(
-        group,
-        "all_gather",
-        algo,
-        x,
-        what,
-        hier,
-        timeout_s,
-        async_op,
-        lambda h, d, seg: h.all_gather(x, out, d, seg),
-        out=out,
-    )
+    async_op = check_flag(async_op, b.what)
+    return _hier_or_flat(b, x, async_op, lambda h, d, seg: h.all_gather(x, out, d, seg), out=out)
 
 
 def broadcast(
@@ -495,22 +491,10 @@ def broadcast(
 ) -> Any:
     """``src``'s ``x`` into every rank's ``x`` (in place); return ``x`` (or a Work).
     Hierarchical on a group spanning hosts, as :func:`all_reduce`."""
-    hier = async_op is False and hier_fits(group, "broadcast", algo)
-    what = call_label(group, "broadcast")
+    b = _begin(group, "broadcast", algo, async_op, timeout_s)
     x, src = check_broadcast(group, x, src)
-    async_op = check_flag(async_op, what)
-    return _hier_or_flat(
-        group,
-        "broadcast",
-        algo,
-        x,
-        what,
-        hier,
-        timeout_s,
-        async_op,
-        lambda h, d, _seg: h.broadcast(x, src, d),
-        root=src,
-    )
+    async_op = check_flag(async_op, b.what)
+    return _hier_or_flat(b, x, async_op, lambda h, d, _seg: h.broadcast(x, src, d), root=src)
 
 
 def reduce(
