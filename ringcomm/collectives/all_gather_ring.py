@@ -21,7 +21,7 @@ from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
 from ringcomm.collectives.stepped import RingOp, SpansOp
 from ringcomm.device.staging import DeviceStager
 from ringcomm.schedule.chunks import chunk_spans
-from ringcomm.schedule.ring import all_gather_steps, ring_neighbors
+from ringcomm.schedule.ring import all_gather_steps
 from ringcomm.transport.wire import Header
 
 __all__ = ["AllGatherRing"]
@@ -66,28 +66,11 @@ class AllGatherRing(RingOp, SpansOp, PipelinedOp):
         self.row_nbytes = x.nbytes
         self.dtype_str = x.dtype.str
         self.spans = chunk_spans(x.nbytes, self.comm.chunk_bytes, x.itemsize)
-        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         self.recv_row = [rs for _, rs in all_gather_steps(r, n, self.comm.ring_order)]
-        self.will_send(self.right, n - 1)
-        self.expect(self.left, n - 1)
+        self.join_ring(n - 1)
         # Step 0 goes out from x itself; out[r] is filled once the left neighbour's first
         # piece proved its call matches ours (out stays untouched on a mismatch).
-        src_bytes = st.bytes_of(src)
-        npieces = len(self.spans)
-        for j, (off, length) in enumerate(self.spans):
-            st.send(
-                src_bytes[off : off + length],
-                emit,
-                self,
-                self.right,
-                0,
-                j,
-                npieces,
-                x.nbytes,
-                off,
-                self.dtype_str,
-            )
-        st.pump(0)
+        self.stage_message(self.right, 0, st.bytes_of(src), self.spans, 0, self.dtype_str)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:

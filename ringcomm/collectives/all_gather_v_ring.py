@@ -22,7 +22,7 @@ from ringcomm.collectives.base import byte_view
 from ringcomm.collectives.stepped import UnevenRingOp
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.partition import split_offsets
-from ringcomm.schedule.ring import all_gather_steps, ring_neighbors
+from ringcomm.schedule.ring import all_gather_steps
 from ringcomm.transport.wire import Header
 
 __all__ = ["AllGatherVRing"]
@@ -58,10 +58,8 @@ class AllGatherVRing(UnevenRingOp):
         chunk = self.comm.chunk_bytes
         self.seg_spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
         self.dtype_str = x.dtype.str
-        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         self.recv_seg = [rs for _, rs in all_gather_steps(r, n, self.comm.ring_order)]
-        self.will_send(self.right, n - 1)
-        self.expect(self.left, n - 1)
+        self.join_ring(n - 1)
         # Step 0 goes out from x itself; our segment of out is filled once the left
         # neighbour's first piece proved its call matches ours.
         self.send_message(self.right, 0, byte_view(src), self.seg_spans[r], 0, self.dtype_str)

@@ -23,7 +23,6 @@ from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.ring import (
     all_gather_steps,
     reduce_scatter_steps,
-    ring_neighbors,
     segment_bounds,
 )
 from ringcomm.transport.wire import Header
@@ -60,7 +59,6 @@ class AllReduceRing(RingOp, PipelinedOp):
         self.dtype = x.dtype
         self.dtype_str = x.dtype.str
         itemsize = x.itemsize
-        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         bounds = segment_bounds(x.size, n)
         self.seg_first = [a for a, _ in bounds]  # first element of each segment
         self.seg_spans = [
@@ -73,17 +71,11 @@ class AllReduceRing(RingOp, PipelinedOp):
             ag for _, ag in all_gather_steps(r, n, self.comm.ring_order)
         ]
         self.last_step = 2 * (n - 1) - 1
-        self.will_send(self.right, 2 * (n - 1))
-        self.expect(self.left, 2 * (n - 1))
-        # Step 0: send our own data of segment r-1 to the right, all pieces now (staged:
-        # every piece's copy is enqueued first, then each is sent once its copy is done).
+        self.join_ring(2 * (n - 1))
+        # Step 0: send our own data of segment r-1 to the right, all pieces now.
         seg = reduce_scatter_steps(r, n, self.comm.ring_order)[0][0]
-        spans = self.seg_spans[seg]
-        base, total = self.seg_first[seg] * itemsize, self.seg_nbytes[seg]
-        for j, (off, length) in enumerate(spans):
-            src = self.data[base + off : base + off + length]
-            st.send(src, emit, self, self.right, 0, j, len(spans), total, off, self.dtype_str)
-        st.pump(0)
+        base = self.seg_first[seg] * itemsize
+        self.stage_message(self.right, 0, self.data, self.seg_spans[seg], base, self.dtype_str)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:

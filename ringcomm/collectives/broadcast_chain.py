@@ -54,21 +54,7 @@ class BroadcastChain(SpansOp, PipelinedOp):
             self.will_send(self.next, 1)
         if self.prev is None:
             assert self.next is not None
-            npieces = len(self.spans)
-            for j, (off, length) in enumerate(self.spans):
-                st.send(
-                    self.data[off : off + length],
-                    emit,
-                    self,
-                    self.next,
-                    0,
-                    j,
-                    npieces,
-                    x.nbytes,
-                    off,
-                    self.dtype_str,
-                )
-            st.pump(0)
+            self.stage_message(self.next, 0, self.data, self.spans, 0, self.dtype_str)
         else:
             self.expect(self.prev, 1)
         self.post_inboxes()

@@ -415,6 +415,27 @@ class IpcCollectives:
             self._sync(job, f"sync 1 of round {i + 1}/{rounds}", i == 0, dev, stream, watch)
             yield lo, hi, views
 
+    def _slot_rounds(self, job: Job, flat: Any, starts: list[int], counts: list[int],
+                     biggest: int, dev: IpcDevice, stream: Any, watch: Any) -> Any:  # fmt: skip
+        """Rounds on segments of different sizes (the uneven forms, ``call`` published):
+        segment ``j`` of ``flat`` (``counts[j]`` elements from ``starts[j]``; ``biggest``:
+        the largest of any rank's) goes into slot ``j`` of this rank's buffer, ``per``
+        elements a round, sync; yield ``(lo, per, blocks)``, ``blocks[r]`` rank r's
+        ``n * per`` elements, slot ``j`` holding elements ``lo : lo + per`` of segment j."""
+        n, me, dtype = self.world_size, self.rank, flat.dtype
+        per, rounds = self._rounds(biggest, dtype.itemsize, n)
+        for i in range(rounds):
+            lo = i * per
+            b = self.calls.next_buffer()
+            blocks = [self._view(r, b, dtype, n * per) for r in range(n)]
+            for j in range(n):
+                s, e = lo, min(lo + per, counts[j])
+                if e > s:
+                    dev.copy(stream, blocks[me][j * per : j * per + e - s],
+                             flat[starts[j] + s : starts[j] + e])  # fmt: skip
+            self._sync(job, f"sync 1 of round {i + 1}/{rounds}", False, dev, stream, watch)
+            yield lo, per, blocks
+
     def _reduce_scatter(self, job: Job, call: Call, dev: IpcDevice, stream: Any,
                         watch: Any) -> Any:  # fmt: skip
         x, out = call.x, call.out
@@ -554,17 +575,9 @@ class IpcCollectives:
         n, me = self.world_size, self.rank
         counts, starts = self._same_counts(job, call, "splits", "sharing the splits")
         flat, res = x.reshape(-1), out.reshape(-1)
-        per, rounds = self._rounds(max(counts, default=0), x.dtype.itemsize, n)
-        for i in range(rounds):
-            lo = i * per
-            b = self.calls.next_buffer()
-            blocks = [self._view(r, b, x.dtype, n * per) for r in range(n)]
-            for j in range(n):  # piece i of every rank's segment, at slot j
-                s, e = lo, min(lo + per, counts[j])
-                if e > s:
-                    dev.copy(stream, blocks[me][j * per : j * per + e - s],
-                             flat[starts[j] + s : starts[j] + e])  # fmt: skip
-            self._sync(job, f"sync 1 of round {i + 1}/{rounds}", False, dev, stream, watch)
+        biggest = max(counts, default=0)
+        rounds = self._slot_rounds(job, flat, starts, counts, biggest, dev, stream, watch)
+        for lo, per, blocks in rounds:
             s, e = lo, min(lo + per, counts[me])
             if e > s:
                 srcs = [blk[me * per : me * per + e - s] for blk in blocks]
@@ -590,21 +603,13 @@ class IpcCollectives:
                     f"{outs[r]} from it and sends it {ins[r]}"
                 )
         biggest = max((c for got in theirs for c in got[:n]), default=0) * row
+        sends = [c * row for c in ins]  # slot j: what goes to rank j
         send_starts = [sum(ins[:j]) * row for j in range(n)]
         recv_starts = [sum(outs[:j]) * row for j in range(n)]
         flat, dst = x.reshape(-1), out.reshape(-1)
-        per, rounds = self._rounds(biggest, x.dtype.itemsize, n)
-        for i in range(rounds):
-            lo = i * per
-            b = self.calls.next_buffer()
-            blocks = [self._view(r, b, x.dtype, n * per) for r in range(n)]
-            for j in range(n):  # piece i of what goes to rank j, at slot j
-                s, e = lo, min(lo + per, ins[j] * row)
-                if e > s:
-                    dev.copy(stream, blocks[me][j * per : j * per + e - s],
-                             flat[send_starts[j] + s : send_starts[j] + e])  # fmt: skip
-            self._sync(job, f"sync 1 of round {i + 1}/{rounds}", False, dev, stream, watch)
-            for r in range(n):  # piece i of what rank r sends us
+        rounds = self._slot_rounds(job, flat, send_starts, sends, biggest, dev, stream, watch)
+        for lo, per, blocks in rounds:
+            for r in range(n):  # this round's piece of what rank r sends us
                 s, e = lo, min(lo + per, outs[r] * row)
                 if e > s:
                     dev.copy(stream, dst[recv_starts[r] + s : recv_starts[r] + e],

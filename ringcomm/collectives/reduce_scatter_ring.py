@@ -23,7 +23,7 @@ from ringcomm.collectives.staged import PipelinedOp, emit, make_stager
 from ringcomm.collectives.stepped import RingOp, SpansOp
 from ringcomm.device.staging import DeviceStager
 from ringcomm.schedule.chunks import chunk_spans
-from ringcomm.schedule.ring import reduce_scatter_steps, ring_neighbors
+from ringcomm.schedule.ring import reduce_scatter_steps
 from ringcomm.transport.wire import Header
 
 __all__ = ["ReduceScatterRing"]
@@ -52,7 +52,6 @@ class ReduceScatterRing(RingOp, SpansOp, PipelinedOp):
         self.dtype_str = x.dtype.str
         self.row_nbytes = self.row_size * self.itemsize
         self.spans = chunk_spans(self.row_nbytes, self.comm.chunk_bytes, self.itemsize)
-        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         steps = reduce_scatter_steps(r, n, self.comm.ring_order)
         self.recv_row = [rs for _, rs in steps]
         out_flat = out.reshape(-1)
@@ -75,17 +74,9 @@ class ReduceScatterRing(RingOp, SpansOp, PipelinedOp):
         self.partial = [(b, st.bytes_of(b)) for b in (even, odd)]
         self.out_view = st.bytes_of(out_flat)
         self.trackers: dict[tuple[int, int], Any] = {}
-        self.will_send(self.right, n - 1)
-        self.expect(self.left, n - 1)
-        x_bytes = st.bytes_of(x)
+        self.join_ring(n - 1)
         base = steps[0][0] * self.row_nbytes
-        npieces = len(self.spans)
-        for j, (off, length) in enumerate(self.spans):
-            src = x_bytes[base + off : base + off + length]
-            st.send(
-                src, emit, self, self.right, 0, j, npieces, self.row_nbytes, off, self.dtype_str
-            )
-        st.pump(0)
+        self.stage_message(self.right, 0, st.bytes_of(x), self.spans, base, self.dtype_str)
         self.post_inboxes()
 
     def on_data(self, peer: int, header: Header, payload: memoryview) -> None:

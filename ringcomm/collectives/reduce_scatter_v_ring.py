@@ -24,7 +24,7 @@ from ringcomm.collectives.stepped import UnevenRingOp
 from ringcomm.ops import finalize, reduce_out
 from ringcomm.schedule.chunks import chunk_spans
 from ringcomm.schedule.partition import split_offsets
-from ringcomm.schedule.ring import reduce_scatter_steps, ring_neighbors
+from ringcomm.schedule.ring import reduce_scatter_steps
 from ringcomm.transport.wire import Header
 
 __all__ = ["ReduceScatterVRing"]
@@ -57,15 +57,13 @@ class ReduceScatterVRing(UnevenRingOp):
         self.seg_nbytes = [s * row_size * x.itemsize for s in splits]
         chunk = self.comm.chunk_bytes
         self.seg_spans = [chunk_spans(b, chunk, x.itemsize) for b in self.seg_nbytes]
-        self.right, self.left = ring_neighbors(r, n, self.comm.ring_order)
         steps = reduce_scatter_steps(r, n, self.comm.ring_order)
         self.recv_seg = [rs for _, rs in steps]
         most = max(splits[s] for s in self.recv_seg[:-1]) * row_size if n > 2 else 0
         self.partial = [np.empty(most, x.dtype) for _ in range(2 if n > 3 else 1)]
         self.partial_u8 = [byte_view(b) for b in self.partial]
         self.trackers: dict[tuple[int, int], Any] = {}
-        self.will_send(self.right, n - 1)
-        self.expect(self.left, n - 1)
+        self.join_ring(n - 1)
         first = steps[0][0]
         self.send_message(
             self.right, 0, byte_view(self.segs[first]), self.seg_spans[first], 0, self.dtype_str

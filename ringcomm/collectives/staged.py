@@ -61,6 +61,26 @@ class PipelinedOp(CollectiveOp):
 
     stager: HostStager | DeviceStager
 
+    def stage_message(
+        self,
+        peer: int,
+        step: int,
+        data: Any,
+        spans: list[tuple[int, int]],
+        base: int,
+        dtype: str,
+    ) -> None:
+        """:meth:`~CollectiveOp.send_message` through the stager (``data`` from its
+        ``bytes_of``): every piece's copy is enqueued, then each piece is sent once its
+        copy is done."""
+        st = self.stager
+        npieces = len(spans)
+        total = sum(length for _, length in spans)
+        for j, (off, length) in enumerate(spans):
+            src = data[base + off : base + off + length]
+            st.send(src, emit, self, peer, step, j, npieces, total, off, dtype)
+        st.pump(0)
+
     def all_received(self) -> None:
         self.stager.sync()
 

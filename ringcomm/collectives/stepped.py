@@ -4,7 +4,8 @@ the bases that say, once, where a message of theirs comes from and how it is cut
 - :class:`SpansOp`: every data message is cut alike, by ``self.spans`` (the progress map's
   piece count).
 - :class:`RingOp`: a ring (``schedule.ring``): step 0 goes to the right neighbour at once,
-  and step ``k`` of the ``n - 1`` is named ``"<step_name> step k+1/n-1"``.
+  and step ``k`` of the ``n - 1`` is named ``"<step_name> step k+1/n-1"``;
+  :meth:`RingOp.join_ring` finds the neighbours and declares the messages.
 - :class:`UnevenRingOp`: a ring over segments of different sizes (the ``_v`` rings): the
   message of step ``k`` is segment ``recv_seg[k]``, cut by ``spans[seg]``, of
   ``seg_nbytes[seg]`` bytes, and an arriving piece is checked against it.
@@ -45,12 +46,21 @@ class RingOp(CollectiveOp):
     maps_steps = True
     #: "all-gather": the progress map's "all-gather step 3/7".
     step_name: ClassVar[str] = ""
+    right: int
+    left: int
 
     def start_peers(self, rank: int) -> tuple[int, ...]:
         return (ring_neighbors(rank, self.n, self.comm.ring_order)[0],)  # step 0 goes right
 
     def step_text(self, step: int) -> str:
         return f"{self.step_name} step {step + 1}/{self.n - 1}"
+
+    def join_ring(self, messages: int) -> None:
+        """Set ``self.right`` and ``self.left`` (``ring_neighbors``) and declare
+        ``messages`` messages to the right and as many from the left (in ``start``)."""
+        self.right, self.left = ring_neighbors(self.rank, self.n, self.comm.ring_order)
+        self.will_send(self.right, messages)
+        self.expect(self.left, messages)
 
     def ring_piece(
         self, peer: int, header: Header, payload: memoryview, spans: list[tuple[int, int]]

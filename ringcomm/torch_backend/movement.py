@@ -29,7 +29,9 @@ from ringcomm.torch_backend.device import array_of
 from ringcomm.torch_backend.tensors import (
     Post,
     by_dtype,
+    check_same_dtype,
     check_tensor,
+    check_world_multiple,
     contig,
     copy_back,
     from_move_view,
@@ -68,13 +70,8 @@ def _all_gather_into(
     g: BackendCore, out: torch.Tensor, inp: torch.Tensor, what: str, opts: Any
 ) -> tuple[RcWork, Post | None]:
     n = g.rc.world_size
-    if out.numel() != inp.numel() * n:
-        raise ValueError(
-            f"{what}: output has {out.numel()} elements, expected world size {n} x "
-            f"input's {inp.numel()}"
-        )
-    if inp.dtype != out.dtype:
-        raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+    check_world_multiple(what, n, out, "output", inp, "input")
+    check_same_dtype(what, inp, out)
     i, _ = contig(inp)
     o, copied = contig(out)
     x = move_view(i).reshape(-1)
@@ -285,8 +282,7 @@ def alltoall_base(
     what, opts = g.start_with("all_to_all_single", opts, AllToAllOptions)
     out, inp = check_tensor(output, what), check_tensor(input, what)
     n = g.rc.world_size
-    if inp.dtype != out.dtype:
-        raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+    check_same_dtype(what, inp, out)
     if not output_split_sizes and not input_split_sizes:
         if inp.shape[0] % n or out.shape != inp.shape:
             raise ValueError(

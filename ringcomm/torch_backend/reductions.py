@@ -27,7 +27,9 @@ from ringcomm.torch_backend.device import array_of
 from ringcomm.torch_backend.tensors import (
     Post,
     Reduction,
+    check_same_dtype,
     check_tensor,
+    check_world_multiple,
     copy_back,
     move_view,
     reduce_out,
@@ -162,13 +164,8 @@ def _reduce_scatter_into(
     g: BackendCore, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str, opts: Any
 ) -> tuple[RcWork, Post | None]:
     n = g.rc.world_size
-    if inp.numel() != out.numel() * n:
-        raise ValueError(
-            f"{what}: input has {inp.numel()} elements, expected world size {n} x "
-            f"output's {out.numel()}"
-        )
-    if inp.dtype != out.dtype:
-        raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+    check_world_multiple(what, n, inp, "input", out, "output")
+    check_same_dtype(what, inp, out)
     red = Reduction(inp, op, what, in_place=False)
     rows = red.array.reshape(n, -1)
     o, o_copied = reduce_out(out)

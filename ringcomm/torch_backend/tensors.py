@@ -24,7 +24,9 @@ __all__ = [
     "Post",
     "Reduction",
     "by_dtype",
+    "check_same_dtype",
     "check_tensor",
+    "check_world_multiple",
     "contig",
     "copy_back",
     "from_move_view",
@@ -76,6 +78,24 @@ def check_tensor(t: Any, what: str) -> torch.Tensor:
     if t.is_sparse:
         raise ValueError(f"{what}: sparse tensors are not supported")
     return current_call().check(t)
+
+
+def check_same_dtype(what: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    """TypeError unless the call's input and output tensors have one dtype."""
+    if inp.dtype != out.dtype:
+        raise TypeError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+
+
+def check_world_multiple(
+    what: str, n: int, whole: torch.Tensor, whole_name: str, part: torch.Tensor, part_name: str
+) -> None:
+    """ValueError unless ``whole`` has world size ``n`` times ``part``'s elements (an
+    all-gather's output and input, a reduce-scatter's input and output)."""
+    if whole.numel() != part.numel() * n:
+        raise ValueError(
+            f"{what}: {whole_name} has {whole.numel()} elements, expected world size {n} x "
+            f"{part_name}'s {part.numel()}"
+        )
 
 
 def contig(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
