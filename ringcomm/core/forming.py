@@ -31,6 +31,7 @@ from ringcomm.core.group_core import (
     ProcessState,
     install_trace_signal,
     setup_workspace,
+    wait_in_slices,
 )
 from ringcomm.core.progress import MAX_UNEXPECTED_BYTES, MAX_UNEXPECTED_MESSAGES, Progress
 from ringcomm.device.xp import select_device
@@ -306,16 +307,13 @@ def wait_all(
     if watch is None:
         store.wait(keys, timeout_s=timeout_s)
         return
-    give_up = time.monotonic() + timeout_s
-    while True:
-        left = give_up - time.monotonic()
-        try:
-            store.wait(keys, timeout_s=max(0.001, min(WATCH_SLICE_S, left)))
-            return
-        except CommTimeoutError:
-            if left <= WATCH_SLICE_S:
-                raise
-        watch()
+    wait_in_slices(
+        store,
+        keys,
+        time.monotonic() + timeout_s,
+        WATCH_SLICE_S,
+        lambda last: None if last else watch(),
+    )
 
 
 def share_cost_model(

@@ -47,6 +47,7 @@ __all__ = [
     "install_trace_signal",
     "setup_workspace",
     "wait_for_exit",
+    "wait_in_slices",
     "workspace_possible",
 ]
 
@@ -555,6 +556,28 @@ def _peer_trouble(
     )
 
 
+def wait_in_slices(
+    store: Store,
+    keys: list[str],
+    deadline: float,
+    slice_s: float,
+    watch: Callable[[bool], None],
+) -> None:
+    """``store.wait(keys)`` until ``deadline`` (``time.monotonic()``), in slices of at most
+    ``slice_s``, with ``watch(last)`` after each slice that times out: it may raise; if it
+    does not, the last slice (``last``: the deadline came) raises the store's timeout."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, timeout_s=max(0.001, min(slice_s, left)))
+            return
+        except CommTimeoutError:
+            if left <= slice_s:
+                watch(True)
+                raise
+        watch(False)
+
+
 def _wait_keys(
     core: GroupCore,
     store: Store,
@@ -566,22 +589,20 @@ def _wait_keys(
 ) -> None:
     """``store.wait(keys)`` (set by ``ranks``) until ``deadline``, looking at the peers
     between slices."""
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            store.wait(keys, timeout_s=max(0.001, min(_SETUP_SLICE_S, left)))
-            return
-        except CommTimeoutError:
-            trouble = _peer_trouble(core, what)
-            if trouble is not None:
-                raise trouble from None
-            if left <= _SETUP_SLICE_S:
-                late = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
-                raise CommTimeoutError(
-                    f"{what} (at its first collective) timed out after {timeout_s:g} s: "
-                    f"waiting for rank{'s' if len(late) > 1 else ''} "
-                    f"{', '.join(map(str, late))} at the setup of the workspace"
-                ) from None
+
+    def watch(last: bool) -> None:
+        trouble = _peer_trouble(core, what)
+        if trouble is not None:
+            raise trouble from None
+        if last:
+            late = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+            raise CommTimeoutError(
+                f"{what} (at its first collective) timed out after {timeout_s:g} s: "
+                f"waiting for rank{'s' if len(late) > 1 else ''} "
+                f"{', '.join(map(str, late))} at the setup of the workspace"
+            ) from None
+
+    wait_in_slices(store, keys, deadline, _SETUP_SLICE_S, watch)
 
 
 def _setup_workspace(
