@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -47,7 +46,9 @@ from ringcomm.launch.supervise import (
     note,
     pdeathsig_preexec,
     reap,
+    slot_restarter,
     start_in_session,
+    start_ranks,
     store_announcer,
     supervise,
 )
@@ -301,38 +302,19 @@ def _start_rank(
 def _restarter(
     config: RunConfig, store: Any, token: str | None, ranks: list[RankProcess], torch_port: int
 ) -> Callable[[RankProcess, int], RankProcess | None]:
-    """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
-    started again (``RINGCOMM_RESTART`` = how many times), at most K times per slot."""
-    counts: dict[int, int] = {}
-    announce = store_announcer(config.master_addr, int(store.port), token)
+    """``--max-restarts``: a failed rank's slot started again here (:func:`slot_restarter`)."""
+    port = int(store.port)
 
-    def restart(failed: RankProcess, code: int) -> RankProcess | None:
-        n = counts.get(failed.rank, 0) + 1
-        if n > config.max_restarts:
-            return None
-        counts[failed.rank] = n
-        announce(f"restarting/{failed.rank}", str(n))  # grow(wait=True) waits for it
-        note(
-            f"{failed.describe_exit(code)}; starting it again (restart {n} of "
-            f"{config.max_restarts})"
-        )
-        new = _start_rank(config, failed.rank, int(store.port), token, torch_port, restart=n)
-        ranks.append(new)  # reaped with the others, whatever happens
-        return new
+    def start_again(rank: int, n: int) -> RankProcess:
+        return _start_rank(config, rank, port, token, torch_port, restart=n)
 
-    return restart
+    announce = store_announcer(config.master_addr, port, token)
+    return slot_restarter(config.max_restarts, announce, start_again, ranks)
 
 
 def _start_ranks(
     config: RunConfig, port: int, token: str | None, torch_port: int
 ) -> list[RankProcess]:
-    ranks: list[RankProcess] = []
-    try:
-        for rank in range(config.nproc):
-            ranks.append(_start_rank(config, rank, port, token, torch_port))
-    except BaseException:
-        for r in ranks:
-            r.signal_group(signal.SIGKILL)
-            r.popen.wait()
-        raise
-    return ranks
+    return start_ranks(
+        lambda rank: _start_rank(config, rank, port, token, torch_port), range(config.nproc)
+    )

@@ -55,7 +55,9 @@ from ringcomm.launch.supervise import (
     note,
     pdeathsig_preexec,
     reap,
+    slot_restarter,
     start_in_session,
+    start_ranks,
     store_announcer,
     supervise,
 )
@@ -637,28 +639,17 @@ def _restarter(
     token: str | None,
     ranks: list[RankProcess],
 ) -> Callable[[RankProcess, int], RankProcess | None]:
-    """``--max-restarts``: a rank that failed is started again on its host, in its slot
-    (``RINGCOMM_RESTART`` = how many times), at most K times per slot; the ranks learn
-    of it in the store (``restarting/<slot>``: ``grow(wait=True)`` waits for it)."""
-    counts: dict[int, int] = {}
-    announce = store_announcer(master_addr, port, token)
+    """``--max-restarts``: a failed rank started again on its host, in its slot
+    (:func:`slot_restarter`); a lost host (``SSH_FAILED``) is not restarted."""
     by_rank = {p.rank: p for p in config.placements}
 
-    def restart(failed: RankProcess, code: int) -> RankProcess | None:
-        n = counts.get(failed.rank, 0) + 1
-        if n > config.max_restarts or code == SSH_FAILED:  # a lost host: not restarted
-            return None
-        counts[failed.rank] = n
-        announce(f"restarting/{failed.rank}", str(n))
-        note(
-            f"{failed.describe_exit(code)}; starting it again (restart {n} of "
-            f"{config.max_restarts})"
-        )
-        new = _start_rank(config, by_rank[failed.rank], master_addr, port, token, n)
-        ranks.append(new)  # reaped with the others, whatever happens
-        return new
+    def start_again(rank: int, n: int) -> RankProcess:
+        return _start_rank(config, by_rank[rank], master_addr, port, token, n)
 
-    return restart
+    announce = store_announcer(master_addr, port, token)
+    return slot_restarter(
+        config.max_restarts, announce, start_again, ranks, gives_up=lambda c: c == SSH_FAILED
+    )
 
 
 def _start_rank(
@@ -687,13 +678,6 @@ def _start_rank(
 def _start_ranks(
     config: SshRunConfig, master_addr: str, port: int, token: str | None
 ) -> list[RankProcess]:
-    ranks: list[RankProcess] = []
-    try:
-        for p in config.placements:
-            ranks.append(_start_rank(config, p, master_addr, port, token))
-    except BaseException:
-        for r in ranks:
-            r.kill()
-            r.popen.wait()
-        raise
-    return ranks
+    return start_ranks(
+        lambda p: _start_rank(config, p, master_addr, port, token), config.placements
+    )
