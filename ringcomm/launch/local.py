@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringcomm.config import UsageError, env_trace_dir, environment
-from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options, position_vars
+from ringcomm.launch.envvars import (
+    RESERVED_VARS,
+    TOKEN_VAR,
+    master_port_option,
+    parse_env_options,
+    position_vars,
+    script_args,
+    stop_restart_options,
+)
 from ringcomm.launch.supervise import (
     DEFAULT_GRACE_S,
     LauncherSignals,
@@ -125,23 +133,14 @@ def config_from_args(
         nproc = per_node
     if nproc < 1:
         raise UsageError(f"-n must be >= 1, got {nproc}")
-    port = 0 if args.master_port is None else args.master_port
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--master-port must be in 0..65535, got {port}")
-    if not args.grace_s >= 0:
-        raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
-    max_restarts = getattr(args, "max_restarts", 0) or 0
-    if max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
-    target_args = list(args.target_args)
-    if target_args[:1] == ["--"]:
-        target_args = target_args[1:]
+    port = master_port_option(args.master_port)
+    max_restarts = stop_restart_options(args)
     if not args.module and not os.path.isfile(args.target):
         raise UsageError(f"script not found: {args.target}")
     return RunConfig(
         nproc=nproc,
         target=args.target,
-        target_args=tuple(target_args),
+        target_args=script_args(args.target_args),
         module=args.module,
         master_addr=args.master_addr or DEFAULT_MASTER_ADDR,
         master_port=port,

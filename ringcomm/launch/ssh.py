@@ -34,8 +34,11 @@ from ringcomm.launch.envvars import (
     RESERVED_VARS,
     TOKEN_VAR,
     is_var_name,
+    master_port_option,
     parse_env_options,
     position_vars,
+    script_args,
+    stop_restart_options,
 )
 from ringcomm.launch.hostfile import (
     HostfileError,
@@ -208,16 +211,10 @@ def config_from_args(
         placements = assign_ranks(hosts, args.nproc, args.nproc_per_node)
     except HostfileError as exc:
         raise UsageError(str(exc)) from None
-    port = 0 if args.master_port is None else args.master_port
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--master-port must be in 0..65535, got {port}")
+    port = master_port_option(args.master_port)
     if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
         raise UsageError(f"--ssh-port must be in 1..65535, got {args.ssh_port}")
-    if not args.grace_s >= 0:
-        raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
-    max_restarts = getattr(args, "max_restarts", 0) or 0
-    if max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
+    max_restarts = stop_restart_options(args)
     if max_restarts and args.master_addr is None:
         raise UsageError(
             "--max-restarts across hosts: the launcher serves the job's store "
@@ -235,9 +232,6 @@ def config_from_args(
         raise UsageError(
             f"--python {python!r}: give an absolute path (the remote PATH is the login shell's)"
         )
-    target_args = list(args.target_args)
-    if target_args[:1] == ["--"]:
-        target_args = target_args[1:]
     env_file: dict[str, str] = {}
     for directory in (os.path.expanduser("~"), cwd):
         env_file.update(read_env_file(os.path.join(directory, ENV_FILE_NAME)))
@@ -245,7 +239,7 @@ def config_from_args(
     return SshRunConfig(
         placements=tuple(placements),
         target=args.target,
-        target_args=tuple(target_args),
+        target_args=script_args(args.target_args),
         module=args.module,
         cwd=cwd,
         python=python,
