@@ -1,16 +1,27 @@
-"""The variables ``ringcomm run`` sets for every rank, and ``--env VAR[=VAL]`` (pure).
+"""The variables ``ringcomm run`` sets for every rank, ``--env VAR[=VAL]``, and the other
+options both launchers read alike (pure).
 
 Shared by the local (:mod:`.local`) and multi-host (:mod:`.ssh`) launchers.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Mapping, Sequence
 
 from ringcomm.config import UsageError
 
-__all__ = ["RESERVED_VARS", "TOKEN_VAR", "is_var_name", "parse_env_options", "position_vars"]
+__all__ = [
+    "RESERVED_VARS",
+    "TOKEN_VAR",
+    "is_var_name",
+    "master_port_option",
+    "parse_env_options",
+    "position_vars",
+    "script_args",
+    "stop_restart_options",
+]
 
 #: The job token's variable: never on a command line (``--dry-run`` does not show it).
 TOKEN_VAR = "RINGCOMM_TOKEN"
@@ -57,6 +68,30 @@ def parse_env_options(
             value = copied
         out[name] = value
     return tuple(out.items())
+
+
+def master_port_option(port: int | None) -> int:
+    """``--master-port``, the store's: 0 (the OS picks one at launch) when not given."""
+    port = 0 if port is None else port
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--master-port must be in 0..65535, got {port}")
+    return port
+
+
+def stop_restart_options(args: argparse.Namespace) -> int:
+    """Check ``--grace-s``; return ``--max-restarts`` (0 where the parser has none)."""
+    if not args.grace_s >= 0:
+        raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
+    max_restarts: int = getattr(args, "max_restarts", 0) or 0
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
+    return max_restarts
+
+
+def script_args(target_args: Sequence[str]) -> tuple[str, ...]:
+    """The script's arguments: what follows it on the command line, less a leading ``--``."""
+    args = list(target_args)
+    return tuple(args[1:] if args[:1] == ["--"] else args)
 
 
 def position_vars(

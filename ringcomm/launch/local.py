@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -37,7 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringcomm.config import UsageError, env_trace_dir, environment
-from ringcomm.launch.envvars import RESERVED_VARS, TOKEN_VAR, parse_env_options, position_vars
+from ringcomm.launch.envvars import (
+    RESERVED_VARS,
+    TOKEN_VAR,
+    master_port_option,
+    parse_env_options,
+    position_vars,
+    script_args,
+    stop_restart_options,
+)
 from ringcomm.launch.supervise import (
     DEFAULT_GRACE_S,
     LauncherSignals,
@@ -47,7 +54,9 @@ from ringcomm.launch.supervise import (
     note,
     pdeathsig_preexec,
     reap,
+    slot_restarter,
     start_in_session,
+    start_ranks,
     store_announcer,
     supervise,
 )
@@ -124,23 +133,14 @@ def config_from_args(
         nproc = per_node
     if nproc < 1:
         raise UsageError(f"-n must be >= 1, got {nproc}")
-    port = 0 if args.master_port is None else args.master_port
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--master-port must be in 0..65535, got {port}")
-    if not args.grace_s >= 0:
-        raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
-    max_restarts = getattr(args, "max_restarts", 0) or 0
-    if max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
-    target_args = list(args.target_args)
-    if target_args[:1] == ["--"]:
-        target_args = target_args[1:]
+    port = master_port_option(args.master_port)
+    max_restarts = stop_restart_options(args)
     if not args.module and not os.path.isfile(args.target):
         raise UsageError(f"script not found: {args.target}")
     return RunConfig(
         nproc=nproc,
         target=args.target,
-        target_args=tuple(target_args),
+        target_args=script_args(args.target_args),
         module=args.module,
         master_addr=args.master_addr or DEFAULT_MASTER_ADDR,
         master_port=port,
@@ -301,38 +301,19 @@ def _start_rank(
 def _restarter(
     config: RunConfig, store: Any, token: str | None, ranks: list[RankProcess], torch_port: int
 ) -> Callable[[RankProcess, int], RankProcess | None]:
-    """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
-    started again (``RINGCOMM_RESTART`` = how many times), at most K times per slot."""
-    counts: dict[int, int] = {}
-    announce = store_announcer(config.master_addr, int(store.port), token)
+    """``--max-restarts``: a failed rank's slot started again here (:func:`slot_restarter`)."""
+    port = int(store.port)
 
-    def restart(failed: RankProcess, code: int) -> RankProcess | None:
-        n = counts.get(failed.rank, 0) + 1
-        if n > config.max_restarts:
-            return None
-        counts[failed.rank] = n
-        announce(f"restarting/{failed.rank}", str(n))  # grow(wait=True) waits for it
-        note(
-            f"{failed.describe_exit(code)}; starting it again (restart {n} of "
-            f"{config.max_restarts})"
-        )
-        new = _start_rank(config, failed.rank, int(store.port), token, torch_port, restart=n)
-        ranks.append(new)  # reaped with the others, whatever happens
-        return new
+    def start_again(rank: int, n: int) -> RankProcess:
+        return _start_rank(config, rank, port, token, torch_port, restart=n)
 
-    return restart
+    announce = store_announcer(config.master_addr, port, token)
+    return slot_restarter(config.max_restarts, announce, start_again, ranks)
 
 
 def _start_ranks(
     config: RunConfig, port: int, token: str | None, torch_port: int
 ) -> list[RankProcess]:
-    ranks: list[RankProcess] = []
-    try:
-        for rank in range(config.nproc):
-            ranks.append(_start_rank(config, rank, port, token, torch_port))
-    except BaseException:
-        for r in ranks:
-            r.signal_group(signal.SIGKILL)
-            r.popen.wait()
-        raise
-    return ranks
+    return start_ranks(
+        lambda rank: _start_rank(config, rank, port, token, torch_port), range(config.nproc)
+    )

@@ -34,8 +34,11 @@ from ringcomm.launch.envvars import (
     RESERVED_VARS,
     TOKEN_VAR,
     is_var_name,
+    master_port_option,
     parse_env_options,
     position_vars,
+    script_args,
+    stop_restart_options,
 )
 from ringcomm.launch.hostfile import (
     HostfileError,
@@ -55,7 +58,9 @@ from ringcomm.launch.supervise import (
     note,
     pdeathsig_preexec,
     reap,
+    slot_restarter,
     start_in_session,
+    start_ranks,
     store_announcer,
     supervise,
 )
@@ -206,16 +211,10 @@ def config_from_args(
         placements = assign_ranks(hosts, args.nproc, args.nproc_per_node)
     except HostfileError as exc:
         raise UsageError(str(exc)) from None
-    port = 0 if args.master_port is None else args.master_port
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--master-port must be in 0..65535, got {port}")
+    port = master_port_option(args.master_port)
     if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
         raise UsageError(f"--ssh-port must be in 1..65535, got {args.ssh_port}")
-    if not args.grace_s >= 0:
-        raise UsageError(f"--grace-s must be >= 0, got {args.grace_s}")
-    max_restarts = getattr(args, "max_restarts", 0) or 0
-    if max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
+    max_restarts = stop_restart_options(args)
     if max_restarts and args.master_addr is None:
         raise UsageError(
             "--max-restarts across hosts: the launcher serves the job's store "
@@ -233,9 +232,6 @@ def config_from_args(
         raise UsageError(
             f"--python {python!r}: give an absolute path (the remote PATH is the login shell's)"
         )
-    target_args = list(args.target_args)
-    if target_args[:1] == ["--"]:
-        target_args = target_args[1:]
     env_file: dict[str, str] = {}
     for directory in (os.path.expanduser("~"), cwd):
         env_file.update(read_env_file(os.path.join(directory, ENV_FILE_NAME)))
@@ -243,7 +239,7 @@ def config_from_args(
     return SshRunConfig(
         placements=tuple(placements),
         target=args.target,
-        target_args=tuple(target_args),
+        target_args=script_args(args.target_args),
         module=args.module,
         cwd=cwd,
         python=python,
@@ -637,28 +633,17 @@ def _restarter(
     token: str | None,
     ranks: list[RankProcess],
 ) -> Callable[[RankProcess, int], RankProcess | None]:
-    """``--max-restarts``: a rank that failed is started again on its host, in its slot
-    (``RINGCOMM_RESTART`` = how many times), at most K times per slot; the ranks learn
-    of it in the store (``restarting/<slot>``: ``grow(wait=True)`` waits for it)."""
-    counts: dict[int, int] = {}
-    announce = store_announcer(master_addr, port, token)
+    """``--max-restarts``: a failed rank started again on its host, in its slot
+    (:func:`slot_restarter`); a lost host (``SSH_FAILED``) is not restarted."""
     by_rank = {p.rank: p for p in config.placements}
 
-    def restart(failed: RankProcess, code: int) -> RankProcess | None:
-        n = counts.get(failed.rank, 0) + 1
-        if n > config.max_restarts or code == SSH_FAILED:  # a lost host: not restarted
-            return None
-        counts[failed.rank] = n
-        announce(f"restarting/{failed.rank}", str(n))
-        note(
-            f"{failed.describe_exit(code)}; starting it again (restart {n} of "
-            f"{config.max_restarts})"
-        )
-        new = _start_rank(config, by_rank[failed.rank], master_addr, port, token, n)
-        ranks.append(new)  # reaped with the others, whatever happens
-        return new
+    def start_again(rank: int, n: int) -> RankProcess:
+        return _start_rank(config, by_rank[rank], master_addr, port, token, n)
 
-    return restart
+    announce = store_announcer(master_addr, port, token)
+    return slot_restarter(
+        config.max_restarts, announce, start_again, ranks, gives_up=lambda c: c == SSH_FAILED
+    )
 
 
 def _start_rank(
@@ -687,13 +672,6 @@ def _start_rank(
 def _start_ranks(
     config: SshRunConfig, master_addr: str, port: int, token: str | None
 ) -> list[RankProcess]:
-    ranks: list[RankProcess] = []
-    try:
-        for p in config.placements:
-            ranks.append(_start_rank(config, p, master_addr, port, token))
-    except BaseException:
-        for r in ranks:
-            r.kill()
-            r.popen.wait()
-        raise
-    return ranks
+    return start_ranks(
+        lambda p: _start_rank(config, p, master_addr, port, token), config.placements
+    )

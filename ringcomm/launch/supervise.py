@@ -31,10 +31,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from ringcomm.launch.watchdog import exit_status, pdeathsig_preexec
 
@@ -58,7 +58,9 @@ __all__ = [
     "pdeathsig_preexec",
     "reap",
     "signal_name",
+    "slot_restarter",
     "start_in_session",
+    "start_ranks",
     "stop_ranks",
     "store_announcer",
     "supervise",
@@ -291,6 +293,52 @@ def store_announcer(host: str, port: int, token: str | None) -> Callable[[str, s
             note(f"could not tell the ranks ({key}): {exc}")
 
     return announce
+
+
+_Slot = TypeVar("_Slot")
+
+
+def start_ranks(start: Callable[[_Slot], RankProcess], slots: Iterable[_Slot]) -> list[RankProcess]:
+    """``start(slot)`` for every slot, in order; if one fails, those already started are
+    killed (:meth:`RankProcess.kill`) and waited for before the error is raised."""
+    ranks: list[RankProcess] = []
+    try:
+        for slot in slots:
+            ranks.append(start(slot))
+    except BaseException:
+        for r in ranks:
+            r.kill()
+            r.popen.wait()
+        raise
+    return ranks
+
+
+def slot_restarter(
+    max_restarts: int,
+    announce: Callable[[str, str], None],
+    start_again: Callable[[int, int], RankProcess],
+    ranks: list[RankProcess],
+    gives_up: Callable[[int], bool] = lambda code: False,
+) -> Callable[[RankProcess, int], RankProcess | None]:
+    """``--max-restarts``: what :func:`supervise` calls for a rank that failed: its slot
+    started again, ``start_again(rank, n)`` (``RINGCOMM_RESTART`` = n, how many times), at
+    most ``max_restarts`` times per slot and not after an exit code ``gives_up`` names. The
+    ranks learn of it in the store first (``restarting/<slot>``: ``grow(wait=True)`` waits
+    for it); the new process joins ``ranks``, so it is reaped with the others."""
+    counts: dict[int, int] = {}
+
+    def restart(failed: RankProcess, code: int) -> RankProcess | None:
+        n = counts.get(failed.rank, 0) + 1
+        if n > max_restarts or gives_up(code):
+            return None
+        counts[failed.rank] = n
+        announce(f"restarting/{failed.rank}", str(n))
+        note(f"{failed.describe_exit(code)}; starting it again (restart {n} of {max_restarts})")
+        new = start_again(failed.rank, n)
+        ranks.append(new)  # reaped with the others, whatever happens
+        return new
+
+    return restart
 
 
 def supervise(
