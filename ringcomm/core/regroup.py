@@ -532,7 +532,7 @@ def _agree(
             known |= view
         lost = sorted(joined & known)
         if lost:  # name every rank gone since the shrink began: the first to go is unknown
-            went = sorted(known - gone_before)
+            went = sorted(_settled(core, known) - gone_before)
             raise PeerFailedError(
                 f"{what}: {_who_went(went)} during the shrink (after rank {lost[0]} had joined it)",
                 peer=went[0],
@@ -580,17 +580,24 @@ def watch_members(
     def check() -> None:
         gone = sorted(dead_view(core) & set(members))
         if gone:  # one that gave up on seeing a failure may be seen first: look again
-            give_up = time.monotonic() + GONE_SETTLE_S
-            while time.monotonic() < give_up:
-                time.sleep(SHRINK_SLICE_S)
-                gone = sorted(set(gone) | (dead_view(core) & set(members)))
-            gone = sorted(set(gone) | (dead_view(core) - before))
+            gone = sorted(_settled(core, set(gone)) - before)
             raise PeerFailedError(
                 f"{what}: {_who_went(gone)} during the shrink (before the new group formed)",
                 peer=gone[0],
             )
 
     return check
+
+
+def _settled(core: GroupCore, gone: set[int]) -> set[int]:
+    """``gone`` and every rank this process sees gone within :data:`GONE_SETTLE_S`: a rank
+    that gave up on seeing a failure may be seen before the failure it saw."""
+    gone = set(gone)
+    give_up = time.monotonic() + GONE_SETTLE_S
+    while time.monotonic() < give_up:
+        time.sleep(SHRINK_SLICE_S)
+        gone |= dead_view(core)
+    return gone | dead_view(core)
 
 
 def _who_went(ranks: Sequence[int]) -> str:
