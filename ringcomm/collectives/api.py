@@ -16,7 +16,7 @@ call, file by file: docs/architecture.md ("One collective call").
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -255,7 +255,7 @@ def _call_on(
     return _run(group, call, timeout_s, async_op)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Begun:
     """A collective call begun: its group, name and label (``what``), the algorithm asked
     for, whether it may run hierarchically (:func:`~ringcomm.collectives.chooser.hier_fits`,
@@ -457,7 +457,7 @@ def reduce_scatter(
     x, out, rop = check_reduce_scatter(group, x, out, op)
     async_op = check_flag(async_op, b.what)
     if b.hier and rop is ReduceOp.AVG and x.dtype.kind in "iu":
-        b = replace(b, hier=False)  # integer means: flat
+        b.hier = False  # integer means: flat
     return _hier_or_flat(
         b, x, async_op, lambda h, d, seg: h.reduce_scatter(x, out, rop, d, seg), out=out, op=rop
     )
