@@ -338,3 +338,28 @@ def test_a_timeout_says_whom_it_waited_for_and_where() -> None:
     text = rc.spawn(job_sync_timeout, 2, timeout_s=50)[0]
     assert "timed out after 0.5 s: waiting for rank 1 at sync 1 of round 1/1" in text, text
     assert "rank 1's last call here: barrier(" in text, text
+
+
+def job_engine_then_workspace(pg: rc.ProcessGroup, reps: int) -> list[str]:
+    """An async collective on the engine, then one on the workspace, ``reps`` times, while
+    another thread drives the engine (a blocked receive): the engine then only queues the
+    first one for its driver, and the workspace call must still wait for it."""
+    peer = 1 - pg.rank
+    token = np.zeros(1, np.int64)
+    driver = threading.Thread(target=pg.recv, args=(token, peer), kwargs={"tag": 99})
+    driver.start()
+    overtaken = 0
+    for i in range(reps):
+        first = pg.all_reduce(np.full(50_000, i, np.int64), async_op=True, algo="rd")
+        pg.all_reduce(np.full(1, i, np.int64), async_op=True).wait(timeout_s=30)
+        overtaken += not first.done()  # (done() drives the engine: it can only hide one)
+        first.wait(timeout_s=30)
+    pg.barrier()
+    pg.send(np.ones(1, np.int64), peer, tag=99)
+    driver.join(30)
+    return [f"{overtaken} of {reps} workspace calls overtook the engine's"] if overtaken else []
+
+
+@pytest.mark.timeout(120)
+def test_a_workspace_call_waits_for_the_engine_call_before_it() -> None:
+    assert rc.spawn(job_engine_then_workspace, 2, args=(300,), timeout_s=100) == [[]] * 2

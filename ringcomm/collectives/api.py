@@ -213,6 +213,7 @@ def _start(group: GroupCore, call: Call, chunk: int, deadline: Deadline, async_o
     if device is not None:
         op.device = device  # type: ignore[attr-defined]
     if async_op:
+        group.engine_tail = op  # a workspace call after it waits for it
         return group.run_until(op, deadline, True)
     # The algorithm's fast lane, if it has one (not with RINGCOMM_LOG=debug: every op then
     # goes through the engine, which logs its start and end).

@@ -20,6 +20,7 @@ from ringcomm.collectives.base import Call, describe_fingerprint, fingerprint
 
 if TYPE_CHECKING:
     from ringcomm.core.group_core import GroupCore
+    from ringcomm.core.op import Op
     from ringcomm.transport.workspace import Window, Workspace
 
 __all__ = ["HostCall", "Job", "ShmEngine", "barrier", "flat_rounds", "row_rounds"]
@@ -37,6 +38,9 @@ class Job:
     deadline: float
     timeout_s: float
     device: Any = None
+    #: The group's asynchronous collective on the engine called just before this one, if
+    #: any (``GroupCore.engine_tail``): this call waits for it first.
+    after: Op | None = None
     note: str = ""  # where it waits (a sync), for the progress map
 
     @property

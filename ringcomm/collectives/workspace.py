@@ -173,7 +173,9 @@ class WorkspaceCollectives:
         what a device algorithm took at the call (:attr:`Job.device`)."""
         if start_s is None:
             start_s = time.monotonic()
-        job = Job(self.core, call, seq, start_s + timeout_s, timeout_s, device)
+        core = self.core
+        job = Job(core, call, seq, start_s + timeout_s, timeout_s, device, core.engine_tail)
+        core.engine_tail = None  # (this job waits for it; later ones run after this one)
         if not async_op:
             with self._cv:
                 busy = bool(self._queue) or self._worker_busy
@@ -278,16 +280,22 @@ class WorkspaceCollectives:
                 self._cv.wait(left)
 
     def _after_earlier(self, op: Job) -> None:
-        """Wait for this group's earlier collectives that went through the engine."""
+        """Wait for this group's earlier collectives that went through the engine: the
+        last one admitted to its serial queue, and the one called just before ``op``
+        (:attr:`Job.after`), which the engine may not have admitted yet."""
         serial = self.core.serial
         last = serial.pending[-1] if serial.pending else serial.active
-        if last is None or last.done:
-            return
-        try:
-            self.core.progress.wait(last, op.timeout_s, op.deadline)
-        except RingcommError:
-            pass
-        self.core.check_usable(op.call.name)
+        waited = False
+        for earlier in (op.after, last):
+            if earlier is not None and not earlier.done:
+                waited = True
+                try:
+                    self.core.progress.wait(earlier, op.timeout_s, op.deadline)
+                except RingcommError:
+                    pass
+        op.after = None  # (a finished op must not outlive its call)
+        if waited:
+            self.core.check_usable(op.call.name)
 
     def close(self) -> None:
         with self._cv:
