@@ -285,8 +285,11 @@ class WorkspaceCollectives:
         (:attr:`Job.after`), which the engine may not have admitted yet."""
         serial = self.core.serial
         last = serial.pending[-1] if serial.pending else serial.active
+        after = op.after
+        if after is None and (last is None or last.done):
+            return  # the common case: nothing before it on the engine
         waited = False
-        for earlier in (op.after, last):
+        for earlier in (after, last):
             if earlier is not None and not earlier.done:
                 waited = True
                 try:
