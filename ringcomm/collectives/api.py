@@ -15,6 +15,7 @@ call, file by file: docs/architecture.md ("One collective call").
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -213,7 +214,7 @@ def _start(group: GroupCore, call: Call, chunk: int, deadline: Deadline, async_o
     if device is not None:
         op.device = device  # type: ignore[attr-defined]
     if async_op:
-        group.engine_tail = op  # a workspace call after it waits for it
+        group.engine_tail = weakref.ref(op)  # a workspace call after it waits for it
         return group.run_until(op, deadline, True)
     # The algorithm's fast lane, if it has one (not with RINGCOMM_LOG=debug: every op then
     # goes through the engine, which logs its start and end).

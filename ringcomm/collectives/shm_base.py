@@ -10,6 +10,7 @@ fingerprint check, before any rank reads a byte of another's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,8 +40,8 @@ class Job:
     timeout_s: float
     device: Any = None
     #: The group's asynchronous collective on the engine called just before this one, if
-    #: any (``GroupCore.engine_tail``): this call waits for it first.
-    after: Op | None = None
+    #: any (``GroupCore.engine_tail``, a weak reference): this call waits for it first.
+    after: weakref.ref[Op] | None = None
     note: str = ""  # where it waits (a sync), for the progress map
 
     @property

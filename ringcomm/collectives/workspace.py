@@ -285,7 +285,7 @@ class WorkspaceCollectives:
         (:attr:`Job.after`), which the engine may not have admitted yet."""
         serial = self.core.serial
         last = serial.pending[-1] if serial.pending else serial.active
-        after = op.after
+        after = None if op.after is None else op.after()
         if after is None and (last is None or last.done):
             return  # the common case: nothing before it on the engine
         waited = False
@@ -296,7 +296,6 @@ class WorkspaceCollectives:
                     self.core.progress.wait(earlier, op.timeout_s, op.deadline)
                 except RingcommError:
                     pass
-        op.after = None  # (a finished op must not outlive its call)
         if waited:
             self.core.check_usable(op.call.name)
 

@@ -314,10 +314,11 @@ class GroupCore:
         self.timeout_s: float = state.config.timeout_s
         self.chunk_bytes: int = state.chunk_bytes
         self.serial = SerialQueue()
-        #: The group's last asynchronous collective handed to the engine, until a call on
-        #: the workspace takes it (to wait for it first: the engine may not have admitted
-        #: it to ``serial`` yet when another thread drives).
-        self.engine_tail: Op | None = None
+        #: The group's last asynchronous collective handed to the engine (a weak
+        #: reference: a finished op must not outlive its call), until a call on the
+        #: workspace takes it to wait for it first: the engine may not have admitted it to
+        #: ``serial`` yet when another thread drives.
+        self.engine_tail: weakref.ref[Op] | None = None
         #: Per-call-shape state of this group's collectives (collectives.base.ShapeCache).
         self.plans: dict[Any, Any] = {}
         self.closed = False
